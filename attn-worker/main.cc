@@ -1,0 +1,306 @@
+// ellm-attn-worker: owns KV heads [a, b) of every layer on one NUMA node and
+// answers the mlp-worker's attention requests through a shared-memory channel.
+// A thin shell: flags -> AttnWorkerConfig -> KvCache + AttentionShard, a gRPC
+// control server, and the ring loop.
+#include <numa.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "attn-worker/attention_shard.h"
+#include "attn-worker/kv_cache.h"
+#include "core/gguf.h"
+#include "core/log.h"
+#include "core/model_config.h"
+#include "core/signals.h"
+#include "core/thread_pool.h"
+#include "core/topology.h"
+#include "proto/ellm.grpc.pb.h"
+#include "proto/grpc_status.h"
+#include "shm/channel.h"
+#include "shm/messages.h"
+
+ABSL_FLAG(std::string, model, "", "GGUF model file (only its metadata is read)");
+ABSL_FLAG(int, shard, 0, "index of this attention shard (for logs and info)");
+ABSL_FLAG(std::string, kv_heads, "", "KV heads this shard owns, as BEGIN:END (end exclusive)");
+ABSL_FLAG(std::string, channel, "", "name of the shared-memory channel to create");
+ABSL_FLAG(std::string, listen, "", "gRPC control address, e.g. unix:/tmp/x.sock");
+ABSL_FLAG(int, numa_node, -1, "NUMA node to bind memory and threads to (-1: none)");
+ABSL_FLAG(std::string, cpus, "", "cpus for the attention threads, e.g. 0-7 (default: the node's cores)");
+ABSL_FLAG(int, threads, 0, "attention threads (default: one per cpu in --cpus)");
+ABSL_FLAG(int, kv_cache_mb, 256, "KV cache size of this shard in MiB");
+ABSL_FLAG(int, block_tokens, 16, "positions per KV block");
+ABSL_FLAG(int, max_batch, 16, "most sequences in one step");
+ABSL_FLAG(int, max_step_tokens, 256, "most tokens in one step");
+ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
+
+namespace ellm::attn {
+namespace {
+
+struct AttnWorkerConfig {
+  std::string model_path;
+  int shard = 0;
+  int kv_head_begin = 0, kv_head_end = 0;
+  std::string channel;
+  std::string listen;
+  int numa_node = -1;
+  std::vector<int> cpus;
+  int threads = 1;
+  int64_t kv_cache_bytes = 0;
+  int block_tokens = 16;
+  int max_batch = 16;
+  int max_step_tokens = 256;
+};
+
+absl::StatusOr<AttnWorkerConfig> ConfigFromFlags() {
+  AttnWorkerConfig c;
+  c.model_path = absl::GetFlag(FLAGS_model);
+  c.shard = absl::GetFlag(FLAGS_shard);
+  c.channel = absl::GetFlag(FLAGS_channel);
+  c.listen = absl::GetFlag(FLAGS_listen);
+  c.numa_node = absl::GetFlag(FLAGS_numa_node);
+  c.kv_cache_bytes = int64_t{absl::GetFlag(FLAGS_kv_cache_mb)} << 20;
+  c.block_tokens = absl::GetFlag(FLAGS_block_tokens);
+  c.max_batch = absl::GetFlag(FLAGS_max_batch);
+  c.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
+  if (c.model_path.empty()) return absl::InvalidArgumentError("--model is required");
+  if (c.channel.empty()) return absl::InvalidArgumentError("--channel is required");
+  if (c.listen.empty()) return absl::InvalidArgumentError("--listen is required");
+  std::vector<std::string> range = absl::StrSplit(absl::GetFlag(FLAGS_kv_heads), ':');
+  if (range.size() != 2 || !absl::SimpleAtoi(range[0], &c.kv_head_begin) ||
+      !absl::SimpleAtoi(range[1], &c.kv_head_end) || c.kv_head_begin < 0 ||
+      c.kv_head_end <= c.kv_head_begin) {
+    return absl::InvalidArgumentError("--kv_heads must be BEGIN:END with BEGIN < END");
+  }
+  if (c.kv_cache_bytes <= 0 || c.block_tokens <= 0 || c.max_batch <= 0 ||
+      c.max_step_tokens <= 0) {
+    return absl::InvalidArgumentError(
+        "--kv_cache_mb, --block_tokens, --max_batch and --max_step_tokens must be positive");
+  }
+  const std::string cpus = absl::GetFlag(FLAGS_cpus);
+  if (!cpus.empty()) {
+    ASSIGN_OR_RETURN(c.cpus, ParseCpuList(cpus));
+  } else if (c.numa_node >= 0) {
+    ASSIGN_OR_RETURN(Topology topo, DiscoverTopology());
+    for (const NumaNode& n : topo.nodes) {
+      if (n.id == c.numa_node) c.cpus = n.cpus;
+    }
+  }
+  c.threads = absl::GetFlag(FLAGS_threads);
+  if (c.threads <= 0) c.threads = c.cpus.empty() ? 1 : static_cast<int>(c.cpus.size());
+  return c;
+}
+
+// The control plane: info, freeing finished sequences, shutdown.
+class ControlService final : public ellm::v1::WorkerControl::Service {
+ public:
+  ControlService(const AttnWorkerConfig& config, KvCache* cache, std::mutex* cache_mu,
+                 const std::string& kernel, std::atomic<int64_t>* steps)
+      : config_(config), cache_(cache), cache_mu_(cache_mu), kernel_(kernel), steps_(steps) {}
+
+  grpc::Status GetInfo(grpc::ServerContext*, const ellm::v1::GetInfoRequest*,
+                       ellm::v1::WorkerInfo* info) override {
+    std::lock_guard<std::mutex> lock(*cache_mu_);
+    info->set_role("attn-worker");
+    info->set_pid(getpid());
+    info->set_model_path(config_.model_path);
+    info->set_channel(config_.channel);
+    info->set_shard(config_.shard);
+    info->set_kv_head_begin(config_.kv_head_begin);
+    info->set_kv_head_end(config_.kv_head_end);
+    info->set_kv_blocks_total(cache_->blocks_total());
+    info->set_kv_blocks_free(cache_->blocks_free());
+    info->set_kv_block_tokens(config_.block_tokens);
+    info->set_numa_node(config_.numa_node);
+    info->set_kernel(kernel_);
+    info->set_threads(config_.threads);
+    info->set_steps(steps_->load());
+    info->set_max_batch(config_.max_batch);
+    info->set_max_step_tokens(config_.max_step_tokens);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status FreeSequences(grpc::ServerContext*, const ellm::v1::FreeSequencesRequest* req,
+                             ellm::v1::FreeSequencesResponse* resp) override {
+    std::lock_guard<std::mutex> lock(*cache_mu_);
+    for (uint64_t id : req->sequence_ids()) cache_->Free(id);
+    resp->set_kv_blocks_free(cache_->blocks_free());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Shutdown(grpc::ServerContext*, const ellm::v1::ShutdownRequest*,
+                        ellm::v1::ShutdownResponse*) override {
+    LogInfo("shutdown requested over gRPC");
+    RequestStop();
+    return grpc::Status::OK;
+  }
+
+ private:
+  const AttnWorkerConfig& config_;
+  KvCache* cache_;
+  std::mutex* cache_mu_;
+  std::string kernel_;
+  std::atomic<int64_t>* steps_;
+};
+
+void WriteError(shm::Ring& replies, uint64_t step, const absl::Status& status) {
+  const std::string message(status.message());
+  shm::WaitOptions wait;
+  wait.timeout = absl::Seconds(5);
+  absl::Status st = replies.Write(shm::ErrorHeader(step, status, message.size()), message.data(), wait);
+  if (!st.ok()) LogError("cannot send error reply: %s", st.ToString());
+}
+
+absl::Status Run(const AttnWorkerConfig& config) {
+  ASSIGN_OR_RETURN(auto file, GgufFile::Open(config.model_path));
+  ASSIGN_OR_RETURN(ModelConfig model, ModelConfig::FromGguf(*file));
+  if (config.kv_head_end > model.n_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv_heads ", config.kv_head_begin, ":",
+                                                   config.kv_head_end, " exceeds the model's ",
+                                                   model.n_kv_heads, " KV heads"));
+  }
+  ShardGeometry geometry;
+  geometry.layers = model.n_layers;
+  geometry.kv_head_begin = config.kv_head_begin;
+  geometry.kv_head_end = config.kv_head_end;
+  geometry.gqa_ratio = model.gqa_ratio();
+  geometry.head_dim = model.head_dim;
+  geometry.max_positions = model.context_length;
+
+  if (config.numa_node >= 0 && numa_available() >= 0) {
+    numa_run_on_node(config.numa_node);
+    numa_set_preferred(config.numa_node);
+  }
+  KvCacheOptions kv;
+  kv.layers = model.n_layers;
+  kv.kv_heads = geometry.kv_heads();
+  kv.head_dim = model.head_dim;
+  kv.block_tokens = config.block_tokens;
+  kv.numa_node = config.numa_node;
+  kv.blocks = config.kv_cache_bytes / static_cast<int64_t>(KvCache::BlockBytes(kv));
+  if (kv.blocks <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv_cache_mb is too small for one block of ",
+                                                   KvCache::BlockBytes(kv), " bytes"));
+  }
+  ASSIGN_OR_RETURN(auto cache, KvCache::Create(kv));
+  LogInfo("KV heads [%d, %d) of %d layers: %d blocks of %d positions (%.1f MiB, %s)",
+          config.kv_head_begin, config.kv_head_end, model.n_layers, kv.blocks, kv.block_tokens,
+          (KvCache::BlockBytes(kv) * kv.blocks) / 1048576.0,
+          config.numa_node >= 0 ? absl::StrCat("NUMA node ", config.numa_node) : "no NUMA binding");
+
+  ThreadPool pool(config.threads, config.cpus);
+  AttentionShard shard(geometry, cache.get(), &pool);
+  LogInfo("attention kernel %s, %d threads%s", shard.kernel_name(), pool.size(),
+          config.cpus.empty() ? "" : absl::StrCat(" on cpus ", FormatCpuList(config.cpus)));
+
+  const shm::AttnShape shape = geometry.shape();
+  const uint64_t request_bytes =
+      sizeof(shm::FrameHeader) + shape.RequestBytes(config.max_batch, config.max_step_tokens);
+  const uint64_t reply_bytes =
+      sizeof(shm::FrameHeader) + std::max<uint64_t>(shape.ResultBytes(config.max_step_tokens), 4096);
+  ASSIGN_OR_RETURN(auto channel, shm::Channel::Create(config.channel, 4, request_bytes, reply_bytes));
+
+  std::mutex cache_mu;
+  std::atomic<int64_t> steps{0};
+  ControlService control(config, cache.get(), &cache_mu, shard.kernel_name(), &steps);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials());
+  builder.RegisterService(&control);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));
+  }
+  server->GetHealthCheckService()->SetServingStatus(true);
+  LogInfo("serving channel %s, control on %s", config.channel, config.listen);
+
+  shm::WaitOptions wait;
+  wait.peer_alive = [] { return !StopRequested(); };
+  while (!StopRequested()) {
+    absl::StatusOr<shm::Ring::Frame> frame = channel->requests().BeginRead(wait);
+    if (!frame.ok()) {
+      if (StopRequested()) break;
+      LogError("bad frame from the mlp-worker: %s", frame.status().ToString());
+      WriteError(channel->replies(), 0, frame.status());
+      continue;
+    }
+    const shm::FrameHeader header = frame->header;
+    absl::Status status;
+    {
+      std::lock_guard<std::mutex> lock(cache_mu);
+      absl::StatusOr<shm::AttnRequestView> request =
+          shm::DecodeAttnRequest(header, frame->payload, shape, geometry.max_positions);
+      if (!request.ok()) {
+        status = request.status();
+      } else {
+        shm::WaitOptions write_wait;
+        write_wait.timeout = absl::Seconds(30);
+        absl::StatusOr<uint8_t*> slot = channel->replies().BeginWrite(write_wait);
+        if (!slot.ok()) {
+          status = slot.status();
+        } else {
+          status = shard.Process(header.layer, header.n_seqs, header.n_tokens, *request,
+                                 reinterpret_cast<float*>(*slot));
+          if (status.ok()) {
+            shm::FrameHeader reply;
+            reply.kind = static_cast<uint16_t>(shm::FrameKind::kAttnResult);
+            reply.step = header.step;
+            reply.layer = header.layer;
+            reply.n_seqs = header.n_seqs;
+            reply.n_tokens = header.n_tokens;
+            reply.payload_bytes = shape.ResultBytes(header.n_tokens);
+            channel->replies().CommitWrite(reply);
+          }
+        }
+      }
+    }
+    channel->requests().EndRead();
+    ++steps;
+    if (!status.ok()) {
+      LogError("step %d layer %d: %s", header.step, header.layer, status.ToString());
+      WriteError(channel->replies(), header.step, status);
+    }
+  }
+  LogInfo("stopping");
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace ellm::attn
+
+int main(int argc, char** argv) {
+  ellm::DieWithParent();
+  absl::SetProgramUsageMessage(
+      "ellm-attn-worker: attention shard of ellm (started by ellm-launch).\n"
+      "Owns KV heads [a, b) of every layer in node-local memory and answers\n"
+      "attention requests over a shared-memory channel. Flags: --help shows them.");
+  absl::ParseCommandLine(argc, argv);
+  ellm::LogLevel level = ellm::LogLevel::kInfo;
+  ellm::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level);
+  ellm::SetLogIdentity(absl::StrCat("attn-worker[", absl::GetFlag(FLAGS_shard), "]"), level);
+  ellm::InstallStopSignalHandlers();
+  absl::StatusOr<ellm::attn::AttnWorkerConfig> config = ellm::attn::ConfigFromFlags();
+  if (!config.ok()) {
+    ellm::LogError("%s", config.status().message());
+    return 2;
+  }
+  absl::Status status = ellm::attn::Run(*config);
+  if (!status.ok()) {
+    ellm::LogError("%s", status.ToString());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,194 @@
+// ellm-coordinator: the public endpoint. Loads the tokenizer, connects to the
+// workers, and serves Generate / Tokenize / GetModelInfo and gRPC health.
+#include <unistd.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "coordinator/scheduler.h"
+#include "coordinator/service.h"
+#include "coordinator/worker_link.h"
+#include "core/gguf.h"
+#include "core/log.h"
+#include "core/model_config.h"
+#include "core/signals.h"
+#include "core/tokenizer.h"
+
+ABSL_FLAG(std::string, model, "", "GGUF model file (tokenizer and shapes are read from it)");
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "public gRPC address");
+ABSL_FLAG(std::string, mlp_channel, "", "the mlp-worker's shared-memory channel");
+ABSL_FLAG(std::string, workers, "", "control addresses of all workers, comma-separated");
+ABSL_FLAG(int, max_batch, 16, "most sequences in one step");
+ABSL_FLAG(int, max_step_tokens, 256, "most tokens in one step");
+ABSL_FLAG(int, max_queue, 64, "most requests waiting for admission (more: RESOURCE_EXHAUSTED)");
+ABSL_FLAG(int, default_max_tokens, 128, "max_tokens of a request that does not say");
+ABSL_FLAG(int, connect_timeout_s, 120, "how long to wait for the workers at start-up");
+ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
+
+namespace ellm::coord {
+namespace {
+
+struct CoordinatorConfig {
+  std::string model_path;
+  std::string listen;
+  std::string mlp_channel;
+  std::vector<std::string> workers;
+  int max_batch = 16;
+  int max_step_tokens = 256;
+  int max_queue = 64;
+  int default_max_tokens = 128;
+  absl::Duration connect_timeout;
+};
+
+absl::StatusOr<CoordinatorConfig> ConfigFromFlags() {
+  CoordinatorConfig c;
+  c.model_path = absl::GetFlag(FLAGS_model);
+  c.listen = absl::GetFlag(FLAGS_listen);
+  c.mlp_channel = absl::GetFlag(FLAGS_mlp_channel);
+  c.workers = absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty());
+  c.max_batch = absl::GetFlag(FLAGS_max_batch);
+  c.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
+  c.max_queue = absl::GetFlag(FLAGS_max_queue);
+  c.default_max_tokens = absl::GetFlag(FLAGS_default_max_tokens);
+  c.connect_timeout = absl::Seconds(absl::GetFlag(FLAGS_connect_timeout_s));
+  if (c.model_path.empty()) return absl::InvalidArgumentError("--model is required");
+  if (c.mlp_channel.empty()) return absl::InvalidArgumentError("--mlp_channel is required");
+  if (c.workers.empty()) return absl::InvalidArgumentError("--workers is required");
+  if (c.max_batch <= 0 || c.max_step_tokens <= 0 || c.max_queue < 0 || c.default_max_tokens <= 0) {
+    return absl::InvalidArgumentError("batch, step, queue and token limits must be positive");
+  }
+  return c;
+}
+
+absl::Status Run(const CoordinatorConfig& config) {
+  ASSIGN_OR_RETURN(auto file, GgufFile::Open(config.model_path));
+  ASSIGN_OR_RETURN(ModelConfig model, ModelConfig::FromGguf(*file));
+  ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tokenizer, Tokenizer::FromGguf(*file));
+  LogInfo("model %s: %s; tokenizer with %d tokens", config.model_path, model.DebugString(),
+          tokenizer->vocab_size());
+
+  LogInfo("connecting to %d workers", static_cast<int>(config.workers.size()));
+  ASSIGN_OR_RETURN(std::unique_ptr<WorkerLink> link,
+                   WorkerLink::Connect(config.mlp_channel, config.workers, config.connect_timeout));
+  std::vector<const ellm::v1::WorkerInfo*> attn = link->attn_workers();
+  if (attn.empty() || link->mlp_worker() == nullptr) {
+    return absl::InvalidArgumentError("need at least one attn-worker and the mlp-worker in --workers");
+  }
+  int64_t kv_blocks = attn[0]->kv_blocks_total();
+  const int block_tokens = attn[0]->kv_block_tokens();
+  for (const ellm::v1::WorkerInfo* w : attn) {
+    kv_blocks = std::min(kv_blocks, w->kv_blocks_total());
+    if (w->kv_block_tokens() != block_tokens) {
+      return absl::InvalidArgumentError("attention workers disagree on --block_tokens");
+    }
+    if (w->max_batch() < config.max_batch || w->max_step_tokens() < config.max_step_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attn-worker ", w->shard(), " was sized for ", w->max_batch(), " sequences / ",
+          w->max_step_tokens(), " tokens per step, less than the coordinator's"));
+    }
+  }
+
+  SchedulerOptions so;
+  so.max_batch = config.max_batch;
+  so.max_step_tokens = config.max_step_tokens;
+  so.kv_blocks = kv_blocks;
+  so.kv_block_tokens = block_tokens;
+  so.max_queue = config.max_queue;
+  so.context_length = model.context_length;
+  Scheduler scheduler(so, *tokenizer, link.get());
+
+  ServiceOptions service_options;
+  service_options.model_path = config.model_path;
+  service_options.default_max_tokens = config.default_max_tokens;
+  ellm::v1::ModelInfo& info = service_options.model_info;
+  info.set_model_path(config.model_path);
+  info.set_architecture(model.arch);
+  info.set_name(model.name);
+  info.set_layers(model.n_layers);
+  info.set_hidden(model.dim);
+  info.set_heads(model.n_heads);
+  info.set_kv_heads(model.n_kv_heads);
+  info.set_head_dim(model.head_dim);
+  info.set_vocab_size(model.vocab_size);
+  info.set_context_length(model.context_length);
+  info.set_attn_workers(static_cast<int>(attn.size()));
+  info.set_mlp_backend(link->mlp_worker()->kernel());
+  info.set_kv_blocks_total(kv_blocks);
+  info.set_kv_block_tokens(block_tokens);
+  info.set_max_batch(config.max_batch);
+  EllmService service(service_options, model, *tokenizer, &scheduler);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen,
+                                               " (is another server using the port?)"));
+  }
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  health->SetServingStatus(true);
+  scheduler.on_broken = [health](const absl::Status& status) {
+    LogError("not serving any more: %s", status.message());
+    health->SetServingStatus(false);
+  };
+  LogInfo("serving on %s (%d KV blocks of %d positions, batch up to %d)", config.listen, kv_blocks,
+          block_tokens, config.max_batch);
+
+  // Watch the workers; a dead one turns the whole system NOT_SERVING.
+  bool reported = false;
+  while (!StopRequested()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    absl::Status st = link->CheckWorkers();
+    if (!st.ok() && !reported) {
+      reported = true;
+      LogError("%s; requests now fail with UNAVAILABLE", st.message());
+      scheduler.MarkBroken(absl::UnavailableError(absl::StrCat("a worker failed: ", st.message())));
+      health->SetServingStatus(false);
+    }
+  }
+  LogInfo("stopping");
+  health->SetServingStatus(false);
+  scheduler.Stop();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace ellm::coord
+
+int main(int argc, char** argv) {
+  ellm::DieWithParent();
+  absl::SetProgramUsageMessage(
+      "ellm-coordinator: public gRPC endpoint of ellm (started by ellm-launch).\n"
+      "Tokenizes, schedules requests into steps, and streams generated text.");
+  absl::ParseCommandLine(argc, argv);
+  ellm::LogLevel level = ellm::LogLevel::kInfo;
+  ellm::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level);
+  ellm::SetLogIdentity("coordinator", level);
+  ellm::InstallStopSignalHandlers();
+  absl::StatusOr<ellm::coord::CoordinatorConfig> config = ellm::coord::ConfigFromFlags();
+  if (!config.ok()) {
+    ellm::LogError("%s", config.status().message());
+    return 2;
+  }
+  absl::Status status = ellm::coord::Run(*config);
+  if (!status.ok()) {
+    ellm::LogError("%s", status.ToString());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,55 @@
+// The events of one Generate request, passed from the scheduler's thread to
+// the thread serving the request's stream.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "core/status.h"
+
+namespace ellm::coord {
+
+enum class FinishReason { kNone = 0, kStopToken = 1, kMaxTokens = 2, kStopString = 3, kContext = 4 };
+
+struct FinishInfo {
+  FinishReason reason = FinishReason::kNone;
+  int prompt_tokens = 0;
+  int completion_tokens = 0;
+  double time_to_first_token_ms = 0;
+  double decode_ms_per_token = 0;
+  double queue_ms = 0;
+};
+
+struct StreamEvent {
+  std::string text;                 // whole UTF-8
+  std::vector<int32_t> token_ids;
+  std::vector<float> logprobs;
+  bool finished = false;            // last event of the request
+  FinishInfo finish;
+  absl::Status error;               // non-OK: the request failed (last event)
+};
+
+class RequestStream {
+ public:
+  void Push(StreamEvent event);
+  // Waits up to `timeout` for the next event.
+  std::optional<StreamEvent> Pop(absl::Duration timeout);
+  // Called by the client side; the scheduler drops the request at the next step.
+  void Cancel() { cancelled_.store(true); }
+  bool cancelled() const { return cancelled_.load(); }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<StreamEvent> events_;
+  std::atomic<bool> cancelled_{false};
+};
+
+}  // namespace ellm::coord

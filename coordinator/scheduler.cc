@@ -1,0 +1,293 @@
+#include "coordinator/scheduler.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+
+namespace ellm::coord {
+
+Scheduler::Scheduler(const SchedulerOptions& options, const Tokenizer& tokenizer,
+                     StepExecutor* executor)
+    : options_(options), tokenizer_(tokenizer), executor_(executor), blocks_free_(options.kv_blocks) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+Scheduler::~Scheduler() { Stop(); }
+
+void Scheduler::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_ && !thread_.joinable()) return;
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  // Anything still queued or running ends now.
+  std::lock_guard<std::mutex> lock(mu_);
+  const absl::Status status = absl::UnavailableError("the server is shutting down");
+  for (auto& s : waiting_) s->stream->Push({.finished = true, .error = status});
+  for (auto& s : running_) s->stream->Push({.finished = true, .error = status});
+  waiting_.clear();
+  running_.clear();
+}
+
+absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Submit(GenerateOptions options) {
+  const int total = static_cast<int>(options.prompt.size()) + options.max_tokens;
+  if (options.prompt.empty() || options.max_tokens <= 0 || total > options_.context_length) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt of ", options.prompt.size(), " tokens + max_tokens ",
+                     options.max_tokens, " must fit the context of ", options_.context_length));
+  }
+  const int64_t blocks = (total + options_.kv_block_tokens - 1) / options_.kv_block_tokens;
+  if (blocks > options_.kv_blocks) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the request needs ", blocks, " KV blocks (", total, " positions) but the KV cache holds ",
+        options_.kv_blocks, " blocks in all; lower max_tokens or start ellm with a larger --kv-cache-mb"));
+  }
+  auto seq = std::make_unique<Sequence>();
+  seq->options = std::move(options);
+  seq->stream = std::make_shared<RequestStream>();
+  seq->text = std::make_unique<TextOutput>(tokenizer_, seq->options.stop);
+  seq->rng = SequenceRng(seq->options.seed);
+  seq->blocks = blocks;
+  seq->submitted = absl::Now();
+  std::shared_ptr<RequestStream> stream = seq->stream;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_) return broken_status_;
+    if (stop_) return absl::UnavailableError("the server is shutting down");
+    if (static_cast<int>(waiting_.size()) >= options_.max_queue) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the wait queue is full (", options_.max_queue, " requests wait for KV space or a batch slot)"));
+    }
+    seq->id = next_id_++;
+    waiting_.push_back(std::move(seq));
+  }
+  cv_.notify_all();
+  return stream;
+}
+
+void Scheduler::MarkBroken(const absl::Status& status) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_) return;
+    broken_status_ = status;
+    broken_ = true;
+  }
+  cv_.notify_all();
+}
+
+SchedulerStats Scheduler::Stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {static_cast<int>(running_.size()), static_cast<int>(waiting_.size()), blocks_free_,
+          static_cast<int64_t>(step_)};
+}
+
+void Scheduler::Admit() {
+  while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_batch &&
+         waiting_.front()->blocks <= blocks_free_) {
+    std::unique_ptr<Sequence> seq = std::move(waiting_.front());
+    waiting_.pop_front();
+    blocks_free_ -= seq->blocks;
+    seq->admitted = absl::Now();
+    LogDebug("admitted sequence %d (%d prompt tokens, %d KV blocks)", seq->id,
+             seq->options.prompt.size(), seq->blocks);
+    running_.push_back(std::move(seq));
+  }
+}
+
+shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
+  shm::StepPlan plan;
+  int budget = options_.max_step_tokens;
+  // Decoding sequences first (one token each), then prompt chunks.
+  for (int pass = 0; pass < 2; ++pass) {
+    for (auto& s : running_) {
+      const int prompt = static_cast<int>(s->options.prompt.size());
+      const bool decoding = s->fed >= prompt;
+      if ((pass == 0) != decoding || budget == 0) continue;
+      shm::PlanSeq p;
+      p.slice.seq_id = s->id;
+      p.slice.start_pos = static_cast<uint32_t>(s->fed);
+      if (decoding) {
+        p.slice.n_tokens = 1;
+        plan.tokens.push_back(s->generated.back());
+        p.sample = 1;
+      } else {
+        const int n = std::min(budget, prompt - s->fed);
+        p.slice.n_tokens = static_cast<uint32_t>(n);
+        plan.tokens.insert(plan.tokens.end(), s->options.prompt.begin() + s->fed,
+                           s->options.prompt.begin() + s->fed + n);
+        p.sample = s->fed + n == prompt ? 1 : 0;
+      }
+      budget -= static_cast<int>(p.slice.n_tokens);
+      p.temperature = s->options.sampling.temperature;
+      p.top_k = s->options.sampling.top_k;
+      p.top_p = s->options.sampling.top_p;
+      p.u = p.sample ? s->rng.NextUniform() : 0;
+      plan.seqs.push_back(p);
+      in_step->push_back(s.get());
+    }
+  }
+  return plan;
+}
+
+void Scheduler::Finish(Sequence* s, FinishReason reason, const std::string& tail) {
+  StreamEvent e;
+  e.text = tail;
+  e.finished = true;
+  FinishInfo& f = e.finish;
+  f.reason = reason;
+  f.prompt_tokens = static_cast<int>(s->options.prompt.size());
+  f.completion_tokens = static_cast<int>(s->generated.size());
+  f.queue_ms = absl::ToDoubleMilliseconds(s->admitted - s->submitted);
+  if (!s->generated.empty()) {
+    f.time_to_first_token_ms = absl::ToDoubleMilliseconds(s->first_token - s->submitted);
+    if (s->generated.size() > 1) {
+      f.decode_ms_per_token =
+          absl::ToDoubleMilliseconds(s->last_token - s->first_token) / (s->generated.size() - 1);
+    }
+  }
+  s->stream->Push(std::move(e));
+}
+
+void Scheduler::Fail(Sequence* s, const absl::Status& status) {
+  s->stream->Push({.finished = true, .error = status});
+}
+
+void Scheduler::Loop() {
+  for (;;) {
+    std::vector<Sequence*> in_step;
+    shm::StepPlan plan;
+    uint64_t step = 0;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, std::chrono::milliseconds(100), [this] {
+        return stop_ || broken_ || !running_.empty() || !waiting_.empty() || !done_.empty();
+      });
+      if (stop_) return;
+      if (broken_) {
+        for (auto& s : waiting_) Fail(s.get(), broken_status_);
+        for (auto& s : running_) Fail(s.get(), broken_status_);
+        waiting_.clear();
+        running_.clear();
+        done_.clear();
+        continue;
+      }
+      // Drop cancelled requests.
+      for (auto it = running_.begin(); it != running_.end();) {
+        if ((*it)->stream->cancelled()) {
+          LogInfo("sequence %d cancelled by the client", (*it)->id);
+          done_.push_back(std::move(*it));
+          it = running_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (auto it = waiting_.begin(); it != waiting_.end();) {
+        it = (*it)->stream->cancelled() ? waiting_.erase(it) : it + 1;
+      }
+    }
+    ReleaseFinished();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (broken_ || stop_) continue;
+      Admit();
+      plan = PlanStep(&in_step);
+      step = ++step_;
+    }
+    if (plan.seqs.empty()) continue;
+
+    absl::StatusOr<std::vector<shm::SampledSeq>> result = executor_->Run(step, plan);
+    const absl::Time now = absl::Now();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!result.ok()) {
+      LogError("step %d failed: %s", step, result.status().ToString());
+      if (result.status().code() == absl::StatusCode::kUnavailable ||
+          result.status().code() == absl::StatusCode::kDeadlineExceeded) {
+        if (!broken_) {
+          broken_status_ = absl::UnavailableError(
+              absl::StrCat("a worker failed: ", result.status().message()));
+          broken_ = true;
+          if (on_broken) on_broken(broken_status_);
+        }
+        continue;  // the loop fails every request
+      }
+      // A failed step: its sequences end with the error, the rest go on.
+      for (Sequence* s : in_step) {
+        Fail(s, absl::InternalError(absl::StrCat("step failed: ", result.status().message())));
+        for (auto it = running_.begin(); it != running_.end(); ++it) {
+          if (it->get() == s) {
+            s->in_kv = true;
+            done_.push_back(std::move(*it));
+            running_.erase(it);
+            break;
+          }
+        }
+      }
+      continue;
+    }
+    // Advance every sequence of the step, then deliver sampled tokens.
+    for (size_t i = 0; i < plan.seqs.size(); ++i) {
+      in_step[i]->fed += static_cast<int>(plan.seqs[i].slice.n_tokens);
+      in_step[i]->in_kv = true;
+    }
+    for (const shm::SampledSeq& r : *result) {
+      auto it = std::find_if(running_.begin(), running_.end(),
+                             [&](const auto& s) { return s->id == r.seq_id; });
+      if (it == running_.end()) continue;
+      Sequence* s = it->get();
+      if (s->generated.empty()) s->first_token = now;
+      s->last_token = now;
+      s->generated.push_back(r.token);
+      StreamEvent e;
+      e.token_ids.push_back(r.token);
+      e.logprobs.push_back(r.logprob);
+      FinishReason reason = FinishReason::kNone;
+      if (tokenizer_.IsEndOfGeneration(r.token)) {
+        reason = FinishReason::kStopToken;
+      } else {
+        bool stopped = false;
+        e.text = s->text->Push(r.token, &stopped);
+        if (stopped) reason = FinishReason::kStopString;
+      }
+      const int prompt = static_cast<int>(s->options.prompt.size());
+      if (reason == FinishReason::kNone) {
+        if (static_cast<int>(s->generated.size()) >= s->options.max_tokens) {
+          reason = FinishReason::kMaxTokens;
+        } else if (prompt + static_cast<int>(s->generated.size()) >= options_.context_length) {
+          reason = FinishReason::kContext;
+        }
+      }
+      if (reason == FinishReason::kNone) {
+        s->stream->Push(std::move(e));
+        continue;
+      }
+      if (reason != FinishReason::kStopString) e.text += s->text->Flush();
+      s->stream->Push(std::move(e));
+      Finish(s, reason, "");
+      done_.push_back(std::move(*it));
+      running_.erase(it);
+    }
+  }
+}
+
+void Scheduler::ReleaseFinished() {
+  std::vector<std::unique_ptr<Sequence>> done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done.swap(done_);
+  }
+  if (done.empty()) return;
+  std::vector<uint64_t> ids;
+  for (auto& s : done) {
+    if (s->in_kv) ids.push_back(s->id);
+  }
+  absl::Status st = ids.empty() ? absl::OkStatus() : executor_->FreeSequences(ids);
+  if (!st.ok()) LogError("freeing %d sequences: %s", ids.size(), st.ToString());
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& s : done) blocks_free_ += s->blocks;
+  cv_.notify_all();
+}
+
+}  // namespace ellm::coord

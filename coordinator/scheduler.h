@@ -1,0 +1,120 @@
+// Scheduler: admission, continuous batching and the step loop of the
+// coordinator, free of transport types. Requests join the running batch at
+// the next step (their prompt in chunks of the step's token budget) and leave
+// it when they finish; every step is one StepExecutor::Run.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "coordinator/request_stream.h"
+#include "coordinator/text_output.h"
+#include "core/sampler.h"
+#include "core/tokenizer.h"
+#include "shm/messages.h"
+
+namespace ellm::coord {
+
+// Runs steps on the workers (the rings in production, a fake in tests).
+class StepExecutor {
+ public:
+  virtual ~StepExecutor() = default;
+  virtual absl::StatusOr<std::vector<shm::SampledSeq>> Run(uint64_t step,
+                                                           const shm::StepPlan& plan) = 0;
+  // Releases the KV blocks of finished sequences on every attention worker.
+  virtual absl::Status FreeSequences(const std::vector<uint64_t>& ids) = 0;
+};
+
+struct SchedulerOptions {
+  int max_batch = 16;            // sequences in one step
+  int max_step_tokens = 256;     // tokens in one step (prefill chunks + decodes)
+  int64_t kv_blocks = 0;         // KV blocks each attention worker holds
+  int kv_block_tokens = 16;
+  int max_queue = 64;            // requests waiting for admission
+  int context_length = 0;
+};
+
+struct GenerateOptions {
+  std::vector<int32_t> prompt;
+  int max_tokens = 0;
+  SamplingParams sampling;
+  uint64_t seed = 0;
+  std::vector<std::string> stop;
+};
+
+struct SchedulerStats {
+  int running = 0;
+  int waiting = 0;
+  int64_t kv_blocks_free = 0;
+  int64_t steps = 0;
+};
+
+class Scheduler {
+ public:
+  Scheduler(const SchedulerOptions& options, const Tokenizer& tokenizer, StepExecutor* executor);
+  ~Scheduler();
+
+  // Queues a request. ResourceExhausted when it can never fit the KV budget or
+  // the queue is full; Unavailable once the workers have failed.
+  absl::StatusOr<std::shared_ptr<RequestStream>> Submit(GenerateOptions options);
+
+  // Called when a worker is found dead: every request ends with `status`
+  // and later submissions are refused.
+  void MarkBroken(const absl::Status& status);
+  bool broken() const { return broken_.load(); }
+  // Called (from the step thread) when the scheduler turns broken.
+  std::function<void(const absl::Status&)> on_broken;
+
+  SchedulerStats Stats();
+  void Stop();
+
+ private:
+  struct Sequence {
+    uint64_t id = 0;
+    GenerateOptions options;
+    std::shared_ptr<RequestStream> stream;
+    std::unique_ptr<TextOutput> text;
+    SequenceRng rng{0};
+    int64_t blocks = 0;     // KV blocks reserved
+    int fed = 0;            // tokens written to the KV cache
+    std::vector<int32_t> generated;
+    absl::Time submitted, admitted, first_token, last_token;
+    bool in_kv = false;     // some of it reached the workers
+  };
+
+  void Loop();
+  // Builds the next plan from the running sequences (locked).
+  shm::StepPlan PlanStep(std::vector<Sequence*>* in_step);
+  void Admit();  // locked
+  void Finish(Sequence* seq, FinishReason reason, const std::string& tail);
+  void Fail(Sequence* seq, const absl::Status& status);
+  void ReleaseFinished();  // frees finished sequences' KV (unlocked call to executor)
+
+  const SchedulerOptions options_;
+  const Tokenizer& tokenizer_;
+  StepExecutor* executor_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Sequence>> waiting_;
+  std::list<std::unique_ptr<Sequence>> running_;
+  std::vector<std::unique_ptr<Sequence>> done_;  // finished, KV not yet freed
+  int64_t blocks_free_;
+  uint64_t next_id_ = 1;
+  uint64_t step_ = 0;
+  bool stop_ = false;
+  std::atomic<bool> broken_{false};
+  absl::Status broken_status_;
+  std::thread thread_;
+};
+
+}  // namespace ellm::coord

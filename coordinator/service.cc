@@ -1,0 +1,138 @@
+#include "coordinator/service.h"
+
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+#include "proto/grpc_status.h"
+
+namespace ellm::coord {
+namespace {
+
+// Well-formed UTF-8: lead byte, then the right number of continuation bytes.
+bool ValidUtf8(const std::string& s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    const int extra = c < 0x80 ? 0 : (c >> 5) == 0x6 ? 1 : (c >> 4) == 0xE ? 2 : (c >> 3) == 0x1E ? 3 : -1;
+    if (extra < 0 || i + extra >= s.size()) return false;
+    for (int k = 1; k <= extra; ++k) {
+      if ((static_cast<unsigned char>(s[i + k]) >> 6) != 0x2) return false;
+    }
+    i += extra + 1;
+  }
+  return true;
+}
+
+ellm::v1::FinishReason ToProto(FinishReason r) {
+  switch (r) {
+    case FinishReason::kStopToken: return ellm::v1::FINISH_REASON_STOP_TOKEN;
+    case FinishReason::kMaxTokens: return ellm::v1::FINISH_REASON_MAX_TOKENS;
+    case FinishReason::kStopString: return ellm::v1::FINISH_REASON_STOP_STRING;
+    case FinishReason::kContext: return ellm::v1::FINISH_REASON_CONTEXT;
+    case FinishReason::kNone: break;
+  }
+  return ellm::v1::FINISH_REASON_UNSPECIFIED;
+}
+
+}  // namespace
+
+absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRequest& r) const {
+  GenerateOptions o;
+  if (r.prompt().empty()) return absl::InvalidArgumentError("prompt is empty");
+  if (!ValidUtf8(r.prompt())) return absl::InvalidArgumentError("prompt is not valid UTF-8");
+  const bool add_bos = r.has_add_bos() ? r.add_bos() : tokenizer_.add_bos();
+  o.prompt = tokenizer_.Encode(r.prompt(), add_bos);
+  const int n = static_cast<int>(o.prompt.size());
+  const int ctx = config_.context_length;
+  if (n >= ctx) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt is ", n, " tokens; the context holds ",
+                                                   ctx, " (and at least one must be generated)"));
+  }
+  if (r.has_max_tokens()) {
+    if (r.max_tokens() <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("max_tokens must be positive, got ", r.max_tokens()));
+    }
+    if (r.max_tokens() > ctx - n) {
+      return absl::InvalidArgumentError(absl::StrCat("max_tokens ", r.max_tokens(), " exceeds the ",
+                                                     ctx - n, " positions the context leaves after a ",
+                                                     n, "-token prompt"));
+    }
+    o.max_tokens = r.max_tokens();
+  } else {
+    o.max_tokens = std::min(options_.default_max_tokens, ctx - n);
+  }
+  const ellm::v1::SamplingParams& s = r.sampling();
+  o.sampling.temperature = s.has_temperature() ? s.temperature() : 1.0f;
+  o.sampling.top_k = s.top_k();
+  o.sampling.top_p = s.has_top_p() ? s.top_p() : 1.0f;
+  RETURN_IF_ERROR(ValidateSamplingParams(o.sampling, config_.vocab_size));
+  o.seed = s.has_seed() ? s.seed() : std::random_device{}() * 0x100000001ULL;
+  for (const std::string& stop : r.stop()) {
+    if (stop.empty()) return absl::InvalidArgumentError("a stop string is empty");
+    if (!ValidUtf8(stop)) return absl::InvalidArgumentError("a stop string is not valid UTF-8");
+    o.stop.push_back(stop);
+  }
+  if (o.stop.size() > 16) return absl::InvalidArgumentError("at most 16 stop strings");
+  return o;
+}
+
+grpc::Status EllmService::Generate(grpc::ServerContext* context,
+                                   const ellm::v1::GenerateRequest* request,
+                                   grpc::ServerWriter<ellm::v1::GenerateResponse>* writer) {
+  absl::StatusOr<GenerateOptions> options = Validate(*request);
+  if (!options.ok()) return ToGrpcStatus(options.status());
+  absl::StatusOr<std::shared_ptr<RequestStream>> stream = scheduler_->Submit(*std::move(options));
+  if (!stream.ok()) {
+    LogWarning("request refused: %s", stream.status().ToString());
+    return ToGrpcStatus(stream.status());
+  }
+  for (;;) {
+    if (context->IsCancelled()) {
+      (*stream)->Cancel();
+      return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
+    }
+    std::optional<StreamEvent> e = (*stream)->Pop(absl::Milliseconds(50));
+    if (!e.has_value()) continue;
+    if (!e->error.ok()) return ToGrpcStatus(e->error);
+    ellm::v1::GenerateResponse resp;
+    resp.set_text(e->text);
+    for (int32_t id : e->token_ids) resp.add_token_ids(id);
+    for (float lp : e->logprobs) resp.add_logprobs(lp);
+    if (e->finished) {
+      ellm::v1::Finish* f = resp.mutable_finish();
+      f->set_reason(ToProto(e->finish.reason));
+      f->set_prompt_tokens(e->finish.prompt_tokens);
+      f->set_completion_tokens(e->finish.completion_tokens);
+      f->set_time_to_first_token_ms(e->finish.time_to_first_token_ms);
+      f->set_decode_ms_per_token(e->finish.decode_ms_per_token);
+      f->set_queue_ms(e->finish.queue_ms);
+    }
+    if (!e->finished && resp.text().empty() && resp.token_ids_size() == 0) continue;
+    if (!writer->Write(resp)) {
+      (*stream)->Cancel();
+      return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+    }
+    if (e->finished) return grpc::Status::OK;
+  }
+}
+
+grpc::Status EllmService::Tokenize(grpc::ServerContext*, const ellm::v1::TokenizeRequest* request,
+                                   ellm::v1::TokenizeResponse* response) {
+  const bool add_bos = request->has_add_bos() ? request->add_bos() : tokenizer_.add_bos();
+  int32_t prev = -1;
+  for (int32_t id : tokenizer_.Encode(request->text(), add_bos)) {
+    response->add_token_ids(id);
+    response->add_pieces(tokenizer_.TokenBytes(prev, id));
+    prev = id;
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status EllmService::GetModelInfo(grpc::ServerContext*, const ellm::v1::GetModelInfoRequest*,
+                                       ellm::v1::ModelInfo* response) {
+  *response = options_.model_info;
+  return grpc::Status::OK;
+}
+
+}  // namespace ellm::coord

@@ -1,0 +1,44 @@
+// The public gRPC service (ellm.v1.Ellm): request validation, tokenisation,
+// and streaming a Scheduler's events to the client. The only place where
+// Generate's protobuf types meet the scheduler.
+#pragma once
+
+#include <string>
+
+#include "coordinator/scheduler.h"
+#include "core/model_config.h"
+#include "core/tokenizer.h"
+#include "proto/ellm.grpc.pb.h"
+
+namespace ellm::coord {
+
+struct ServiceOptions {
+  std::string model_path;
+  int default_max_tokens = 128;
+  ellm::v1::ModelInfo model_info;  // filled by main
+};
+
+class EllmService final : public ellm::v1::Ellm::Service {
+ public:
+  EllmService(const ServiceOptions& options, const ModelConfig& config, const Tokenizer& tokenizer,
+              Scheduler* scheduler)
+      : options_(options), config_(config), tokenizer_(tokenizer), scheduler_(scheduler) {}
+
+  grpc::Status Generate(grpc::ServerContext* context, const ellm::v1::GenerateRequest* request,
+                        grpc::ServerWriter<ellm::v1::GenerateResponse>* writer) override;
+  grpc::Status Tokenize(grpc::ServerContext* context, const ellm::v1::TokenizeRequest* request,
+                        ellm::v1::TokenizeResponse* response) override;
+  grpc::Status GetModelInfo(grpc::ServerContext* context, const ellm::v1::GetModelInfoRequest* request,
+                            ellm::v1::ModelInfo* response) override;
+
+  // Turns a request into scheduler options (InvalidArgument on bad input).
+  absl::StatusOr<GenerateOptions> Validate(const ellm::v1::GenerateRequest& request) const;
+
+ private:
+  const ServiceOptions& options_;
+  const ModelConfig& config_;
+  const Tokenizer& tokenizer_;
+  Scheduler* scheduler_;
+};
+
+}  // namespace ellm::coord

@@ -1,0 +1,29 @@
+// Turns sampled tokens into the text a client sees: streaming detokenisation
+// (whole UTF-8 only) and stop strings, holding back any tail that could still
+// become a stop string.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/tokenizer.h"
+
+namespace ellm::coord {
+
+class TextOutput {
+ public:
+  TextOutput(const Tokenizer& tokenizer, std::vector<std::string> stop);
+  // Adds a token's text; returns the text now safe to send. Sets *stopped
+  // when a stop string appeared (the returned text ends just before it).
+  std::string Push(int32_t token, bool* stopped);
+  // Text held back at the end of the request (no stop string completed).
+  std::string Flush();
+
+ private:
+  StreamDecoder decoder_;
+  std::vector<std::string> stop_;
+  std::string text_;     // all text so far
+  size_t emitted_ = 0;   // bytes of text_ already returned
+};
+
+}  // namespace ellm::coord

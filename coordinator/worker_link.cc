@@ -1,0 +1,120 @@
+#include "coordinator/worker_link.h"
+
+#include <chrono>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+#include "proto/grpc_status.h"
+
+namespace ellm::coord {
+
+absl::StatusOr<std::unique_ptr<WorkerLink>> WorkerLink::Connect(
+    const std::string& mlp_channel, const std::vector<std::string>& addresses, absl::Duration wait) {
+  std::unique_ptr<WorkerLink> link(new WorkerLink());
+  const absl::Time deadline = absl::Now() + wait;
+  for (const std::string& address : addresses) {
+    WorkerHandle w;
+    w.address = address;
+    w.stub = ellm::v1::WorkerControl::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    for (;;) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      ellm::v1::GetInfoRequest req;
+      grpc::Status st = w.stub->GetInfo(&ctx, req, &w.info);
+      if (st.ok()) break;
+      if (absl::Now() > deadline) {
+        return absl::UnavailableError(
+            absl::StrCat("worker at ", address, " does not answer: ", st.error_message()));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    LogInfo("worker %s at %s: pid %d%s", w.info.role(), address, w.info.pid(),
+            w.info.role() == "attn-worker"
+                ? absl::StrCat(", KV heads [", w.info.kv_head_begin(), ", ", w.info.kv_head_end(),
+                               "), ", w.info.kv_blocks_total(), " KV blocks")
+                : absl::StrCat(", backend ", w.info.kernel()));
+    link->workers_.push_back(std::move(w));
+  }
+  ASSIGN_OR_RETURN(link->channel_,
+                   shm::Channel::Open(mlp_channel, std::max(deadline - absl::Now(), absl::Seconds(1))));
+  return link;
+}
+
+std::vector<const ellm::v1::WorkerInfo*> WorkerLink::attn_workers() const {
+  std::vector<const ellm::v1::WorkerInfo*> out;
+  for (const WorkerHandle& w : workers_) {
+    if (w.info.role() == "attn-worker") out.push_back(&w.info);
+  }
+  return out;
+}
+
+const ellm::v1::WorkerInfo* WorkerLink::mlp_worker() const {
+  for (const WorkerHandle& w : workers_) {
+    if (w.info.role() == "mlp-worker") return &w.info;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<std::vector<shm::SampledSeq>> WorkerLink::Run(uint64_t step,
+                                                             const shm::StepPlan& plan) {
+  const std::string payload = shm::EncodeStepPlan(plan);
+  shm::WaitOptions wait;
+  wait.timeout = step_timeout;
+  wait.peer_alive = [this] { return channel_->PeerAlive(); };
+  absl::Status st = channel_->requests().Write(shm::StepPlanHeader(step, plan), payload.data(), wait);
+  if (!st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("mlp-worker: ", st.message()));
+  }
+  absl::StatusOr<shm::Ring::Frame> frame = channel_->replies().BeginRead(wait);
+  if (!frame.ok()) {
+    if (frame.status().code() == absl::StatusCode::kUnavailable) {
+      return absl::UnavailableError(absl::StrCat("the mlp-worker (pid ",
+                                                 channel_->replies().producer_pid(), ") has exited"));
+    }
+    return absl::Status(frame.status().code(),
+                        absl::StrCat("mlp-worker: ", frame.status().message()));
+  }
+  absl::StatusOr<std::vector<shm::SampledSeq>> result =
+      frame->header.step != step && frame->header.kind != static_cast<uint16_t>(shm::FrameKind::kError)
+          ? absl::DataLossError(absl::StrCat("mlp-worker answered step ", frame->header.step,
+                                             " to step ", step))
+          : shm::DecodeStepResult(frame->header, frame->payload);
+  channel_->replies().EndRead();
+  return result;
+}
+
+absl::Status WorkerLink::FreeSequences(const std::vector<uint64_t>& ids) {
+  ellm::v1::FreeSequencesRequest req;
+  for (uint64_t id : ids) req.add_sequence_ids(id);
+  for (WorkerHandle& w : workers_) {
+    if (w.info.role() != "attn-worker") continue;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ellm::v1::FreeSequencesResponse resp;
+    grpc::Status st = w.stub->FreeSequences(&ctx, req, &resp);
+    if (!st.ok()) {
+      return absl::UnavailableError(absl::StrCat("attn-worker ", w.info.shard(), " at ", w.address,
+                                                 ": ", st.error_message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WorkerLink::CheckWorkers() {
+  if (!channel_->PeerAlive()) {
+    return absl::UnavailableError(
+        absl::StrCat("the mlp-worker (pid ", channel_->replies().producer_pid(), ") has exited"));
+  }
+  for (WorkerHandle& w : workers_) {
+    if (!shm::ProcessAlive(w.info.pid())) {
+      return absl::UnavailableError(absl::StrCat(
+          w.info.role(), w.info.role() == "attn-worker" ? absl::StrCat(" ", w.info.shard()) : "",
+          " (pid ", w.info.pid(), ") has exited"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ellm::coord

@@ -1,0 +1,50 @@
+// The coordinator's links to its workers: the mlp-worker's shared-memory
+// channel (step plans out, sampled tokens back) and every worker's gRPC
+// control stub.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "coordinator/scheduler.h"
+#include "proto/ellm.grpc.pb.h"
+#include "shm/channel.h"
+
+namespace ellm::coord {
+
+struct WorkerHandle {
+  std::string address;
+  std::unique_ptr<ellm::v1::WorkerControl::Stub> stub;
+  ellm::v1::WorkerInfo info;  // as of Connect
+};
+
+class WorkerLink final : public StepExecutor {
+ public:
+  // Opens the mlp-worker's channel and asks every worker for its info,
+  // retrying until `wait` has passed.
+  static absl::StatusOr<std::unique_ptr<WorkerLink>> Connect(
+      const std::string& mlp_channel, const std::vector<std::string>& worker_addresses,
+      absl::Duration wait);
+
+  absl::StatusOr<std::vector<shm::SampledSeq>> Run(uint64_t step, const shm::StepPlan& plan) override;
+  absl::Status FreeSequences(const std::vector<uint64_t>& ids) override;
+  // Checks every worker: the mlp-worker's process and each control endpoint.
+  // Unavailable naming the first that does not answer.
+  absl::Status CheckWorkers();
+
+  const std::vector<WorkerHandle>& workers() const { return workers_; }
+  std::vector<const ellm::v1::WorkerInfo*> attn_workers() const;
+  const ellm::v1::WorkerInfo* mlp_worker() const;
+
+  absl::Duration step_timeout = absl::Seconds(300);
+
+ private:
+  WorkerLink() = default;
+  std::unique_ptr<shm::Channel> channel_;
+  std::vector<WorkerHandle> workers_;
+};
+
+}  // namespace ellm::coord

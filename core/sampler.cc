@@ -1,0 +1,130 @@
+#include "core/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+
+namespace ellm {
+
+absl::Status ValidateSamplingParams(const SamplingParams& p, int vocab_size) {
+  if (!std::isfinite(p.temperature) || p.temperature < 0 || p.temperature > 100) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("temperature must be in [0, 100], got ", p.temperature));
+  }
+  if (p.top_k < 0 || p.top_k > vocab_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_k must be in [0, ", vocab_size, "], got ", p.top_k));
+  }
+  if (!std::isfinite(p.top_p) || p.top_p <= 0 || p.top_p > 1) {
+    return absl::InvalidArgumentError(absl::StrCat("top_p must be in (0, 1], got ", p.top_p));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// log-sum-exp of logits, in double.
+double LogSumExp(const float* x, int n) {
+  float max = x[0];
+  for (int i = 1; i < n; ++i) max = std::max(max, x[i]);
+  double sum = 0;
+  for (int i = 0; i < n; ++i) sum += std::exp(static_cast<double>(x[i]) - max);
+  return max + std::log(sum);
+}
+
+}  // namespace
+
+SampledToken Sample(const float* logits, int n, const SamplingParams& params, float u) {
+  SampledToken out;
+  const double lse = LogSumExp(logits, n);
+  if (params.temperature == 0) {
+    int best = 0;
+    for (int i = 1; i < n; ++i) {
+      if (logits[i] > logits[best]) best = i;
+    }
+    out.token = best;
+    out.logprob = static_cast<float>(logits[best] - lse);
+    return out;
+  }
+  // Candidates sorted by logit (descending; ties by id), cut by top-k.
+  std::vector<int> ids(n);
+  std::iota(ids.begin(), ids.end(), 0);
+  auto by_logit = [&](int a, int b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  };
+  int keep = n;
+  if (params.top_k > 0 && params.top_k < n) {
+    keep = params.top_k;
+    std::partial_sort(ids.begin(), ids.begin() + keep, ids.end(), by_logit);
+  } else {
+    std::sort(ids.begin(), ids.end(), by_logit);
+  }
+  // Tempered probabilities of the kept candidates.
+  std::vector<double> probs(keep);
+  const double max = logits[ids[0]];
+  double sum = 0;
+  for (int i = 0; i < keep; ++i) {
+    probs[i] = std::exp((logits[ids[i]] - max) / params.temperature);
+    sum += probs[i];
+  }
+  // top-p: the smallest prefix whose mass reaches top_p.
+  if (params.top_p < 1) {
+    double cum = 0;
+    int cut = keep;
+    for (int i = 0; i < keep; ++i) {
+      cum += probs[i] / sum;
+      if (cum >= params.top_p) {
+        cut = i + 1;
+        break;
+      }
+    }
+    keep = cut;
+    sum = 0;
+    for (int i = 0; i < keep; ++i) sum += probs[i];
+  }
+  const double target = static_cast<double>(u) * sum;
+  double cum = 0;
+  int pick = ids[keep - 1];
+  for (int i = 0; i < keep; ++i) {
+    cum += probs[i];
+    if (target < cum) {
+      pick = ids[i];
+      break;
+    }
+  }
+  out.token = pick;
+  out.logprob = static_cast<float>(logits[pick] - lse);
+  return out;
+}
+
+namespace {
+uint64_t SplitMix64(uint64_t& x) {
+  uint64_t z = (x += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+uint64_t Rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+}  // namespace
+
+SequenceRng::SequenceRng(uint64_t seed) {
+  for (uint64_t& s : s_) s = SplitMix64(seed);
+}
+
+uint64_t SequenceRng::Next() {
+  const uint64_t result = Rotl(s_[1] * 5, 7) * 9;
+  const uint64_t t = s_[1] << 17;
+  s_[2] ^= s_[0];
+  s_[3] ^= s_[1];
+  s_[1] ^= s_[2];
+  s_[0] ^= s_[3];
+  s_[2] ^= t;
+  s_[3] = Rotl(s_[3], 45);
+  return result;
+}
+
+float SequenceRng::NextUniform() { return static_cast<float>(Next() >> 40) * (1.0f / 16777216.0f); }
+
+}  // namespace ellm

@@ -1,0 +1,43 @@
+// Next-token sampling: greedy, temperature, top-k, top-p. Stateless: the
+// random draw `u` comes from the sequence's own SequenceRng (kept by the
+// coordinator), so the same seed gives the same tokens wherever sampling runs.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ellm {
+
+struct SamplingParams {
+  float temperature = 1.0f;  // 0: greedy (argmax)
+  int32_t top_k = 0;         // 0: off
+  float top_p = 1.0f;        // 1: off
+};
+
+// InvalidArgument naming the parameter: temperature in [0, 100], top_k in
+// [0, vocab_size], top_p in (0, 1], all finite.
+absl::Status ValidateSamplingParams(const SamplingParams& params, int vocab_size);
+
+struct SampledToken {
+  int32_t token = 0;
+  float logprob = 0;  // log p(token) under the model's raw distribution (temperature 1)
+};
+
+// Picks a token from logits [n]. `u` is uniform in [0, 1). Greedy ignores u;
+// ties go to the lowest id.
+SampledToken Sample(const float* logits, int n, const SamplingParams& params, float u);
+
+// xoshiro256** seeded with splitmix64: a small, fast, reproducible generator.
+class SequenceRng {
+ public:
+  explicit SequenceRng(uint64_t seed);
+  uint64_t Next();
+  float NextUniform();  // [0, 1), 24 random bits
+
+ private:
+  uint64_t s_[4];
+};
+
+}  // namespace ellm

@@ -1,0 +1,33 @@
+#include "core/signals.h"
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <atomic>
+
+namespace ellm {
+namespace {
+// Process-wide by nature: signal dispositions are per process.
+std::atomic<bool> g_stop{false};
+void OnSignal(int) { g_stop.store(true); }
+}  // namespace
+
+void InstallStopSignalHandlers() {
+  struct sigaction sa = {};
+  sa.sa_handler = OnSignal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+}
+
+bool StopRequested() { return g_stop.load(std::memory_order_relaxed); }
+void RequestStop() { g_stop.store(true); }
+
+void DieWithParent() {
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (getppid() == 1) g_stop.store(true);  // the parent is already gone
+}
+
+}  // namespace ellm

@@ -1,0 +1,16 @@
+// Ctrl-C / SIGTERM handling shared by every process: the handler only sets a
+// flag; the process's loops poll StopRequested() and shut down cleanly.
+#pragma once
+
+namespace ellm {
+
+// Installs handlers for SIGINT and SIGTERM (and ignores SIGPIPE).
+void InstallStopSignalHandlers();
+bool StopRequested();
+// Sets the flag from inside the process (e.g. a Shutdown RPC).
+void RequestStop();
+// Asks the kernel to send SIGTERM to this process when its parent dies, so a
+// killed launcher leaves no orphans. Call first thing in main().
+void DieWithParent();
+
+}  // namespace ellm

@@ -1,0 +1,88 @@
+#include "core/thread_pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+namespace ellm {
+
+bool PinCurrentThread(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  return pthread_setaffinity_np(pthread_self(), sizeof(set), &set) == 0;
+}
+
+ThreadPool::ThreadPool(int threads, const std::vector<int>& cpus) {
+  if (threads < 1) threads = 1;
+  if (!cpus.empty()) PinCurrentThread(cpus[0]);
+  for (int i = 1; i < threads; ++i) {
+    workers_.emplace_back([this, i, cpus] {
+      if (!cpus.empty()) PinCurrentThread(cpus[i % cpus.size()]);
+      WorkerLoop(i);
+    });
+  }
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  for (std::thread& t : workers_) t.join();
+}
+
+namespace {
+void Chunk(int64_t n, int parts, int index, int64_t* begin, int64_t* end) {
+  *begin = n * index / parts;
+  *end = n * (index + 1) / parts;
+}
+}  // namespace
+
+void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn) {
+  if (n <= 0) return;
+  const int parts = size();
+  if (parts == 1 || n == 1) {
+    fn(0, n, 0);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    job_ = &fn;
+    job_n_ = n;
+    pending_ = parts - 1;
+    ++generation_;
+  }
+  work_cv_.notify_all();
+  int64_t begin, end;
+  Chunk(n, parts, 0, &begin, &end);
+  if (begin < end) fn(begin, end, 0);
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [this] { return pending_ == 0; });
+  job_ = nullptr;
+}
+
+void ThreadPool::WorkerLoop(int index) {
+  uint64_t seen = 0;
+  for (;;) {
+    const std::function<void(int64_t, int64_t, int)>* job;
+    int64_t n;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      job = job_;
+      n = job_n_;
+    }
+    int64_t begin, end;
+    Chunk(n, size(), index, &begin, &end);
+    if (begin < end) (*job)(begin, end, index);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--pending_ == 0) done_cv_.notify_one();
+    }
+  }
+}
+
+}  // namespace ellm

@@ -1,0 +1,485 @@
+#include "core/tokenizer.h"
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <queue>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace ellm {
+namespace {
+
+// U+2581 LOWER ONE EIGHTH BLOCK, SentencePiece's visible space.
+constexpr std::string_view kSpmSpace = "\xE2\x96\x81";
+// U+FFFD REPLACEMENT CHARACTER.
+constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
+// GGUF writers store "no such token" as uint32 max; some as int32 -1.
+constexpr int64_t kUnsetIdU32 = 4294967295LL;
+
+// Bytes in the UTF-8 sequence a lead byte starts, as llama.cpp's SPM splitter
+// counts them: a stray continuation byte or an invalid lead counts as one.
+size_t Utf8SequenceLength(unsigned char lead) {
+  static constexpr uint8_t kByHighNibble[16] = {1, 1, 1, 1, 1, 1, 1, 1,
+                                                1, 1, 1, 1, 2, 2, 3, 4};
+  return kByHighNibble[lead >> 4];
+}
+
+// "<0xAB>" -> 0xAB; -1 for any other text.
+int ParseByteToken(std::string_view text) {
+  if (text.size() != 6 || text.substr(0, 3) != "<0x" || text[5] != '>') return -1;
+  int value = 0;
+  for (char c : text.substr(3, 2)) {
+    value <<= 4;
+    if (c >= '0' && c <= '9') {
+      value |= c - '0';
+    } else if (c >= 'A' && c <= 'F') {
+      value |= c - 'A' + 10;
+    } else if (c >= 'a' && c <= 'f') {
+      value |= c - 'a' + 10;
+    } else {
+      return -1;
+    }
+  }
+  return value;
+}
+
+// Debian's abseil has its own string_view type, distinct from std's.
+absl::string_view Absl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+void ReplaceAll(std::string& s, std::string_view from, std::string_view to) {
+  std::string out;
+  out.reserve(s.size());
+  size_t last = 0;
+  for (size_t pos = s.find(from); pos != std::string::npos; pos = s.find(from, last)) {
+    out.append(s, last, pos - last);
+    out.append(to);
+    last = pos + from.size();
+  }
+  out.append(s, last, std::string::npos);
+  s = std::move(out);
+}
+
+// A token id from metadata `key`: `fallback` when absent, -1 when stored as
+// unset (uint32 max or -1). InvalidArgument when outside [0, n_vocab).
+absl::StatusOr<int32_t> ReadTokenId(const GgufFile& file, std::string_view key,
+                                    int32_t fallback, int32_t n_vocab) {
+  if (!file.Has(key)) return fallback < n_vocab ? fallback : -1;
+  absl::StatusOr<int64_t> value = file.GetInt(key);
+  if (!value.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokenizer: ", Absl(key), ": ", value.status().message()));
+  }
+  if (*value == -1 || *value == kUnsetIdU32) return -1;
+  if (*value < 0 || *value >= n_vocab) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "tokenizer: %s = %d is outside the vocabulary of %d tokens", Absl(key), *value, n_vocab));
+  }
+  return static_cast<int32_t>(*value);
+}
+
+absl::StatusOr<bool> ReadBool(const GgufFile& file, std::string_view key, bool fallback) {
+  if (!file.Has(key)) return fallback;
+  absl::StatusOr<bool> value = file.GetBool(key);
+  if (!value.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokenizer: ", Absl(key), ": ", value.status().message()));
+  }
+  return *value;
+}
+
+// SentencePiece vocabularies (tokenizer.ggml.model == "llama"), encoded the
+// way llama.cpp's SPM tokenizer does it:
+//  1. text is cut at user-defined tokens (longest first), which are emitted
+//     as they are; control tokens in the text are not recognised;
+//  2. each remaining fragment gets one '▁' prefix (when add_space_prefix and
+//     it starts the text or follows a user-defined token), spaces become '▁';
+//  3. the fragment is split into UTF-8 characters, and the adjacent pair whose
+//     concatenation is a token with the highest score is merged, again and
+//     again (ties: the leftmost pair) until no pair forms a token;
+//  4. each final piece is its token; a piece that is not a token (only single
+//     characters can be) becomes byte tokens <0xXX>.
+class SpmTokenizer : public Tokenizer {
+ public:
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> Create(const GgufFile& file);
+
+  std::vector<int32_t> Encode(std::string_view text, bool add_bos) const override;
+  std::string TokenBytes(int32_t prev, int32_t id) const override;
+
+ private:
+  SpmTokenizer() = default;
+
+  // Appends the ids of one escaped fragment ('▁' for spaces) to `out`.
+  void EncodeFragment(std::string_view text, std::vector<int32_t>& out) const;
+  int32_t Find(std::string_view piece) const {
+    auto it = token_to_id_.find(Absl(piece));
+    return it == token_to_id_.end() ? -1 : it->second;
+  }
+
+  std::vector<float> scores_;
+  absl::flat_hash_map<std::string, int32_t> token_to_id_;
+  // Id for each byte value: its <0xXX> token, else the one-byte token, else unk
+  // (-1 when there is no unk either: the byte is dropped).
+  std::array<int32_t, 256> byte_token_{};
+  // Byte value of each byte token (<0xXX>), -1 for other tokens.
+  std::vector<int16_t> token_byte_;
+  // User-defined tokens, longest first: matched in raw text before SPM.
+  std::vector<std::pair<std::string, int32_t>> user_defined_;
+  int32_t unk_id_ = -1;
+  bool add_space_prefix_ = true;
+};
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> SpmTokenizer::Create(const GgufFile& file) {
+  std::unique_ptr<SpmTokenizer> tok(new SpmTokenizer());
+
+  if (!file.Has("tokenizer.ggml.tokens")) {
+    return absl::InvalidArgumentError(
+        "tokenizer: the GGUF has no tokenizer.ggml.tokens (no vocabulary)");
+  }
+  absl::StatusOr<std::vector<std::string>> tokens = file.GetStringArray("tokenizer.ggml.tokens");
+  if (!tokens.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokenizer: tokenizer.ggml.tokens: ", tokens.status().message()));
+  }
+  if (tokens->empty()) {
+    return absl::InvalidArgumentError("tokenizer: tokenizer.ggml.tokens is empty");
+  }
+  if (tokens->size() > static_cast<size_t>(INT32_MAX)) {
+    return absl::InvalidArgumentError("tokenizer: tokenizer.ggml.tokens is too large");
+  }
+  tok->tokens_ = *std::move(tokens);
+  const size_t n = tok->tokens_.size();
+  const int32_t n_vocab = static_cast<int32_t>(n);
+
+  tok->scores_.assign(n, 0.0f);
+  if (file.Has("tokenizer.ggml.scores")) {
+    absl::StatusOr<std::vector<double>> scores = file.GetFloatArray("tokenizer.ggml.scores");
+    if (!scores.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokenizer: tokenizer.ggml.scores: ", scores.status().message()));
+    }
+    if (scores->size() != n) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "tokenizer: tokenizer.ggml.scores has %d entries for %d tokens", scores->size(), n));
+    }
+    for (size_t i = 0; i < n; ++i) tok->scores_[i] = static_cast<float>((*scores)[i]);
+  }
+
+  tok->types_.assign(n, TokenType::kNormal);
+  if (file.Has("tokenizer.ggml.token_type")) {
+    absl::StatusOr<std::vector<int64_t>> types = file.GetIntArray("tokenizer.ggml.token_type");
+    if (!types.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokenizer: tokenizer.ggml.token_type: ", types.status().message()));
+    }
+    if (types->size() != n) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "tokenizer: tokenizer.ggml.token_type has %d entries for %d tokens", types->size(), n));
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t t = (*types)[i];
+      if (t < static_cast<int64_t>(TokenType::kUndefined) ||
+          t > static_cast<int64_t>(TokenType::kByte)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "tokenizer: token %d ('%s') has unknown token type %d", i, tok->tokens_[i], t));
+      }
+      tok->types_[i] = static_cast<TokenType>(t);
+    }
+  }
+
+  // SentencePiece defaults, as llama.cpp applies them when the keys are absent.
+  ASSIGN_OR_RETURN(tok->bos_id_, ReadTokenId(file, "tokenizer.ggml.bos_token_id", 1, n_vocab));
+  ASSIGN_OR_RETURN(tok->eos_id_, ReadTokenId(file, "tokenizer.ggml.eos_token_id", 2, n_vocab));
+  ASSIGN_OR_RETURN(tok->unk_id_,
+                   ReadTokenId(file, "tokenizer.ggml.unknown_token_id", 0, n_vocab));
+  ASSIGN_OR_RETURN(tok->eot_id_, ReadTokenId(file, "tokenizer.ggml.eot_token_id", -1, n_vocab));
+  ASSIGN_OR_RETURN(tok->add_bos_, ReadBool(file, "tokenizer.ggml.add_bos_token", true));
+  ASSIGN_OR_RETURN(tok->add_space_prefix_,
+                   ReadBool(file, "tokenizer.ggml.add_space_prefix", true));
+
+  tok->token_to_id_.reserve(n);
+  tok->token_byte_.assign(n, -1);
+  for (int32_t id = 0; id < n_vocab; ++id) {
+    const std::string& text = tok->tokens_[id];
+    // A repeated text maps to its last id, as in llama.cpp.
+    tok->token_to_id_.insert_or_assign(text, id);
+    if (tok->types_[id] == TokenType::kByte) {
+      tok->token_byte_[id] = static_cast<int16_t>(ParseByteToken(text));
+    } else if (tok->types_[id] == TokenType::kUserDefined && !text.empty()) {
+      tok->user_defined_.emplace_back(text, id);
+    }
+  }
+  std::stable_sort(tok->user_defined_.begin(), tok->user_defined_.end(),
+                   [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+
+  for (int b = 0; b < 256; ++b) {
+    int32_t id = tok->Find(absl::StrFormat("<0x%02X>", b));
+    if (id < 0) id = tok->Find(std::string(1, static_cast<char>(b)));
+    tok->byte_token_[b] = id >= 0 ? id : tok->unk_id_;
+  }
+
+  // Vocabularies without an explicit EOT id: the usual end-of-turn texts.
+  if (tok->eot_id_ < 0) {
+    for (std::string_view text : {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
+                                  "<|endoftext|>", "<EOT>"}) {
+      const int32_t id = tok->Find(text);
+      if (id >= 0 && id != tok->eos_id_ &&
+          (tok->types_[id] == TokenType::kControl || tok->types_[id] == TokenType::kUserDefined)) {
+        tok->eot_id_ = id;
+        break;
+      }
+    }
+  }
+  return std::unique_ptr<Tokenizer>(std::move(tok));
+}
+
+std::vector<int32_t> SpmTokenizer::Encode(std::string_view text, bool add_bos) const {
+  std::vector<int32_t> out;
+  if (add_bos && bos_id_ >= 0) out.push_back(bos_id_);
+  if (text.empty()) return out;
+
+  // Fragments of the text: raw text (id -1) or a user-defined token's id.
+  struct Fragment {
+    std::string_view text;
+    int32_t id;
+  };
+  std::vector<Fragment> fragments = {{text, -1}};
+  for (const auto& [piece, id] : user_defined_) {
+    std::vector<Fragment> split;
+    for (const Fragment& f : fragments) {
+      if (f.id >= 0 || f.text.size() < piece.size()) {
+        split.push_back(f);
+        continue;
+      }
+      size_t start = 0;
+      for (size_t pos = f.text.find(piece); pos != std::string_view::npos;
+           pos = f.text.find(piece, start)) {
+        if (pos > start) split.push_back({f.text.substr(start, pos - start), -1});
+        split.push_back({f.text.substr(pos, piece.size()), id});
+        start = pos + piece.size();
+      }
+      if (start < f.text.size()) split.push_back({f.text.substr(start), -1});
+    }
+    fragments = std::move(split);
+  }
+
+  bool after_special = true;  // the start of the text counts as one
+  std::string escaped;
+  for (const Fragment& f : fragments) {
+    if (f.id >= 0) {
+      out.push_back(f.id);
+      after_special = true;
+      continue;
+    }
+    escaped.clear();
+    if (add_space_prefix_ && after_special) escaped.push_back(' ');
+    escaped.append(f.text);
+    ReplaceAll(escaped, " ", kSpmSpace);
+    EncodeFragment(escaped, out);
+    after_special = false;
+  }
+  return out;
+}
+
+void SpmTokenizer::EncodeFragment(std::string_view text, std::vector<int32_t>& out) const {
+  // A piece of `text` in a doubly linked list; merged-away pieces have len 0.
+  // Pieces are always contiguous: a piece's bytes end where its next begins.
+  struct Piece {
+    int prev;
+    int next;
+    size_t offset;
+    size_t len;
+  };
+  // A pair of adjacent pieces whose concatenation (`len` bytes) is a token.
+  struct Candidate {
+    float score;
+    int left;
+    int right;
+    size_t len;
+  };
+  // Highest score first, then the leftmost pair.
+  auto lower_priority = [](const Candidate& a, const Candidate& b) {
+    return a.score < b.score || (a.score == b.score && a.left > b.left);
+  };
+
+  std::vector<Piece> pieces;
+  pieces.reserve(text.size());
+  for (size_t offset = 0; offset < text.size();) {
+    const size_t len = std::min(text.size() - offset,
+                                Utf8SequenceLength(static_cast<unsigned char>(text[offset])));
+    const int index = static_cast<int>(pieces.size());
+    pieces.push_back({index - 1, index + 1, offset, len});
+    offset += len;
+  }
+  if (pieces.empty()) return;
+  pieces.back().next = -1;
+
+  std::priority_queue<Candidate, std::vector<Candidate>, decltype(lower_priority)> queue(
+      lower_priority);
+  auto try_add = [&](int left, int right) {
+    if (left < 0 || right < 0) return;
+    const size_t len = pieces[left].len + pieces[right].len;
+    const int32_t id = Find(text.substr(pieces[left].offset, len));
+    if (id < 0) return;
+    queue.push({scores_[id], left, right, len});
+  };
+  for (int i = 1; i < static_cast<int>(pieces.size()); ++i) try_add(i - 1, i);
+
+  while (!queue.empty()) {
+    const Candidate c = queue.top();
+    queue.pop();
+    Piece& left = pieces[c.left];
+    Piece& right = pieces[c.right];
+    // Stale: one side was merged into something else since it was queued.
+    if (left.len == 0 || right.len == 0 || left.len + right.len != c.len) continue;
+    left.len += right.len;
+    right.len = 0;
+    left.next = right.next;
+    if (right.next >= 0) pieces[right.next].prev = c.left;
+    try_add(left.prev, c.left);
+    try_add(c.left, left.next);
+  }
+
+  for (int i = 0; i >= 0; i = pieces[i].next) {
+    const std::string_view piece = text.substr(pieces[i].offset, pieces[i].len);
+    const int32_t id = Find(piece);
+    if (id >= 0) {
+      out.push_back(id);
+      continue;
+    }
+    for (char byte : piece) {
+      const int32_t byte_id = byte_token_[static_cast<unsigned char>(byte)];
+      if (byte_id >= 0) out.push_back(byte_id);
+    }
+  }
+}
+
+std::string SpmTokenizer::TokenBytes(int32_t prev, int32_t id) const {
+  if (id < 0 || id >= vocab_size()) return "";
+  std::string bytes;
+  switch (types_[id]) {
+    case TokenType::kControl:
+    case TokenType::kUnused:
+      return "";
+    case TokenType::kByte:
+      if (token_byte_[id] >= 0) {
+        bytes.push_back(static_cast<char>(token_byte_[id]));
+      } else {
+        bytes = tokens_[id];
+      }
+      break;
+    case TokenType::kUnknown:
+    case TokenType::kUserDefined:
+      bytes = tokens_[id];
+      break;
+    case TokenType::kNormal:
+    case TokenType::kUndefined:
+      bytes = tokens_[id];
+      ReplaceAll(bytes, kSpmSpace, " ");
+      break;
+  }
+  // The encoder put one space in front of the text; take it back off.
+  if (add_space_prefix_ && (prev < 0 || prev == bos_id_) && !bytes.empty() && bytes[0] == ' ') {
+    bytes.erase(0, 1);
+  }
+  return bytes;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& file) {
+  if (!file.Has("tokenizer.ggml.model")) {
+    return absl::InvalidArgumentError(
+        "tokenizer: the GGUF has no tokenizer.ggml.model (no tokenizer)");
+  }
+  absl::StatusOr<std::string> model = file.GetString("tokenizer.ggml.model");
+  if (!model.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokenizer: tokenizer.ggml.model: ", model.status().message()));
+  }
+  if (*model == "llama") return SpmTokenizer::Create(file);
+  return absl::InvalidArgumentError(
+      absl::StrCat("tokenizer model '", *model, "' is not supported yet (supported: llama)"));
+}
+
+std::string Tokenizer::Decode(const std::vector<int32_t>& ids) const {
+  std::string text;
+  int32_t prev = -1;
+  for (int32_t id : ids) {
+    text += TokenBytes(prev, id);
+    prev = id;
+  }
+  return text;
+}
+
+bool Tokenizer::IsEndOfGeneration(int32_t id) const {
+  return id >= 0 && (id == eos_id_ || id == eot_id_);
+}
+
+namespace {
+
+// Length of the UTF-8 sequence at the start of `s`:
+//   > 0: a whole valid sequence of that many bytes;
+//   < 0: -k, the first k bytes are invalid (a maximal ill-formed subpart,
+//        which becomes one U+FFFD);
+//   0:   a valid but incomplete prefix that more bytes could complete.
+int ScanUtf8(std::string_view s) {
+  const auto b0 = static_cast<unsigned char>(s[0]);
+  if (b0 < 0x80) return 1;
+  int need;
+  unsigned char lo = 0x80, hi = 0xBF;  // allowed range of the second byte
+  if (b0 >= 0xC2 && b0 <= 0xDF) {
+    need = 2;
+  } else if (b0 >= 0xE0 && b0 <= 0xEF) {
+    need = 3;
+    if (b0 == 0xE0) lo = 0xA0;  // no overlong forms
+    if (b0 == 0xED) hi = 0x9F;  // no surrogates
+  } else if (b0 >= 0xF0 && b0 <= 0xF4) {
+    need = 4;
+    if (b0 == 0xF0) lo = 0x90;  // no overlong forms
+    if (b0 == 0xF4) hi = 0x8F;  // nothing above U+10FFFF
+  } else {
+    return -1;
+  }
+  for (int k = 1; k < need; ++k) {
+    if (static_cast<size_t>(k) >= s.size()) return 0;
+    const auto b = static_cast<unsigned char>(s[k]);
+    const bool ok = k == 1 ? (b >= lo && b <= hi) : (b >= 0x80 && b <= 0xBF);
+    if (!ok) return -k;
+  }
+  return need;
+}
+
+}  // namespace
+
+std::string StreamDecoder::Push(int32_t id) {
+  pending_ += tokenizer_.TokenBytes(prev_, id);
+  prev_ = id;
+  std::string out;
+  size_t i = 0;
+  while (i < pending_.size()) {
+    const int n = ScanUtf8(std::string_view(pending_).substr(i));
+    if (n == 0) break;  // hold back until the next token completes it
+    if (n > 0) {
+      out.append(pending_, i, n);
+      i += n;
+    } else {
+      out.append(kReplacement);
+      i += -n;
+    }
+  }
+  pending_.erase(0, i);
+  return out;
+}
+
+std::string StreamDecoder::Finish() {
+  std::string out = pending_.empty() ? "" : std::string(kReplacement);
+  pending_.clear();
+  prev_ = -1;
+  return out;
+}
+
+}  // namespace ellm

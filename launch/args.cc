@@ -1,0 +1,93 @@
+#include "launch/args.h"
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace ellm::launch {
+
+void Args::Flag(const std::string& name, const std::string& default_value, const std::string& help,
+                bool is_bool) {
+  order_.push_back(name);
+  specs_[name] = Spec{default_value, help, is_bool};
+}
+
+absl::Status Args::Parse(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      help_ = true;
+      continue;
+    }
+    if (arg.rfind("--", 0) != 0 || arg == "--") {
+      positional_.push_back(arg);
+      continue;
+    }
+    std::string name = arg.substr(2), value;
+    bool has_value = false;
+    if (size_t eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_value = true;
+    }
+    auto it = specs_.find(name);
+    if (it == specs_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, " (see --help)"));
+    }
+    if (it->second.is_bool) {
+      values_[name] = has_value ? value : "true";
+      continue;
+    }
+    if (!has_value) {
+      if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
+      value = argv[++i];
+    }
+    values_[name] = value;
+  }
+  return absl::OkStatus();
+}
+
+std::string Args::Get(const std::string& name) const {
+  auto it = values_.find(name);
+  if (it != values_.end()) return it->second;
+  auto spec = specs_.find(name);
+  return spec == specs_.end() ? "" : spec->second.default_value;
+}
+
+bool Args::IsSet(const std::string& name) const { return values_.count(name) > 0; }
+
+absl::StatusOr<int> Args::GetInt(const std::string& name) const {
+  int v = 0;
+  if (!absl::SimpleAtoi(Get(name), &v)) {
+    return absl::InvalidArgumentError(absl::StrCat("--", name, " must be an integer, got '", Get(name), "'"));
+  }
+  return v;
+}
+
+absl::StatusOr<double> Args::GetDouble(const std::string& name) const {
+  double v = 0;
+  if (!absl::SimpleAtod(Get(name), &v)) {
+    return absl::InvalidArgumentError(absl::StrCat("--", name, " must be a number, got '", Get(name), "'"));
+  }
+  return v;
+}
+
+bool Args::GetBool(const std::string& name) const {
+  const std::string v = Get(name);
+  return v == "true" || v == "1" || v == "yes";
+}
+
+std::string Args::HelpText() const {
+  std::string out = usage_ + "\n\nFlags:\n";
+  for (const std::string& name : order_) {
+    const Spec& s = specs_.at(name);
+    std::string left = absl::StrCat("  --", name, s.is_bool ? "" : " VALUE");
+    if (left.size() < 28) left.resize(28, ' ');
+    absl::StrAppend(&out, left, " ", s.help);
+    if (!s.default_value.empty() && !s.is_bool) absl::StrAppend(&out, " (default: ", s.default_value, ")");
+    absl::StrAppend(&out, "\n");
+  }
+  absl::StrAppend(&out, "  --help                       show this help\n");
+  return out;
+}
+
+}  // namespace ellm::launch

@@ -1,0 +1,46 @@
+// A small command-line parser for the user-facing tools (ellm-launch, ellm):
+// GNU-style `--name value` / `--name=value` flags with hyphens, positional
+// arguments, and a generated --help.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ellm::launch {
+
+class Args {
+ public:
+  explicit Args(std::string usage) : usage_(std::move(usage)) {}
+  // Declares a flag with its default and help text. `is_bool` flags take no value.
+  void Flag(const std::string& name, const std::string& default_value, const std::string& help,
+            bool is_bool = false);
+  // InvalidArgument naming an unknown flag or a missing value. Sets help() when
+  // --help or -h is present.
+  absl::Status Parse(int argc, char** argv);
+
+  std::string Get(const std::string& name) const;
+  absl::StatusOr<int> GetInt(const std::string& name) const;
+  absl::StatusOr<double> GetDouble(const std::string& name) const;
+  bool GetBool(const std::string& name) const;
+  bool IsSet(const std::string& name) const;  // given on the command line
+  const std::vector<std::string>& positional() const { return positional_; }
+  bool help() const { return help_; }
+  std::string HelpText() const;
+
+ private:
+  struct Spec {
+    std::string default_value, help;
+    bool is_bool = false;
+  };
+  std::string usage_;
+  std::vector<std::string> order_;
+  std::map<std::string, Spec> specs_;
+  std::map<std::string, std::string> values_;
+  std::vector<std::string> positional_;
+  bool help_ = false;
+};
+
+}  // namespace ellm::launch

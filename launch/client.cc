@@ -1,0 +1,161 @@
+// ellm: the command-line client.
+//   ellm generate "prompt" [--max-tokens N --temperature T --top-p P --top-k K --seed S --stop S]
+//   ellm tokenize "text"
+//   ellm info
+//   ellm health
+#include <cstdio>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "launch/args.h"
+#include "proto/ellm.grpc.pb.h"
+#include "proto/health.grpc.pb.h"
+
+namespace ellm::launch {
+namespace {
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "ellm: %s\n", message.c_str());
+  return 1;
+}
+
+int FailRpc(const grpc::Status& st, const std::string& server) {
+  std::string hint;
+  if (st.error_code() == grpc::StatusCode::UNAVAILABLE && st.error_message().find("failed to connect") != std::string::npos) {
+    hint = absl::StrCat(" (is ellm running? start it with launch/ellm-launch; server ", server, ")");
+  }
+  return Fail(absl::StrCat(st.error_message(), " [", st.error_code(), "]", hint));
+}
+
+const char* ReasonName(ellm::v1::FinishReason r) {
+  switch (r) {
+    case ellm::v1::FINISH_REASON_STOP_TOKEN: return "stop token";
+    case ellm::v1::FINISH_REASON_MAX_TOKENS: return "max tokens";
+    case ellm::v1::FINISH_REASON_STOP_STRING: return "stop string";
+    case ellm::v1::FINISH_REASON_CONTEXT: return "context full";
+    default: return "unspecified";
+  }
+}
+
+int Main(int argc, char** argv) {
+  Args args(
+      "ellm: command-line client of an ellm server.\n\n"
+      "Usage:\n"
+      "  ellm generate \"prompt\" [flags]   stream generated text to stdout\n"
+      "  ellm tokenize \"text\"             print token ids and pieces\n"
+      "  ellm info                        print the served model\n"
+      "  ellm health                      print SERVING / NOT_SERVING");
+  args.Flag("server", "127.0.0.1:50051", "address of the ellm server");
+  args.Flag("max-tokens", "", "tokens to generate (default: the server's, 128)");
+  args.Flag("temperature", "", "0 = greedy (default 1)");
+  args.Flag("top-p", "", "nucleus sampling, (0, 1] (default 1)");
+  args.Flag("top-k", "0", "keep the k most likely tokens; 0 = off");
+  args.Flag("seed", "", "random seed: same seed, same output");
+  args.Flag("stop", "", "stop when this string appears (not printed)");
+  args.Flag("no-bos", "", "do not prepend the BOS token", true);
+  args.Flag("stats", "", "print token counts and timings to stderr at the end", true);
+  absl::Status st = args.Parse(argc, argv);
+  if (args.help() || (st.ok() && args.positional().empty())) {
+    std::printf("%s", args.HelpText().c_str());
+    return args.help() ? 0 : 2;
+  }
+  if (!st.ok()) return Fail(std::string(st.message()));
+  const std::string command = args.positional()[0];
+  const std::string server = args.Get("server");
+  auto channel = grpc::CreateChannel(server, grpc::InsecureChannelCredentials());
+  auto stub = ellm::v1::Ellm::NewStub(channel);
+
+  if (command == "generate") {
+    if (args.positional().size() != 2) return Fail("usage: ellm generate \"prompt\" [flags]");
+    ellm::v1::GenerateRequest req;
+    req.set_prompt(args.positional()[1]);
+    if (args.IsSet("max-tokens")) {
+      absl::StatusOr<int> v = args.GetInt("max-tokens");
+      if (!v.ok()) return Fail(std::string(v.status().message()));
+      req.set_max_tokens(*v);
+    }
+    if (args.IsSet("temperature")) {
+      absl::StatusOr<double> v = args.GetDouble("temperature");
+      if (!v.ok()) return Fail(std::string(v.status().message()));
+      req.mutable_sampling()->set_temperature(static_cast<float>(*v));
+    }
+    if (args.IsSet("top-p")) {
+      absl::StatusOr<double> v = args.GetDouble("top-p");
+      if (!v.ok()) return Fail(std::string(v.status().message()));
+      req.mutable_sampling()->set_top_p(static_cast<float>(*v));
+    }
+    absl::StatusOr<int> top_k = args.GetInt("top-k");
+    if (!top_k.ok()) return Fail(std::string(top_k.status().message()));
+    req.mutable_sampling()->set_top_k(*top_k);
+    if (args.IsSet("seed")) {
+      absl::StatusOr<double> v = args.GetDouble("seed");
+      if (!v.ok() || *v < 0) return Fail("--seed must be a non-negative integer");
+      req.mutable_sampling()->set_seed(static_cast<uint64_t>(*v));
+    }
+    if (args.IsSet("stop")) req.add_stop(args.Get("stop"));
+    if (args.GetBool("no-bos")) req.set_add_bos(false);
+    grpc::ClientContext ctx;
+    auto reader = stub->Generate(&ctx, req);
+    ellm::v1::GenerateResponse resp;
+    ellm::v1::Finish finish;
+    bool finished = false;
+    while (reader->Read(&resp)) {
+      std::fwrite(resp.text().data(), 1, resp.text().size(), stdout);
+      std::fflush(stdout);
+      if (resp.has_finish()) {
+        finish = resp.finish();
+        finished = true;
+      }
+    }
+    grpc::Status status = reader->Finish();
+    std::printf("\n");
+    if (!status.ok()) return FailRpc(status, server);
+    if (finished && args.GetBool("stats")) {
+      std::fprintf(stderr,
+                   "[%s; %d prompt + %d generated tokens; first token %.1f ms; %.2f ms/token]\n",
+                   ReasonName(finish.reason()), finish.prompt_tokens(), finish.completion_tokens(),
+                   finish.time_to_first_token_ms(), finish.decode_ms_per_token());
+    }
+    return 0;
+  }
+  if (command == "tokenize") {
+    if (args.positional().size() != 2) return Fail("usage: ellm tokenize \"text\"");
+    ellm::v1::TokenizeRequest req;
+    req.set_text(args.positional()[1]);
+    if (args.GetBool("no-bos")) req.set_add_bos(false);
+    ellm::v1::TokenizeResponse resp;
+    grpc::ClientContext ctx;
+    grpc::Status status = stub->Tokenize(&ctx, req, &resp);
+    if (!status.ok()) return FailRpc(status, server);
+    for (int i = 0; i < resp.token_ids_size(); ++i) {
+      std::printf("%d\t'%s'\n", resp.token_ids(i), resp.pieces(i).c_str());
+    }
+    return 0;
+  }
+  if (command == "info") {
+    ellm::v1::ModelInfo info;
+    grpc::ClientContext ctx;
+    grpc::Status status = stub->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info);
+    if (!status.ok()) return FailRpc(status, server);
+    std::printf("%s", info.DebugString().c_str());
+    return 0;
+  }
+  if (command == "health") {
+    auto health = grpc::health::v1::Health::NewStub(channel);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::health::v1::HealthCheckResponse resp;
+    grpc::Status status = health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp);
+    if (!status.ok()) return FailRpc(status, server);
+    std::printf("%s\n", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()).c_str());
+    return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+  }
+  return Fail(absl::StrCat("unknown command '", command, "' (see --help)"));
+}
+
+}  // namespace
+}  // namespace ellm::launch
+
+int main(int argc, char** argv) { return ellm::launch::Main(argc, argv); }

@@ -1,0 +1,419 @@
+// ellm-launch: starts ellm on this server — one attn-worker per NUMA node,
+// the mlp-worker, the coordinator — waits until all are healthy, and stops
+// them all (removing every shared-memory segment) on Ctrl-C / SIGTERM.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/gguf.h"
+#include "core/log.h"
+#include "core/model_config.h"
+#include "core/signals.h"
+#include "core/topology.h"
+#include "launch/args.h"
+#include "proto/health.grpc.pb.h"
+
+namespace ellm::launch {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Child {
+  std::string name;  // "attn-worker 0", "mlp-worker", "coordinator"
+  pid_t pid = -1;
+  std::string health_address;
+  bool exited = false;
+  int status = 0;
+};
+
+struct LaunchConfig {
+  std::string model_path;
+  std::string host;
+  int port = 50051;
+  int attn_workers = 0;  // 0: one per NUMA node
+  int kv_cache_mb = 0;   // per attention worker; 0: automatic
+  int max_batch = 16;
+  int max_step_tokens = 256;
+  int mlp_threads = 0;
+  std::string topology_spec;
+  std::string bin_dir;
+  std::string log_level;
+  bool use_numactl = true;
+  int ready_timeout_s = 180;
+};
+
+std::string DescribeExit(int status) {
+  if (WIFEXITED(status)) return absl::StrCat("exited with status ", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return absl::StrCat("was killed by signal ", WTERMSIG(status));
+  return "stopped";
+}
+
+bool Executable(const std::string& path) { return access(path.c_str(), X_OK) == 0; }
+
+// Where the binaries are: --bin-dir, $ELLM_BIN_DIR, this program's folder, build/.
+std::string FindBinDir(const std::string& flag, const char* argv0) {
+  if (!flag.empty()) return flag;
+  if (const char* env = std::getenv("ELLM_BIN_DIR"); env != nullptr && *env) return env;
+  std::error_code ec;
+  fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec && Executable((self.parent_path() / "ellm-coordinator").string())) {
+    return self.parent_path().string();
+  }
+  return "build";
+}
+
+absl::StatusOr<std::string> FindModel(const std::string& flag) {
+  if (!flag.empty()) return flag;
+  if (const char* env = std::getenv("ELLM_MODEL"); env != nullptr && *env) return std::string(env);
+  for (const std::string& candidate :
+       {std::string("../shared/models/stories260K.gguf"),
+        std::string(ELLM_SOURCE_DIR) + "/../shared/models/stories260K.gguf"}) {
+    if (fs::exists(candidate)) return fs::absolute(candidate).lexically_normal().string();
+  }
+  return absl::NotFoundError(
+      "no model given: pass --model FILE.gguf or set ELLM_MODEL (e.g. a llama GGUF such as "
+      "stories260K.gguf from llama.cpp's test models, placed at ../shared/models/stories260K.gguf)");
+}
+
+pid_t Spawn(const std::vector<std::string>& argv) {
+  const pid_t parent = getpid();
+  pid_t pid = fork();
+  if (pid != 0) return pid;
+  // Child: die with the launcher, own process group for signals from the terminal.
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (getppid() != parent) _exit(1);
+  setpgid(0, 0);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  execvp(args[0], args.data());
+  std::fprintf(stderr, "ellm-launch: cannot run %s: %s\n", args[0], strerror(errno));
+  _exit(127);
+}
+
+bool Healthy(const std::string& address) {
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  return stub->Check(&ctx, req, &resp).ok() &&
+         resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+class Launch {
+ public:
+  explicit Launch(LaunchConfig config) : c_(std::move(config)) {}
+  ~Launch() { StopAll(); }
+
+  absl::Status Start();
+  // Runs until a stop signal or the coordinator's exit; returns the exit code.
+  int Serve();
+
+ private:
+  void Reap();
+  void StopAll();
+  void RemoveSegments();
+
+  LaunchConfig c_;
+  std::string prefix_;   // of every shared-memory segment of this launch
+  std::string run_dir_;  // control sockets
+  std::vector<Child> children_;
+  bool stopped_ = false;
+};
+
+absl::Status Launch::Start() {
+  ASSIGN_OR_RETURN(auto file, GgufFile::Open(c_.model_path));
+  ASSIGN_OR_RETURN(ModelConfig model, ModelConfig::FromGguf(*file));
+  Topology topo;
+  if (!c_.topology_spec.empty()) {
+    ASSIGN_OR_RETURN(topo, ParseTopologySpec(c_.topology_spec));
+  } else {
+    ASSIGN_OR_RETURN(topo, DiscoverTopology());
+  }
+  const int n = c_.attn_workers > 0 ? c_.attn_workers : static_cast<int>(topo.nodes.size());
+  if (model.n_kv_heads % n != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot split the model's ", model.n_kv_heads, " KV heads evenly over ", n,
+        " attention workers; choose --attn-workers from the divisors of ", model.n_kv_heads));
+  }
+  const int heads_each = model.n_kv_heads / n;
+  for (const std::string& bin : {"ellm-attn-worker", "ellm-mlp-worker", "ellm-coordinator"}) {
+    if (!Executable(c_.bin_dir + "/" + bin)) {
+      return absl::NotFoundError(absl::StrCat("cannot find ", c_.bin_dir, "/", bin,
+                                              "; build ellm first or set ELLM_BIN_DIR"));
+    }
+  }
+  const bool numactl = c_.use_numactl && system("command -v numactl >/dev/null 2>&1") == 0;
+  LogInfo("model %s: %s", c_.model_path, model.DebugString());
+  LogInfo("topology %s; %d attention workers with %d KV heads each%s", topo.DebugString(), n,
+          heads_each, numactl ? " (bound with numactl)" : "");
+
+  std::random_device rd;
+  prefix_ = absl::StrFormat("ellm-%d-%08x", getpid(), rd());
+  run_dir_ = absl::StrCat("/tmp/", prefix_);
+  if (mkdir(run_dir_.c_str(), 0700) != 0) {
+    return absl::InternalError(absl::StrCat("cannot create ", run_dir_, ": ", strerror(errno)));
+  }
+
+  // KV budget per worker: what the batch can use at full context, at most 1/4 of RAM shared.
+  int kv_mb = c_.kv_cache_mb;
+  if (kv_mb <= 0) {
+    const double per_token = 2.0 * model.n_layers * heads_each * model.head_dim * sizeof(float);
+    const double want = per_token * model.context_length * c_.max_batch / 1048576.0;
+    const double ram_mb = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE) / 1048576.0;
+    kv_mb = static_cast<int>(std::max(1.0, std::min(want, ram_mb / 4 / n)) + 1);
+  }
+
+  const std::string common_limits = absl::StrCat("--max_batch=", c_.max_batch);
+  const std::string step_limit = absl::StrCat("--max_step_tokens=", c_.max_step_tokens);
+  std::vector<std::string> shard_specs, worker_addresses;
+  for (int i = 0; i < n; ++i) {
+    const NumaNode& node = topo.nodes[i % topo.nodes.size()];
+    // Workers that land on the same node split its cores between them.
+    const int nodes = static_cast<int>(topo.nodes.size());
+    const int sharing = n / nodes + (i % nodes < n % nodes ? 1 : 0);
+    const int slot = i / nodes;
+    std::vector<int> cpus;
+    for (size_t k = 0; k < node.cpus.size(); ++k) {
+      if (static_cast<int>(k) % sharing == slot) cpus.push_back(node.cpus[k]);
+    }
+    if (cpus.empty()) cpus = node.cpus;
+    const std::string channel = absl::StrCat(prefix_, "-attn-", i);
+    const std::string address = absl::StrCat("unix:", run_dir_, "/attn-", i, ".sock");
+    std::vector<std::string> argv;
+    if (numactl) {
+      argv = {"numactl", absl::StrCat("--cpunodebind=", node.id), absl::StrCat("--membind=", node.id)};
+    }
+    std::vector<std::string> rest = {
+        c_.bin_dir + "/ellm-attn-worker", "--model=" + c_.model_path,
+        absl::StrCat("--shard=", i), absl::StrCat("--kv_heads=", i * heads_each, ":", (i + 1) * heads_each),
+        "--channel=" + channel, "--listen=" + address, absl::StrCat("--numa_node=", node.id),
+        "--cpus=" + FormatCpuList(cpus), absl::StrCat("--kv_cache_mb=", kv_mb), common_limits,
+        step_limit, "--log_level=" + c_.log_level};
+    argv.insert(argv.end(), rest.begin(), rest.end());
+    children_.push_back({absl::StrCat("attn-worker ", i), Spawn(argv), address});
+    shard_specs.push_back(absl::StrCat(channel, "=", i * heads_each, ":", (i + 1) * heads_each));
+    worker_addresses.push_back(address);
+  }
+
+  const NumaNode& mlp_node = topo.nodes[0];
+  const int mlp_threads = c_.mlp_threads > 0 ? c_.mlp_threads : static_cast<int>(mlp_node.cpus.size());
+  const std::string mlp_channel = prefix_ + "-mlp";
+  const std::string mlp_address = absl::StrCat("unix:", run_dir_, "/mlp.sock");
+  {
+    std::vector<std::string> argv;
+    if (numactl) argv = {"numactl", absl::StrCat("--cpunodebind=", mlp_node.id)};
+    std::vector<std::string> rest = {
+        c_.bin_dir + "/ellm-mlp-worker", "--model=" + c_.model_path, "--channel=" + mlp_channel,
+        "--attn_shards=" + absl::StrJoin(shard_specs, ","), "--listen=" + mlp_address,
+        absl::StrCat("--threads=", mlp_threads), common_limits, step_limit,
+        "--log_level=" + c_.log_level};
+    argv.insert(argv.end(), rest.begin(), rest.end());
+    children_.push_back({"mlp-worker", Spawn(argv), mlp_address});
+    worker_addresses.push_back(mlp_address);
+  }
+  const std::string public_address = absl::StrCat(c_.host, ":", c_.port);
+  children_.push_back(
+      {"coordinator",
+       Spawn({c_.bin_dir + "/ellm-coordinator", "--model=" + c_.model_path, "--listen=" + public_address,
+              "--mlp_channel=" + mlp_channel, "--workers=" + absl::StrJoin(worker_addresses, ","),
+              common_limits, step_limit, "--log_level=" + c_.log_level}),
+       public_address});
+
+  // Wait until every process answers its health check.
+  const absl::Time deadline = absl::Now() + absl::Seconds(c_.ready_timeout_s);
+  for (Child& child : children_) {
+    while (!Healthy(child.health_address)) {
+      Reap();
+      for (const Child& c : children_) {
+        if (c.exited) {
+          return absl::UnavailableError(absl::StrCat(c.name, " (pid ", c.pid, ") ", DescribeExit(c.status),
+                                                     " during start-up; see its log above"));
+        }
+      }
+      if (StopRequested()) return absl::CancelledError("interrupted during start-up");
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(child.name, " did not become healthy within ",
+                                                        c_.ready_timeout_s, " s"));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  LogInfo("ellm is ready: listening on %s (model %s, %d attention workers, %d MiB KV cache each)",
+          public_address, fs::path(c_.model_path).filename().string(), n, kv_mb);
+  std::printf("ellm listening on %s\n", public_address.c_str());
+  std::fflush(stdout);
+  return absl::OkStatus();
+}
+
+void Launch::Reap() {
+  for (Child& c : children_) {
+    if (c.exited || c.pid <= 0) continue;
+    int status = 0;
+    if (waitpid(c.pid, &status, WNOHANG) == c.pid) {
+      c.exited = true;
+      c.status = status;
+    }
+  }
+}
+
+int Launch::Serve() {
+  std::vector<bool> reported(children_.size(), false);
+  while (!StopRequested()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    Reap();
+    for (size_t i = 0; i < children_.size(); ++i) {
+      const Child& c = children_[i];
+      if (!c.exited || reported[i]) continue;
+      reported[i] = true;
+      if (c.name == "coordinator") {
+        LogError("the coordinator (pid %d) %s; stopping ellm", c.pid, DescribeExit(c.status));
+        return 1;
+      }
+      LogError("%s (pid %d) %s; ellm no longer serves (health: NOT_SERVING). Stop with Ctrl-C and "
+               "start it again.",
+               c.name, c.pid, DescribeExit(c.status));
+    }
+  }
+  LogInfo("stopping ellm");
+  return 0;
+}
+
+void Launch::StopAll() {
+  if (stopped_) return;
+  stopped_ = true;
+  // Coordinator first (it stops taking requests), then the workers.
+  for (auto it = children_.rbegin(); it != children_.rend(); ++it) {
+    Child& c = *it;
+    if (c.pid <= 0 || c.exited) continue;
+    kill(c.pid, SIGTERM);
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    while (absl::Now() < deadline) {
+      int status = 0;
+      if (waitpid(c.pid, &status, WNOHANG) == c.pid) {
+        c.exited = true;
+        c.status = status;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (!c.exited) {
+      LogWarning("%s (pid %d) did not stop within 5 s; killing it", c.name, c.pid);
+      kill(c.pid, SIGKILL);
+      waitpid(c.pid, &c.status, 0);
+      c.exited = true;
+    }
+  }
+  RemoveSegments();
+}
+
+void Launch::RemoveSegments() {
+  if (prefix_.empty()) return;
+  std::error_code ec;
+  int removed = 0;
+  for (const auto& entry : fs::directory_iterator("/dev/shm", ec)) {
+    if (entry.path().filename().string().rfind(prefix_, 0) == 0) {
+      fs::remove(entry.path(), ec);
+      ++removed;
+    }
+  }
+  fs::remove_all(run_dir_, ec);
+  LogInfo("stopped all processes%s", removed ? absl::StrCat("; removed ", removed, " leftover segments") : "");
+}
+
+int Main(int argc, char** argv) {
+  SetLogIdentity("launch");
+  Args args(
+      "ellm-launch: start ellm on this server.\n\n"
+      "Starts one attention worker per NUMA node (each owning an equal share of the\n"
+      "model's KV heads, bound to its node), the MLP worker and the coordinator;\n"
+      "waits until all are healthy and prints the address it listens on. Ctrl-C or\n"
+      "SIGTERM stops every process and removes every shared-memory segment.\n\n"
+      "Usage: ellm-launch [--model FILE.gguf] [flags]\n"
+      "Model: --model, else $ELLM_MODEL, else ../shared/models/stories260K.gguf.\n"
+      "Binaries: --bin-dir, else $ELLM_BIN_DIR, else the folder of ellm-launch.");
+  args.Flag("model", "", "GGUF model file");
+  args.Flag("host", "127.0.0.1", "address the public gRPC API listens on");
+  args.Flag("port", "50051", "port of the public gRPC API");
+  args.Flag("attn-workers", "0", "attention workers (0: one per NUMA node); must divide the KV heads");
+  args.Flag("kv-cache-mb", "0", "KV cache per attention worker in MiB (0: enough for --max-batch "
+            "sequences at full context, at most a quarter of RAM)");
+  args.Flag("max-batch", "16", "most sequences decoded together");
+  args.Flag("max-step-tokens", "256", "most tokens in one step (prompt chunks + decodes)");
+  args.Flag("mlp-threads", "0", "threads of the CPU MLP backend (0: the cores of node 0)");
+  args.Flag("topology", "", "NUMA topology to use instead of the machine's, e.g. 0:0-7;1:8-15");
+  args.Flag("bin-dir", "", "folder holding ellm-attn-worker, ellm-mlp-worker, ellm-coordinator");
+  args.Flag("log-level", "info", "debug, info, warning or error");
+  args.Flag("no-numactl", "", "do not wrap the attention workers in numactl", true);
+  args.Flag("ready-timeout", "180", "seconds to wait for every process to become healthy");
+  absl::Status st = args.Parse(argc, argv);
+  if (args.help()) {
+    std::printf("%s", args.HelpText().c_str());
+    return 0;
+  }
+  if (!st.ok()) {
+    LogError("%s", st.message());
+    return 2;
+  }
+  if (!args.positional().empty()) {
+    LogError("unexpected argument '%s' (see --help)", args.positional()[0]);
+    return 2;
+  }
+  LaunchConfig c;
+  absl::StatusOr<std::string> model = FindModel(args.Get("model"));
+  if (!model.ok()) {
+    LogError("%s", model.status().message());
+    return 2;
+  }
+  c.model_path = *model;
+  c.host = args.Get("host");
+  c.topology_spec = args.Get("topology");
+  c.bin_dir = FindBinDir(args.Get("bin-dir"), argv[0]);
+  c.log_level = args.Get("log-level");
+  c.use_numactl = !args.GetBool("no-numactl");
+  for (auto [name, field] : std::vector<std::pair<const char*, int*>>{
+           {"port", &c.port}, {"attn-workers", &c.attn_workers}, {"kv-cache-mb", &c.kv_cache_mb},
+           {"max-batch", &c.max_batch}, {"max-step-tokens", &c.max_step_tokens},
+           {"mlp-threads", &c.mlp_threads}, {"ready-timeout", &c.ready_timeout_s}}) {
+    absl::StatusOr<int> v = args.GetInt(name);
+    if (!v.ok()) {
+      LogError("%s", v.status().message());
+      return 2;
+    }
+    *field = *v;
+  }
+  if (c.port <= 0 || c.port > 65535 || c.attn_workers < 0 || c.max_batch <= 0 || c.max_step_tokens <= 0) {
+    LogError("--port must be 1..65535; --attn-workers >= 0; --max-batch and --max-step-tokens > 0");
+    return 2;
+  }
+  InstallStopSignalHandlers();
+  Launch launch(c);
+  st = launch.Start();
+  if (!st.ok()) {
+    LogError("%s", st.message());
+    return 1;
+  }
+  return launch.Serve();
+}
+
+}  // namespace
+}  // namespace ellm::launch
+
+int main(int argc, char** argv) { return ellm::launch::Main(argc, argv); }

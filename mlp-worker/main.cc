@@ -1,0 +1,249 @@
+// ellm-mlp-worker: holds the weights and runs every step plan the coordinator
+// sends: embeddings, per layer q/k/v -> attention shards -> O projection and
+// MLP, then the LM head and sampling. A thin shell around StepRunner.
+#include <unistd.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "core/gguf.h"
+#include "core/log.h"
+#include "core/model_config.h"
+#include "core/signals.h"
+#include "core/weights.h"
+#include "mlp-worker/backend.h"
+#include "mlp-worker/step_runner.h"
+#include "proto/ellm.grpc.pb.h"
+#include "shm/channel.h"
+#include "shm/messages.h"
+
+ABSL_FLAG(std::string, model, "", "GGUF model file");
+ABSL_FLAG(std::string, channel, "", "name of the shared-memory channel to create for the coordinator");
+ABSL_FLAG(std::string, attn_shards, "",
+          "attention shards as CHANNEL=BEGIN:END,... (KV heads [BEGIN, END) each), in head order");
+ABSL_FLAG(std::string, listen, "", "gRPC control address, e.g. unix:/tmp/x.sock");
+ABSL_FLAG(std::string, backend, "cpu", "cpu (cuda: see the CUDA backend issue)");
+ABSL_FLAG(int, threads, 1, "threads of the CPU backend");
+ABSL_FLAG(int, max_batch, 16, "most sequences in one step");
+ABSL_FLAG(int, max_step_tokens, 256, "most tokens in one step");
+ABSL_FLAG(int, connect_timeout_s, 60, "how long to wait for the attention workers' channels");
+ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
+
+namespace ellm::mlp {
+namespace {
+
+struct ShardSpec {
+  std::string channel;
+  int begin = 0, end = 0;
+};
+
+struct MlpWorkerConfig {
+  std::string model_path;
+  std::string channel;
+  std::vector<ShardSpec> shards;
+  std::string listen;
+  std::string backend;
+  int threads = 1;
+  int max_batch = 16;
+  int max_step_tokens = 256;
+  absl::Duration connect_timeout;
+};
+
+absl::StatusOr<MlpWorkerConfig> ConfigFromFlags() {
+  MlpWorkerConfig c;
+  c.model_path = absl::GetFlag(FLAGS_model);
+  c.channel = absl::GetFlag(FLAGS_channel);
+  c.listen = absl::GetFlag(FLAGS_listen);
+  c.backend = absl::GetFlag(FLAGS_backend);
+  c.threads = std::max(1, absl::GetFlag(FLAGS_threads));
+  c.max_batch = absl::GetFlag(FLAGS_max_batch);
+  c.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
+  c.connect_timeout = absl::Seconds(absl::GetFlag(FLAGS_connect_timeout_s));
+  if (c.model_path.empty()) return absl::InvalidArgumentError("--model is required");
+  if (c.channel.empty()) return absl::InvalidArgumentError("--channel is required");
+  if (c.listen.empty()) return absl::InvalidArgumentError("--listen is required");
+  if (c.backend != "cpu") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend ", c.backend, " is not available in this build (use cpu)"));
+  }
+  if (c.max_batch <= 0 || c.max_step_tokens <= 0) {
+    return absl::InvalidArgumentError("--max_batch and --max_step_tokens must be positive");
+  }
+  for (absl::string_view spec : absl::StrSplit(absl::GetFlag(FLAGS_attn_shards), ',', absl::SkipEmpty())) {
+    std::vector<std::string> kv = absl::StrSplit(spec, '=');
+    std::vector<std::string> range = kv.size() == 2 ? absl::StrSplit(kv[1], ':') : std::vector<std::string>{};
+    ShardSpec s;
+    if (range.size() != 2 || !absl::SimpleAtoi(range[0], &s.begin) ||
+        !absl::SimpleAtoi(range[1], &s.end)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad --attn_shards entry '", spec, "' (expected CHANNEL=BEGIN:END)"));
+    }
+    s.channel = kv[0];
+    c.shards.push_back(s);
+  }
+  if (c.shards.empty()) return absl::InvalidArgumentError("--attn_shards is required");
+  return c;
+}
+
+class ControlService final : public ellm::v1::WorkerControl::Service {
+ public:
+  ControlService(const MlpWorkerConfig& config, std::string backend, std::atomic<int64_t>* steps)
+      : config_(config), backend_(std::move(backend)), steps_(steps) {}
+  grpc::Status GetInfo(grpc::ServerContext*, const ellm::v1::GetInfoRequest*,
+                       ellm::v1::WorkerInfo* info) override {
+    info->set_role("mlp-worker");
+    info->set_pid(getpid());
+    info->set_model_path(config_.model_path);
+    info->set_channel(config_.channel);
+    info->set_kernel(backend_);
+    info->set_threads(config_.threads);
+    info->set_steps(steps_->load());
+    info->set_max_batch(config_.max_batch);
+    info->set_max_step_tokens(config_.max_step_tokens);
+    info->set_numa_node(-1);
+    return grpc::Status::OK;
+  }
+  grpc::Status FreeSequences(grpc::ServerContext*, const ellm::v1::FreeSequencesRequest*,
+                             ellm::v1::FreeSequencesResponse*) override {
+    return grpc::Status::OK;  // the mlp-worker keeps no per-sequence state
+  }
+  grpc::Status Shutdown(grpc::ServerContext*, const ellm::v1::ShutdownRequest*,
+                        ellm::v1::ShutdownResponse*) override {
+    RequestStop();
+    return grpc::Status::OK;
+  }
+
+ private:
+  const MlpWorkerConfig& config_;
+  std::string backend_;
+  std::atomic<int64_t>* steps_;
+};
+
+void WriteError(shm::Ring& ring, uint64_t step, const absl::Status& status) {
+  const std::string message(status.message());
+  shm::WaitOptions wait;
+  wait.timeout = absl::Seconds(5);
+  absl::Status st = ring.Write(shm::ErrorHeader(step, status, message.size()), message.data(), wait);
+  if (!st.ok()) LogError("cannot send error reply: %s", st.ToString());
+}
+
+absl::Status Run(const MlpWorkerConfig& config) {
+  ASSIGN_OR_RETURN(auto file, GgufFile::Open(config.model_path));
+  ASSIGN_OR_RETURN(ModelConfig model, ModelConfig::FromGguf(*file));
+  LogInfo("model %s: %s", config.model_path, model.DebugString());
+  int last_percent = -1;
+  ASSIGN_OR_RETURN(ModelWeights weights,
+                   LoadWeights(*file, model, [&](int done, int total) {
+                     const int percent = done * 100 / total;
+                     if (percent / 10 != last_percent / 10 || done == total) {
+                       LogInfo("loading weights: %d/%d tensors (%d%%)", done, total, percent);
+                       last_percent = percent;
+                     }
+                   }));
+  ASSIGN_OR_RETURN(std::unique_ptr<MlpBackend> backend,
+                   CreateCpuBackend(std::move(weights), config.max_step_tokens, config.threads));
+  LogInfo("backend %s", backend->name());
+
+  std::vector<std::unique_ptr<shm::Channel>> channels;
+  std::vector<ShardLink> links;
+  for (size_t i = 0; i < config.shards.size(); ++i) {
+    LogInfo("connecting to attn-worker %d (channel %s)", static_cast<int>(i), config.shards[i].channel);
+    ASSIGN_OR_RETURN(auto channel, shm::Channel::Open(config.shards[i].channel, config.connect_timeout));
+    links.push_back({static_cast<int>(i), config.shards[i].begin, config.shards[i].end, channel.get()});
+    channels.push_back(std::move(channel));
+  }
+  ASSIGN_OR_RETURN(auto runner, StepRunner::Create(model, backend.get(), links, config.max_step_tokens));
+
+  const uint64_t plan_bytes = sizeof(shm::FrameHeader) + config.max_batch * sizeof(shm::PlanSeq) +
+                              config.max_step_tokens * sizeof(int32_t);
+  const uint64_t result_bytes =
+      sizeof(shm::FrameHeader) + std::max<uint64_t>(config.max_batch * sizeof(shm::SampledSeq), 4096);
+  ASSIGN_OR_RETURN(auto coord, shm::Channel::Create(config.channel, 4, plan_bytes, result_bytes));
+
+  std::atomic<int64_t> steps{0};
+  ControlService control(config, backend->name(), &steps);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials());
+  builder.RegisterService(&control);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));
+  server->GetHealthCheckService()->SetServingStatus(true);
+  LogInfo("serving channel %s, control on %s", config.channel, config.listen);
+
+  shm::WaitOptions wait;
+  wait.peer_alive = [] { return !StopRequested(); };
+  absl::Status broken;  // set once a shard has died: every later step fails fast
+  while (!StopRequested()) {
+    absl::StatusOr<shm::Ring::Frame> frame = coord->requests().BeginRead(wait);
+    if (!frame.ok()) {
+      if (StopRequested()) break;
+      LogError("bad frame from the coordinator: %s", frame.status().ToString());
+      WriteError(coord->replies(), 0, frame.status());
+      continue;
+    }
+    const shm::FrameHeader header = frame->header;
+    absl::StatusOr<shm::StepPlan> plan =
+        shm::DecodeStepPlan(header, frame->payload, model.context_length, model.vocab_size);
+    coord->requests().EndRead();
+    absl::StatusOr<std::vector<shm::SampledSeq>> result =
+        !plan.ok() ? plan.status() : !broken.ok() ? broken : runner->Run(header.step, *plan);
+    ++steps;
+    if (!result.ok()) {
+      LogError("step %d: %s", header.step, result.status().ToString());
+      if (result.status().code() == absl::StatusCode::kUnavailable) broken = result.status();
+      WriteError(coord->replies(), header.step, result.status());
+      continue;
+    }
+    shm::FrameHeader reply;
+    reply.kind = static_cast<uint16_t>(shm::FrameKind::kStepResult);
+    reply.step = header.step;
+    reply.n_seqs = static_cast<uint32_t>(result->size());
+    reply.n_tokens = header.n_tokens;
+    reply.payload_bytes = result->size() * sizeof(shm::SampledSeq);
+    shm::WaitOptions write_wait;
+    write_wait.timeout = absl::Seconds(30);
+    absl::Status st = coord->replies().Write(reply, result->data(), write_wait);
+    if (!st.ok()) LogError("cannot send step %d result: %s", header.step, st.ToString());
+  }
+  LogInfo("stopping");
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace ellm::mlp
+
+int main(int argc, char** argv) {
+  ellm::DieWithParent();
+  absl::SetProgramUsageMessage(
+      "ellm-mlp-worker: weights and non-attention math of ellm (started by ellm-launch).\n"
+      "Runs the coordinator's step plans, sending each attention shard its heads.");
+  absl::ParseCommandLine(argc, argv);
+  ellm::LogLevel level = ellm::LogLevel::kInfo;
+  ellm::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level);
+  ellm::SetLogIdentity("mlp-worker", level);
+  ellm::InstallStopSignalHandlers();
+  absl::StatusOr<ellm::mlp::MlpWorkerConfig> config = ellm::mlp::ConfigFromFlags();
+  if (!config.ok()) {
+    ellm::LogError("%s", config.status().message());
+    return 2;
+  }
+  absl::Status status = ellm::mlp::Run(*config);
+  if (!status.ok()) {
+    ellm::LogError("%s", status.ToString());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,178 @@
+#include "mlp-worker/step_runner.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "core/sampler.h"
+
+namespace ellm::mlp {
+
+absl::StatusOr<std::unique_ptr<StepRunner>> StepRunner::Create(const ModelConfig& config,
+                                                               MlpBackend* backend,
+                                                               std::vector<ShardLink> shards,
+                                                               int max_step_tokens) {
+  int next = 0;
+  for (const ShardLink& s : shards) {
+    if (s.kv_head_begin != next || s.kv_head_end <= s.kv_head_begin || s.channel == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attention shards must cover KV heads 0..", config.n_kv_heads,
+          " in order; shard ", s.shard, " has [", s.kv_head_begin, ", ", s.kv_head_end, ")"));
+    }
+    next = s.kv_head_end;
+  }
+  if (next != config.n_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat("attention shards cover KV heads 0..", next,
+                                                   " of ", config.n_kv_heads));
+  }
+  return std::unique_ptr<StepRunner>(
+      new StepRunner(config, backend, std::move(shards), max_step_tokens));
+}
+
+StepRunner::StepRunner(const ModelConfig& config, MlpBackend* backend,
+                       std::vector<ShardLink> shards, int max_step_tokens)
+    : c_(config), backend_(backend), shards_(std::move(shards)), max_tokens_(max_step_tokens) {
+  q_.resize(static_cast<size_t>(max_tokens_) * c_.q_dim());
+  attn_.resize(q_.size());
+  k_.resize(static_cast<size_t>(max_tokens_) * c_.kv_dim());
+  v_.resize(k_.size());
+}
+
+absl::Status StepRunner::SendLayer(uint64_t step, int layer,
+                                   const std::vector<shm::SeqSlice>& slices) {
+  uint32_t T = 0;
+  for (const shm::SeqSlice& s : slices) T += s.n_tokens;
+  const int hd = c_.head_dim, g = c_.gqa_ratio();
+  for (const ShardLink& link : shards_) {
+    const int kvh = link.kv_head_end - link.kv_head_begin;
+    const int qh = kvh * g;
+    shm::AttnShape shape{qh, kvh, hd};
+    shm::WaitOptions wait;
+    wait.timeout = shard_timeout;
+    wait.peer_alive = [&] { return link.channel->PeerAlive(); };
+    absl::StatusOr<uint8_t*> slot = link.channel->requests().BeginWrite(wait);
+    if (!slot.ok()) {
+      return absl::Status(slot.status().code(),
+                          absl::StrCat("attn-worker ", link.shard, ": ", slot.status().message()));
+    }
+    uint8_t* p = *slot;
+    std::memcpy(p, slices.data(), slices.size() * sizeof(shm::SeqSlice));
+    float* f = reinterpret_cast<float*>(p + slices.size() * sizeof(shm::SeqSlice));
+    // q rows: the shard's query heads [begin*g, end*g) of each token.
+    const size_t q_row = static_cast<size_t>(qh) * hd, kv_row = static_cast<size_t>(kvh) * hd;
+    for (uint32_t t = 0; t < T; ++t) {
+      std::memcpy(f + t * q_row,
+                  q_.data() + static_cast<size_t>(t) * c_.q_dim() + link.kv_head_begin * g * hd,
+                  q_row * sizeof(float));
+    }
+    f += T * q_row;
+    for (uint32_t t = 0; t < T; ++t) {
+      std::memcpy(f + t * kv_row,
+                  k_.data() + static_cast<size_t>(t) * c_.kv_dim() + link.kv_head_begin * hd,
+                  kv_row * sizeof(float));
+    }
+    f += T * kv_row;
+    for (uint32_t t = 0; t < T; ++t) {
+      std::memcpy(f + t * kv_row,
+                  v_.data() + static_cast<size_t>(t) * c_.kv_dim() + link.kv_head_begin * hd,
+                  kv_row * sizeof(float));
+    }
+    shm::FrameHeader h;
+    h.kind = static_cast<uint16_t>(shm::FrameKind::kAttnRequest);
+    h.step = step;
+    h.layer = static_cast<uint32_t>(layer);
+    h.n_seqs = static_cast<uint32_t>(slices.size());
+    h.n_tokens = T;
+    h.payload_bytes = shape.RequestBytes(h.n_seqs, T);
+    link.channel->requests().CommitWrite(h);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StepRunner::GatherLayer(uint64_t step, int layer, uint32_t T) {
+  // Every shard's reply is read, even after a failure, so the rings stay in step.
+  absl::Status first_error;
+  const int hd = c_.head_dim, g = c_.gqa_ratio();
+  for (const ShardLink& link : shards_) {
+    const int qh = (link.kv_head_end - link.kv_head_begin) * g;
+    shm::WaitOptions wait;
+    wait.timeout = shard_timeout;
+    wait.peer_alive = [&] { return link.channel->PeerAlive(); };
+    absl::StatusOr<shm::Ring::Frame> frame = link.channel->replies().BeginRead(wait);
+    if (!frame.ok()) {
+      absl::Status st = frame.status();
+      if (st.code() == absl::StatusCode::kUnavailable) {
+        st = absl::UnavailableError(absl::StrCat("attn-worker ", link.shard,
+                                                 " (pid ", link.channel->replies().producer_pid(),
+                                                 ") has exited"));
+      } else {
+        st = absl::Status(st.code(), absl::StrCat("attn-worker ", link.shard, ": ", st.message()));
+      }
+      if (first_error.ok()) first_error = st;
+      continue;
+    }
+    const shm::FrameHeader& h = frame->header;
+    absl::Status st;
+    if (h.kind == static_cast<uint16_t>(shm::FrameKind::kError)) {
+      absl::Status remote = shm::DecodeError(h, frame->payload);
+      st = absl::Status(remote.code(), absl::StrCat("attn-worker ", link.shard, ": ", remote.message()));
+    } else if (h.kind != static_cast<uint16_t>(shm::FrameKind::kAttnResult) || h.step != step ||
+               h.layer != static_cast<uint32_t>(layer) || h.n_tokens != T ||
+               h.payload_bytes != shm::AttnShape{qh, 0, hd}.ResultBytes(T)) {
+      st = absl::DataLossError(absl::StrCat("attn-worker ", link.shard, " answered kind ", h.kind,
+                                            " step ", h.step, " layer ", h.layer, " with ",
+                                            h.payload_bytes, " bytes; expected step ", step,
+                                            " layer ", layer));
+    } else {
+      const float* out = reinterpret_cast<const float*>(frame->payload);
+      const size_t row = static_cast<size_t>(qh) * hd;
+      for (uint32_t t = 0; t < T; ++t) {
+        std::memcpy(attn_.data() + static_cast<size_t>(t) * c_.q_dim() + link.kv_head_begin * g * hd,
+                    out + t * row, row * sizeof(float));
+      }
+    }
+    link.channel->replies().EndRead();
+    if (!st.ok() && first_error.ok()) first_error = st;
+  }
+  return first_error;
+}
+
+absl::StatusOr<std::vector<shm::SampledSeq>> StepRunner::Run(uint64_t step,
+                                                            const shm::StepPlan& plan) {
+  const int T = static_cast<int>(plan.tokens.size());
+  if (T == 0 || T > max_tokens_) {
+    return absl::InvalidArgumentError(absl::StrCat("step of ", T, " tokens (max ", max_tokens_, ")"));
+  }
+  std::vector<shm::SeqSlice> slices;
+  std::vector<int32_t> positions;
+  std::vector<int32_t> sample_rows;
+  for (const shm::PlanSeq& s : plan.seqs) {
+    slices.push_back(s.slice);
+    for (uint32_t j = 0; j < s.slice.n_tokens; ++j) {
+      positions.push_back(static_cast<int32_t>(s.slice.start_pos + j));
+    }
+    if (s.sample) sample_rows.push_back(static_cast<int32_t>(positions.size()) - 1);
+  }
+  RETURN_IF_ERROR(backend_->BeginStep(plan.tokens.data(), positions.data(), T));
+  for (int layer = 0; layer < c_.n_layers; ++layer) {
+    RETURN_IF_ERROR(backend_->ComputeQkv(layer, q_.data(), k_.data(), v_.data()));
+    RETURN_IF_ERROR(SendLayer(step, layer, slices));
+    RETURN_IF_ERROR(GatherLayer(step, layer, static_cast<uint32_t>(T)));
+    RETURN_IF_ERROR(backend_->CompleteLayer(layer, attn_.data()));
+  }
+  std::vector<shm::SampledSeq> out;
+  if (sample_rows.empty()) return out;
+  logits_.resize(sample_rows.size() * static_cast<size_t>(c_.vocab_size));
+  RETURN_IF_ERROR(backend_->ComputeLogits(sample_rows.data(), static_cast<int>(sample_rows.size()),
+                                          logits_.data()));
+  size_t i = 0;
+  for (const shm::PlanSeq& s : plan.seqs) {
+    if (!s.sample) continue;
+    SamplingParams params{s.temperature, s.top_k, s.top_p};
+    SampledToken tok = Sample(logits_.data() + i * c_.vocab_size, c_.vocab_size, params, s.u);
+    out.push_back({s.slice.seq_id, tok.token, tok.logprob});
+    ++i;
+  }
+  return out;
+}
+
+}  // namespace ellm::mlp

@@ -1,0 +1,53 @@
+// StepRunner: runs one step plan through the backend and the attention
+// shards: per layer it sends each shard the q, k, v of its heads, gathers the
+// outputs, and finishes the layer; at the end it samples the sequences that
+// asked for a token.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/model_config.h"
+#include "mlp-worker/backend.h"
+#include "shm/channel.h"
+#include "shm/messages.h"
+
+namespace ellm::mlp {
+
+struct ShardLink {
+  int shard = 0;
+  int kv_head_begin = 0;  // KV heads [begin, end) the shard owns
+  int kv_head_end = 0;
+  shm::Channel* channel = nullptr;
+};
+
+class StepRunner {
+ public:
+  // The shards must cover the model's KV heads exactly, in order
+  // (InvalidArgument otherwise).
+  static absl::StatusOr<std::unique_ptr<StepRunner>> Create(const ModelConfig& config,
+                                                            MlpBackend* backend,
+                                                            std::vector<ShardLink> shards,
+                                                            int max_step_tokens);
+
+  // Unavailable when a shard's process has exited, DeadlineExceeded when one
+  // does not answer within `shard_timeout`, other codes from the shards' errors.
+  absl::StatusOr<std::vector<shm::SampledSeq>> Run(uint64_t step, const shm::StepPlan& plan);
+
+  absl::Duration shard_timeout = absl::Seconds(120);
+
+ private:
+  StepRunner(const ModelConfig& config, MlpBackend* backend, std::vector<ShardLink> shards,
+             int max_step_tokens);
+  absl::Status SendLayer(uint64_t step, int layer, const std::vector<shm::SeqSlice>& slices);
+  absl::Status GatherLayer(uint64_t step, int layer, uint32_t n_tokens);
+
+  ModelConfig c_;
+  MlpBackend* backend_;
+  std::vector<ShardLink> shards_;
+  int max_tokens_;
+  std::vector<float> q_, k_, v_, attn_, logits_;  // token-major, whole model
+};
+
+}  // namespace ellm::mlp

@@ -1,0 +1,154 @@
+#include "shm/messages.h"
+
+#include <cstring>
+#include <unordered_set>
+
+#include "absl/strings/str_cat.h"
+
+namespace ellm::shm {
+
+absl::Status ValidateSlices(const SeqSlice* slices, uint32_t n_seqs, uint32_t n_tokens,
+                            uint32_t max_positions) {
+  if (n_seqs == 0) return absl::DataLossError("frame has an empty batch (0 sequences)");
+  uint64_t total = 0;
+  std::unordered_set<uint64_t> seen;
+  for (uint32_t i = 0; i < n_seqs; ++i) {
+    const SeqSlice& s = slices[i];
+    if (s.n_tokens == 0) {
+      return absl::DataLossError(absl::StrCat("sequence ", s.seq_id, " has 0 tokens in the frame"));
+    }
+    if (static_cast<uint64_t>(s.start_pos) + s.n_tokens > max_positions) {
+      return absl::DataLossError(absl::StrCat("sequence ", s.seq_id, " positions [", s.start_pos,
+                                              ", ", s.start_pos + uint64_t{s.n_tokens},
+                                              ") exceed the context of ", max_positions));
+    }
+    if (!seen.insert(s.seq_id).second) {
+      return absl::DataLossError(absl::StrCat("sequence ", s.seq_id, " appears twice in a frame"));
+    }
+    total += s.n_tokens;
+  }
+  if (total != n_tokens) {
+    return absl::DataLossError(absl::StrCat("batch descriptor says ", n_tokens,
+                                            " tokens but its sequences hold ", total));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status CheckKind(const FrameHeader& header, FrameKind kind, const char* what) {
+  if (header.kind != static_cast<uint16_t>(kind)) {
+    return absl::DataLossError(
+        absl::StrCat("expected a ", what, " frame (kind ", static_cast<int>(kind), "), got kind ",
+                     header.kind));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckBytes(const FrameHeader& header, uint64_t expected, const char* what) {
+  if (header.payload_bytes != expected) {
+    return absl::DataLossError(absl::StrCat(what, " payload is ", header.payload_bytes,
+                                            " bytes, its batch descriptor needs ", expected));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string EncodeStepPlan(const StepPlan& plan) {
+  std::string out(plan.seqs.size() * sizeof(PlanSeq) + plan.tokens.size() * sizeof(int32_t), '\0');
+  std::memcpy(out.data(), plan.seqs.data(), plan.seqs.size() * sizeof(PlanSeq));
+  std::memcpy(out.data() + plan.seqs.size() * sizeof(PlanSeq), plan.tokens.data(),
+              plan.tokens.size() * sizeof(int32_t));
+  return out;
+}
+
+FrameHeader StepPlanHeader(uint64_t step, const StepPlan& plan) {
+  FrameHeader h;
+  h.kind = static_cast<uint16_t>(FrameKind::kStepPlan);
+  h.step = step;
+  h.n_seqs = static_cast<uint32_t>(plan.seqs.size());
+  h.n_tokens = static_cast<uint32_t>(plan.tokens.size());
+  h.payload_bytes = plan.seqs.size() * sizeof(PlanSeq) + plan.tokens.size() * sizeof(int32_t);
+  return h;
+}
+
+absl::StatusOr<StepPlan> DecodeStepPlan(const FrameHeader& header, const uint8_t* payload,
+                                        uint32_t max_positions, int vocab_size) {
+  RETURN_IF_ERROR(CheckKind(header, FrameKind::kStepPlan, "step plan"));
+  RETURN_IF_ERROR(CheckBytes(header,
+                             uint64_t{header.n_seqs} * sizeof(PlanSeq) +
+                                 uint64_t{header.n_tokens} * sizeof(int32_t),
+                             "step plan"));
+  StepPlan plan;
+  plan.seqs.resize(header.n_seqs);
+  plan.tokens.resize(header.n_tokens);
+  std::memcpy(plan.seqs.data(), payload, plan.seqs.size() * sizeof(PlanSeq));
+  std::memcpy(plan.tokens.data(), payload + plan.seqs.size() * sizeof(PlanSeq),
+              plan.tokens.size() * sizeof(int32_t));
+  std::vector<SeqSlice> slices;
+  for (const PlanSeq& s : plan.seqs) slices.push_back(s.slice);
+  RETURN_IF_ERROR(ValidateSlices(slices.data(), header.n_seqs, header.n_tokens, max_positions));
+  for (int32_t t : plan.tokens) {
+    if (t < 0 || t >= vocab_size) {
+      return absl::DataLossError(absl::StrCat("step plan has token id ", t,
+                                              " outside the vocabulary of ", vocab_size));
+    }
+  }
+  return plan;
+}
+
+absl::StatusOr<std::vector<SampledSeq>> DecodeStepResult(const FrameHeader& header,
+                                                         const uint8_t* payload) {
+  if (header.kind == static_cast<uint16_t>(FrameKind::kError)) {
+    return DecodeError(header, payload);
+  }
+  RETURN_IF_ERROR(CheckKind(header, FrameKind::kStepResult, "step result"));
+  RETURN_IF_ERROR(CheckBytes(header, uint64_t{header.n_seqs} * sizeof(SampledSeq), "step result"));
+  std::vector<SampledSeq> out(header.n_seqs);
+  std::memcpy(out.data(), payload, out.size() * sizeof(SampledSeq));
+  return out;
+}
+
+uint64_t AttnShape::RequestBytes(uint32_t n_seqs, uint32_t n_tokens) const {
+  return uint64_t{n_seqs} * sizeof(SeqSlice) +
+         uint64_t{n_tokens} * (q_heads + 2 * kv_heads) * head_dim * sizeof(float);
+}
+
+uint64_t AttnShape::ResultBytes(uint32_t n_tokens) const {
+  return uint64_t{n_tokens} * q_heads * head_dim * sizeof(float);
+}
+
+absl::StatusOr<AttnRequestView> DecodeAttnRequest(const FrameHeader& header,
+                                                  const uint8_t* payload, const AttnShape& shape,
+                                                  uint32_t max_positions) {
+  RETURN_IF_ERROR(CheckKind(header, FrameKind::kAttnRequest, "attention request"));
+  RETURN_IF_ERROR(CheckBytes(header, shape.RequestBytes(header.n_seqs, header.n_tokens),
+                             "attention request"));
+  AttnRequestView view;
+  view.slices = reinterpret_cast<const SeqSlice*>(payload);
+  RETURN_IF_ERROR(ValidateSlices(view.slices, header.n_seqs, header.n_tokens, max_positions));
+  const float* f = reinterpret_cast<const float*>(payload + header.n_seqs * sizeof(SeqSlice));
+  view.q = f;
+  view.k = view.q + static_cast<size_t>(header.n_tokens) * shape.q_heads * shape.head_dim;
+  view.v = view.k + static_cast<size_t>(header.n_tokens) * shape.kv_heads * shape.head_dim;
+  return view;
+}
+
+absl::Status DecodeError(const FrameHeader& header, const uint8_t* payload) {
+  std::string message(reinterpret_cast<const char*>(payload), header.payload_bytes);
+  absl::StatusCode code = static_cast<absl::StatusCode>(header.status);
+  if (header.status == 0 || header.status > 16) code = absl::StatusCode::kInternal;
+  return absl::Status(code, message);
+}
+
+FrameHeader ErrorHeader(uint64_t step, const absl::Status& status, size_t message_bytes) {
+  FrameHeader h;
+  h.kind = static_cast<uint16_t>(FrameKind::kError);
+  h.step = step;
+  h.status = static_cast<uint32_t>(status.code());
+  h.payload_bytes = message_bytes;
+  return h;
+}
+
+}  // namespace ellm::shm

@@ -1,0 +1,97 @@
+// Payloads of the data-plane frames, with encoders and validating decoders.
+// Every decoder checks the exact payload size against the header's batch
+// descriptor before reading, so a corrupt frame is an error, not a crash.
+//
+// kStepPlan (coordinator -> mlp-worker), header n_seqs = S, n_tokens = T:
+//   PlanSeq[S] | int32 token_ids[T]        (tokens of seq 0, then seq 1, ...)
+// kStepResult (mlp-worker -> coordinator), n_seqs = number of sampled seqs:
+//   SampledSeq[n_seqs]
+// kAttnRequest (mlp-worker -> attn-worker s), n_seqs = S, n_tokens = T, layer:
+//   SeqSlice[S] | f32 q[T][hq_s][hd] | f32 k[T][hkv_s][hd] | f32 v[T][hkv_s][hd]
+//   (hq_s = query heads of the shard's KV heads, hkv_s = its KV heads)
+// kAttnResult (attn-worker s -> mlp-worker): f32 out[T][hq_s][hd]
+// kError: UTF-8 message (header.status = absl::StatusCode)
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/status.h"
+#include "shm/frame.h"
+
+namespace ellm::shm {
+
+// One sequence's tokens in a step: positions [start_pos, start_pos + n_tokens).
+struct SeqSlice {
+  uint64_t seq_id = 0;
+  uint32_t start_pos = 0;
+  uint32_t n_tokens = 0;
+};
+static_assert(sizeof(SeqSlice) == 16);
+
+struct PlanSeq {
+  SeqSlice slice;
+  uint32_t sample = 0;      // 1: sample a next token after the slice's last token
+  float temperature = 0;
+  int32_t top_k = 0;
+  float top_p = 1;
+  float u = 0;              // the sequence's uniform draw for this step
+  uint32_t reserved = 0;
+};
+static_assert(sizeof(PlanSeq) == 40);
+
+struct SampledSeq {
+  uint64_t seq_id = 0;
+  int32_t token = 0;
+  float logprob = 0;
+};
+static_assert(sizeof(SampledSeq) == 16);
+
+struct StepPlan {
+  std::vector<PlanSeq> seqs;
+  std::vector<int32_t> tokens;
+};
+
+// Checks a batch descriptor: n_seqs in [1, max_seqs], every slice non-empty,
+// start_pos + n_tokens <= max_positions, the slices' tokens sum to n_tokens,
+// no sequence twice.
+absl::Status ValidateSlices(const SeqSlice* slices, uint32_t n_seqs, uint32_t n_tokens,
+                            uint32_t max_positions);
+
+// Step plan.
+std::string EncodeStepPlan(const StepPlan& plan);
+FrameHeader StepPlanHeader(uint64_t step, const StepPlan& plan);
+absl::StatusOr<StepPlan> DecodeStepPlan(const FrameHeader& header, const uint8_t* payload,
+                                        uint32_t max_positions, int vocab_size);
+
+// Step result.
+absl::StatusOr<std::vector<SampledSeq>> DecodeStepResult(const FrameHeader& header,
+                                                         const uint8_t* payload);
+
+// Attention request geometry of one shard.
+struct AttnShape {
+  int q_heads = 0;   // query heads of the shard
+  int kv_heads = 0;  // KV heads of the shard
+  int head_dim = 0;
+  uint64_t RequestBytes(uint32_t n_seqs, uint32_t n_tokens) const;
+  uint64_t ResultBytes(uint32_t n_tokens) const;
+};
+
+// A decoded attention request: views into the payload.
+struct AttnRequestView {
+  const SeqSlice* slices = nullptr;
+  const float* q = nullptr;  // [T][q_heads][head_dim]
+  const float* k = nullptr;  // [T][kv_heads][head_dim]
+  const float* v = nullptr;  // [T][kv_heads][head_dim]
+};
+absl::StatusOr<AttnRequestView> DecodeAttnRequest(const FrameHeader& header,
+                                                  const uint8_t* payload, const AttnShape& shape,
+                                                  uint32_t max_positions);
+
+// An error frame's status.
+absl::Status DecodeError(const FrameHeader& header, const uint8_t* payload);
+FrameHeader ErrorHeader(uint64_t step, const absl::Status& status, size_t message_bytes);
+
+}  // namespace ellm::shm

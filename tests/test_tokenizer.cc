@@ -1,0 +1,473 @@
+#include "core/tokenizer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/gguf.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace ellm {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+const std::string kModels = ELLM_MODELS_DIR;
+const std::string kVocabDir = kModels + "/vocab/";
+
+std::string ReadFileOrDie(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in.good()) << path;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::unique_ptr<Tokenizer> LoadTokenizer(const std::string& path) {
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(path);
+  EXPECT_TRUE(file.ok()) << path << ": " << file.status();
+  if (!file.ok()) return nullptr;
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
+  EXPECT_TRUE(tok.ok()) << path << ": " << tok.status();
+  return tok.ok() ? *std::move(tok) : nullptr;
+}
+
+// Strict UTF-8 check (no overlongs, surrogates or code points past U+10FFFF,
+// no truncated sequences).
+bool IsValidUtf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto b0 = static_cast<unsigned char>(s[i]);
+    int need;
+    unsigned char lo = 0x80, hi = 0xBF;
+    if (b0 < 0x80) {
+      need = 1;
+    } else if (b0 >= 0xC2 && b0 <= 0xDF) {
+      need = 2;
+    } else if (b0 >= 0xE0 && b0 <= 0xEF) {
+      need = 3;
+      if (b0 == 0xE0) lo = 0xA0;
+      if (b0 == 0xED) hi = 0x9F;
+    } else if (b0 >= 0xF0 && b0 <= 0xF4) {
+      need = 4;
+      if (b0 == 0xF0) lo = 0x90;
+      if (b0 == 0xF4) hi = 0x8F;
+    } else {
+      return false;
+    }
+    if (i + need > s.size()) return false;
+    for (int k = 1; k < need; ++k) {
+      const auto b = static_cast<unsigned char>(s[i + k]);
+      if (k == 1 ? (b < lo || b > hi) : (b < 0x80 || b > 0xBF)) return false;
+    }
+    i += need;
+  }
+  return true;
+}
+
+// llama.cpp's tokenizer vectors: X.inp holds the strings, each followed by
+// "\n__ggml_vocab_test__\n"; X.out one line of space-separated ids per string.
+struct VocabCase {
+  std::string text;
+  std::vector<int32_t> ids;
+};
+
+std::vector<VocabCase> LoadVocabCases(const std::string& vocab_path) {
+  const std::string inp = ReadFileOrDie(vocab_path + ".inp");
+  const std::string out = ReadFileOrDie(vocab_path + ".out");
+  const std::string separator = "\n__ggml_vocab_test__\n";
+  std::vector<std::string> texts;
+  size_t start = 0;
+  for (size_t pos = inp.find(separator); pos != std::string::npos;
+       pos = inp.find(separator, start)) {
+    texts.push_back(inp.substr(start, pos - start));
+    start = pos + separator.size();
+  }
+  EXPECT_EQ(start, inp.size()) << "the .inp should end with a separator";
+
+  std::vector<VocabCase> cases;
+  std::istringstream lines(out);
+  std::string line;
+  while (std::getline(lines, line)) {
+    VocabCase c;
+    std::istringstream words(line);
+    int64_t id;
+    while (words >> id) c.ids.push_back(static_cast<int32_t>(id));
+    cases.push_back(std::move(c));
+  }
+  EXPECT_EQ(texts.size(), cases.size()) << vocab_path;
+  for (size_t i = 0; i < std::min(texts.size(), cases.size()); ++i) cases[i].text = texts[i];
+  cases.resize(std::min(texts.size(), cases.size()));
+  return cases;
+}
+
+std::string Escape(std::string_view s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+class VocabVectorsTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(VocabVectorsTest, EncodesEveryCaseLikeLlamaCpp) {
+  const std::string path = kVocabDir + GetParam();
+  std::unique_ptr<Tokenizer> tok = LoadTokenizer(path);
+  ASSERT_NE(tok, nullptr);
+  const std::vector<VocabCase> cases = LoadVocabCases(path);
+  ASSERT_EQ(cases.size(), 46u);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << "case " << i << " '" << Escape(cases[i].text) << "'");
+    EXPECT_EQ(tok->Encode(cases[i].text, /*add_bos=*/false), cases[i].ids);
+  }
+}
+
+TEST_P(VocabVectorsTest, DecodeInvertsEncode) {
+  const std::string path = kVocabDir + GetParam();
+  std::unique_ptr<Tokenizer> tok = LoadTokenizer(path);
+  ASSERT_NE(tok, nullptr);
+  for (const VocabCase& c : LoadVocabCases(path)) {
+    SCOPED_TRACE(Escape(c.text));
+    // The space prefix the encoder adds is dropped again after the start or BOS.
+    EXPECT_EQ(tok->Decode(tok->Encode(c.text, false)), c.text);
+    std::vector<int32_t> with_bos = tok->Encode(c.text, true);
+    ASSERT_FALSE(with_bos.empty());
+    EXPECT_EQ(with_bos[0], tok->bos_id());
+    EXPECT_EQ(tok->Decode(with_bos), c.text);
+  }
+}
+
+TEST_P(VocabVectorsTest, StreamDecoderEmitsOnlyWholeUtf8) {
+  const std::string path = kVocabDir + GetParam();
+  std::unique_ptr<Tokenizer> tok = LoadTokenizer(path);
+  ASSERT_NE(tok, nullptr);
+  for (const VocabCase& c : LoadVocabCases(path)) {
+    SCOPED_TRACE(Escape(c.text));
+    StreamDecoder stream(*tok);
+    std::string text;
+    for (int32_t id : c.ids) {
+      const std::string piece = stream.Push(id);
+      EXPECT_TRUE(IsValidUtf8(piece)) << "token " << id;
+      text += piece;
+    }
+    text += stream.Finish();
+    EXPECT_EQ(text, c.text);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Spm, VocabVectorsTest,
+                         ::testing::Values("ggml-vocab-llama-spm.gguf", "ggml-vocab-phi-3.gguf"),
+                         [](const auto& info) {
+                           return std::string(info.param).find("phi") != std::string::npos
+                                      ? "Phi3"
+                                      : "LlamaSpm";
+                         });
+
+class LlamaSpmTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    tok_ = LoadTokenizer(kVocabDir + "ggml-vocab-llama-spm.gguf").release();
+  }
+  static void TearDownTestSuite() {
+    delete tok_;
+    tok_ = nullptr;
+  }
+  void SetUp() override { ASSERT_NE(tok_, nullptr); }
+  static Tokenizer* tok_;
+};
+Tokenizer* LlamaSpmTest::tok_ = nullptr;
+
+TEST_F(LlamaSpmTest, Metadata) {
+  EXPECT_EQ(tok_->vocab_size(), 32000);
+  EXPECT_EQ(tok_->bos_id(), 1);
+  EXPECT_EQ(tok_->eos_id(), 2);
+  EXPECT_TRUE(tok_->add_bos());
+  EXPECT_EQ(tok_->token(15043), "\xE2\x96\x81Hello");
+  EXPECT_EQ(tok_->token_type(0), TokenType::kUnknown);
+  EXPECT_EQ(tok_->token_type(1), TokenType::kControl);
+  EXPECT_EQ(tok_->token_type(3), TokenType::kByte);
+  EXPECT_TRUE(tok_->IsEndOfGeneration(2));
+  EXPECT_FALSE(tok_->IsEndOfGeneration(1));
+  EXPECT_FALSE(tok_->IsEndOfGeneration(-1));
+}
+
+TEST_F(LlamaSpmTest, EmptyText) {
+  EXPECT_TRUE(tok_->Encode("", false).empty());
+  EXPECT_THAT(tok_->Encode("", true), ElementsAre(1));
+  EXPECT_EQ(tok_->Decode({}), "");
+}
+
+TEST_F(LlamaSpmTest, BosAndLeadingSpace) {
+  EXPECT_THAT(tok_->Encode("Hello world", true), ElementsAre(1, 15043, 3186));
+  EXPECT_EQ(tok_->Decode({1, 15043, 3186}), "Hello world");
+  // Only the first piece loses its space.
+  EXPECT_EQ(tok_->TokenBytes(-1, 15043), "Hello");
+  EXPECT_EQ(tok_->TokenBytes(1, 15043), "Hello");
+  EXPECT_EQ(tok_->TokenBytes(15043, 15043), " Hello");
+  EXPECT_EQ(tok_->Decode({15043, 15043}), "Hello Hello");
+}
+
+TEST_F(LlamaSpmTest, SpecialTokensInTextAreNotParsed) {
+  const std::vector<int32_t> ids = tok_->Encode("<s>hi</s>", false);
+  for (int32_t id : ids) {
+    EXPECT_NE(id, 1);
+    EXPECT_NE(id, 2);
+  }
+  EXPECT_EQ(tok_->Decode(ids), "<s>hi</s>");
+}
+
+TEST_F(LlamaSpmTest, TokenBytesByType) {
+  EXPECT_EQ(tok_->TokenBytes(5, 1), "");           // control <s>
+  EXPECT_EQ(tok_->TokenBytes(5, 2), "");           // control </s>
+  EXPECT_EQ(tok_->TokenBytes(5, 0), "<unk>");      // unknown: its text
+  EXPECT_EQ(tok_->TokenBytes(5, 3 + 0x41), "A");   // <0x41>
+  EXPECT_EQ(tok_->TokenBytes(5, 3 + 0xF0), "\xF0");
+  EXPECT_EQ(tok_->TokenBytes(5, 29871), " ");      // "▁"
+  EXPECT_EQ(tok_->TokenBytes(5, -1), "");
+  EXPECT_EQ(tok_->TokenBytes(5, 32000), "");
+}
+
+TEST_F(LlamaSpmTest, ByteFallbackForCharactersOutsideTheVocab) {
+  // U+1F999 (🦙, F0 9F A6 99) has no token: four byte tokens <0xXX> = 3 + byte.
+  EXPECT_THAT(tok_->Encode("\xF0\x9F\xA6\x99", false),
+              ElementsAre(29871, 3 + 0xF0, 3 + 0x9F, 3 + 0xA6, 3 + 0x99));
+  // Invalid UTF-8 survives the round trip byte for byte.
+  const std::string invalid = "a\xFF\xC3(b\x80";
+  const std::vector<int32_t> ids = tok_->Encode(invalid, false);
+  EXPECT_EQ(tok_->Decode(ids), invalid);
+}
+
+TEST_F(LlamaSpmTest, StreamDecoderHoldsBackSplitEmoji) {
+  StreamDecoder stream(*tok_);
+  EXPECT_EQ(stream.Push(15043), "Hello");
+  EXPECT_EQ(stream.Push(29871), " ");
+  EXPECT_EQ(stream.Push(3 + 0xF0), "");
+  EXPECT_EQ(stream.Push(3 + 0x9F), "");
+  EXPECT_EQ(stream.Push(3 + 0xA6), "");
+  EXPECT_EQ(stream.Push(3 + 0x99), "\xF0\x9F\xA6\x99");
+  EXPECT_EQ(stream.Push(3 + 'x'), "x");
+  EXPECT_EQ(stream.Finish(), "");
+}
+
+TEST_F(LlamaSpmTest, StreamDecoderFinishFlushesIncompleteAsReplacement) {
+  StreamDecoder stream(*tok_);
+  EXPECT_EQ(stream.Push(3 + 0xF0), "");
+  EXPECT_EQ(stream.Push(3 + 0x9F), "");
+  EXPECT_EQ(stream.Finish(), "\xEF\xBF\xBD");
+  // After Finish the decoder starts over (first piece drops its space).
+  EXPECT_EQ(stream.Push(15043), "Hello");
+  EXPECT_EQ(stream.Finish(), "");
+}
+
+TEST_F(LlamaSpmTest, StreamDecoderReplacesInvalidBytes) {
+  StreamDecoder stream(*tok_);
+  EXPECT_EQ(stream.Push(3 + 0xFF), "\xEF\xBF\xBD");  // never valid
+  EXPECT_EQ(stream.Push(3 + 0xE2), "");              // lead of 3
+  EXPECT_EQ(stream.Push(3 + 'A'), "\xEF\xBF\xBD" "A");  // broken by an ASCII byte
+  EXPECT_EQ(stream.Push(3 + 0x80), "\xEF\xBF\xBD");  // stray continuation
+  EXPECT_EQ(stream.Push(3 + 0xED), "");
+  EXPECT_EQ(stream.Push(3 + 0xA0), "\xEF\xBF\xBD\xEF\xBF\xBD");  // surrogate: 2 ill-formed
+  EXPECT_EQ(stream.Finish(), "");
+}
+
+TEST_F(LlamaSpmTest, LongPromptTokenizesInMilliseconds) {
+  const std::vector<VocabCase> cases = LoadVocabCases(kVocabDir + "ggml-vocab-llama-spm.gguf");
+  ASSERT_FALSE(cases.empty());
+  std::string prompt;
+  while (prompt.size() < 10 * 1024) {
+    for (const VocabCase& c : cases) prompt += c.text + " ";
+  }
+  // Worst cases for pair merging: one long run of a character.
+  const std::string spaces(10 * 1024, ' ');
+  const std::string digits(10 * 1024, '3');
+  for (const std::string* text : std::vector<const std::string*>{&prompt, &spaces, &digits}) {
+    const auto start = std::chrono::steady_clock::now();
+    const std::vector<int32_t> ids = tok_->Encode(*text, true);
+    const double ms = std::chrono::duration<double, std::milli>(
+                          std::chrono::steady_clock::now() - start)
+                          .count();
+    std::printf("%zu bytes -> %zu tokens in %.2f ms\n", text->size(), ids.size(), ms);
+    EXPECT_LT(ms, 250.0);  // milliseconds in practice; generous for loaded CI
+    EXPECT_EQ(tok_->Decode(ids), *text);
+  }
+}
+
+TEST(TokenizerTest, Phi3EndOfTurnAndUserDefinedTokens) {
+  std::unique_ptr<Tokenizer> tok = LoadTokenizer(kVocabDir + "ggml-vocab-phi-3.gguf");
+  ASSERT_NE(tok, nullptr);
+  EXPECT_EQ(tok->vocab_size(), 32064);
+  EXPECT_EQ(tok->eos_id(), 32000);
+  EXPECT_TRUE(tok->IsEndOfGeneration(32000));  // <|endoftext|>
+  EXPECT_TRUE(tok->IsEndOfGeneration(32007));  // <|end|>
+  EXPECT_FALSE(tok->IsEndOfGeneration(2));
+  // '</s>' is a user-defined token in this vocab: matched whole in text, as
+  // llama.cpp and HF do, and decoded as its text.
+  ASSERT_EQ(tok->token_type(2), TokenType::kUserDefined);
+  const std::vector<int32_t> ids = tok->Encode("a</s>b", false);
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), 2), 1);
+  EXPECT_EQ(ids.size(), 3u);
+  EXPECT_EQ(tok->Decode(ids), "a</s> b");
+  // Control tokens written in the text stay plain text.
+  const std::vector<int32_t> end = tok->Encode("<|end|>", false);
+  EXPECT_EQ(std::count(end.begin(), end.end(), 32007), 0);
+}
+
+TEST(TokenizerTest, Stories260K) {
+  std::unique_ptr<Tokenizer> tok = LoadTokenizer(kModels + "/stories260K.gguf");
+  ASSERT_NE(tok, nullptr);
+  EXPECT_EQ(tok->vocab_size(), 512);
+  EXPECT_EQ(tok->bos_id(), 1);
+  EXPECT_EQ(tok->eos_id(), 2);
+  EXPECT_TRUE(tok->add_bos());  // no key in the file: the SPM default
+  const std::vector<int32_t> ids = tok->Encode("Once upon a time", true);
+  EXPECT_THAT(ids, ElementsAre(1, 403, 407, 261, 378));
+  EXPECT_EQ(tok->Decode(ids), "Once upon a time");
+  EXPECT_TRUE(tok->IsEndOfGeneration(2));
+}
+
+TEST(TokenizerTest, RejectsByteLevelBpeByName) {
+  absl::StatusOr<std::unique_ptr<GgufFile>> file =
+      GgufFile::Open(kVocabDir + "ggml-vocab-gpt-2.gguf");
+  ASSERT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
+  ASSERT_FALSE(tok.ok());
+  EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(tok.status().message(), HasSubstr("'gpt2'"));
+  EXPECT_THAT(tok.status().message(), HasSubstr("not supported"));
+}
+
+// A tiny SPM vocabulary built in the test. Ids:
+//   0 <unk>  1 <s>  2 </s>  3 ▁  4 a  5 b  6 aa  7 ab  8 ▁a  9 <0x63> ('c')
+// No token for 'd' (neither <0x64> nor "d"): it falls back to <unk>.
+struct TinyVocabOptions {
+  bool add_space_prefix = true;
+  bool write_tokens = true;
+  size_t scores = 10;  // how many scores to write
+  uint32_t bos = 1;
+  std::string model = "llama";
+};
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> TinyTokenizer(const TinyVocabOptions& o) {
+  GgufWriter w;
+  w.SetString("general.architecture", "llama");
+  w.SetString("tokenizer.ggml.model", o.model);
+  if (o.write_tokens) {
+    w.SetStringArray("tokenizer.ggml.tokens", {"<unk>", "<s>", "</s>", "\xE2\x96\x81", "a", "b",
+                                               "aa", "ab", "\xE2\x96\x81" "a", "<0x63>"});
+  }
+  // "aa" outranks "ab" outranks "▁a".
+  std::vector<float> scores = {0, 0, 0, -5, -6, -6, -1, -2, -3, 0};
+  scores.resize(o.scores);
+  w.SetFloat32Array("tokenizer.ggml.scores", scores);
+  w.SetInt32Array("tokenizer.ggml.token_type", {2, 3, 3, 1, 1, 1, 1, 1, 1, 6});
+  w.SetUint32("tokenizer.ggml.bos_token_id", o.bos);
+  w.SetUint32("tokenizer.ggml.eos_token_id", 2);
+  w.SetUint32("tokenizer.ggml.unknown_token_id", 0);
+  w.SetUint32("tokenizer.ggml.padding_token_id", 4294967295u);
+  w.SetBool("tokenizer.ggml.add_space_prefix", o.add_space_prefix);
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::FromBytes(w.ToBytes());
+  if (!file.ok()) return file.status();
+  return Tokenizer::FromGguf(**file);
+}
+
+TEST(TinyVocabTest, HighestScoreMergesFirst) {
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = TinyTokenizer({});
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  // ▁ a b: "ab" (-2) beats "▁a" (-3), and "▁ab" is no token.
+  EXPECT_THAT((*tok)->Encode("ab", false), ElementsAre(3, 7));
+  // ▁ a: only "▁a".
+  EXPECT_THAT((*tok)->Encode("a", false), ElementsAre(8));
+}
+
+TEST(TinyVocabTest, EqualScoresMergeLeftmostFirst) {
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = TinyTokenizer({});
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  // ▁ a a a: both "aa" pairs score -1; the left one wins, then "▁a" is stale.
+  EXPECT_THAT((*tok)->Encode("aaa", false), ElementsAre(3, 6, 4));
+  EXPECT_THAT((*tok)->Encode("aaaa", false), ElementsAre(3, 6, 6));
+}
+
+TEST(TinyVocabTest, ByteFallbackThenUnknown) {
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = TinyTokenizer({});
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_THAT((*tok)->Encode("c", false), ElementsAre(3, 9));
+  EXPECT_THAT((*tok)->Encode("d", false), ElementsAre(3, 0));
+  EXPECT_THAT((*tok)->Encode("a b", true), ElementsAre(1, 8, 3, 5));
+  EXPECT_EQ((*tok)->Decode({1, 8, 3, 5, 9, 0}), "a bc<unk>");
+}
+
+TEST(TinyVocabTest, NoSpacePrefix) {
+  TinyVocabOptions o;
+  o.add_space_prefix = false;
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = TinyTokenizer(o);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_THAT((*tok)->Encode("ab", false), ElementsAre(7));
+  EXPECT_THAT((*tok)->Encode(" a", false), ElementsAre(8));
+  // Nothing was added, so nothing is dropped.
+  EXPECT_EQ((*tok)->Decode({8}), " a");
+}
+
+TEST(TinyVocabTest, UnsetBosId) {
+  TinyVocabOptions o;
+  o.bos = 4294967295u;
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = TinyTokenizer(o);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_EQ((*tok)->bos_id(), -1);
+  EXPECT_THAT((*tok)->Encode("a", true), ElementsAre(8));
+}
+
+TEST(TinyVocabTest, ErrorsNameTheProblem) {
+  TinyVocabOptions no_tokens;
+  no_tokens.write_tokens = false;
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = TinyTokenizer(no_tokens);
+  ASSERT_FALSE(tok.ok());
+  EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(tok.status().message(), HasSubstr("tokenizer.ggml.tokens"));
+
+  TinyVocabOptions short_scores;
+  short_scores.scores = 7;
+  tok = TinyTokenizer(short_scores);
+  ASSERT_FALSE(tok.ok());
+  EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(tok.status().message(), HasSubstr("tokenizer.ggml.scores"));
+
+  TinyVocabOptions bad_bos;
+  bad_bos.bos = 10;
+  tok = TinyTokenizer(bad_bos);
+  ASSERT_FALSE(tok.ok());
+  EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(tok.status().message(), HasSubstr("bos_token_id"));
+
+  TinyVocabOptions bpe;
+  bpe.model = "gpt2";
+  tok = TinyTokenizer(bpe);
+  ASSERT_FALSE(tok.ok());
+  EXPECT_EQ(tok.status().message(), "tokenizer model 'gpt2' is not supported yet (supported: llama)");
+}
+
+TEST(TinyVocabTest, MissingTokenizerModel) {
+  GgufWriter w;
+  w.SetString("general.architecture", "llama");
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::FromBytes(w.ToBytes());
+  ASSERT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
+  ASSERT_FALSE(tok.ok());
+  EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(tok.status().message(), HasSubstr("tokenizer.ggml.model"));
+}
+
+}  // namespace
+}  // namespace ellm
