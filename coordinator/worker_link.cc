@@ -16,9 +16,12 @@ absl::StatusOr<std::unique_ptr<WorkerLink>> WorkerLink::Connect(
   for (const std::string& address : addresses) {
     WorkerHandle w;
     w.address = address;
-    w.stub = ellm::v1::WorkerControl::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    // Workers start at the same time as the coordinator. A channel whose
+    // first connection failed waits out gRPC's reconnect backoff, so each
+    // attempt gets a fresh channel until the worker answers.
     for (;;) {
+      w.stub = ellm::v1::WorkerControl::NewStub(
+          grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
       ellm::v1::GetInfoRequest req;
@@ -28,7 +31,7 @@ absl::StatusOr<std::unique_ptr<WorkerLink>> WorkerLink::Connect(
         return absl::UnavailableError(
             absl::StrCat("worker at ", address, " does not answer: ", st.error_message()));
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     LogInfo("worker %s at %s: pid %d%s", w.info.role(), address, w.info.pid(),
             w.info.role() == "attn-worker"

@@ -111,6 +111,7 @@ int Main(int argc, char** argv) {
     }
     grpc::Status status = reader->Finish();
     std::printf("\n");
+    std::fflush(stdout);
     if (!status.ok()) return FailRpc(status, server);
     if (finished && args.GetBool("stats")) {
       std::fprintf(stderr,

@@ -1,0 +1,459 @@
+// Integration tests: the real processes (ellm-launch starting attention
+// workers, the mlp-worker and the coordinator) on loopback and shared memory,
+// checked against the single-process reference forward on stories260K.
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "core/gguf.h"
+#include "core/model_config.h"
+#include "core/reference_forward.h"
+#include "core/tokenizer.h"
+#include "core/weights.h"
+#include "gtest/gtest.h"
+#include "proto/ellm.grpc.pb.h"
+#include "proto/health.grpc.pb.h"
+#include "tests/tests_util.h"
+
+namespace ellm {
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kStories = ELLM_MODELS_DIR "/stories260K.gguf";
+
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::vector<pid_t> ChildrenOf(pid_t parent) {
+  std::vector<pid_t> out;
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    // pid (comm) state ppid ...
+    const size_t close_paren = line.rfind(')');
+    if (close_paren == std::string::npos) continue;
+    std::istringstream rest(line.substr(close_paren + 2));
+    std::string state;
+    int ppid = 0;
+    rest >> state >> ppid;
+    if (ppid == parent) out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+std::string Cmdline(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/cmdline"));
+  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (char& c : s) {
+    if (c == '\0') c = ' ';
+  }
+  return s;
+}
+
+std::vector<std::string> LeftoverSegments(pid_t launcher) {
+  std::vector<std::string> out;
+  const std::string prefix = absl::StrCat("ellm-", launcher, "-");
+  for (const char* dir : {"/dev/shm", "/tmp"}) {
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      if (entry.path().filename().string().rfind(prefix, 0) == 0) out.push_back(entry.path().string());
+    }
+  }
+  return out;
+}
+
+// One running ellm (ellm-launch and its children), stopped by the destructor.
+class EllmSystem {
+ public:
+  // Starts ellm-launch with `args`; Ready() tells whether it came up.
+  explicit EllmSystem(std::vector<std::string> args) {
+    port_ = FreePort();
+    log_path_ = absl::StrCat("/tmp/ellm-test-launch-", getpid(), "-", port_, ".log");
+    std::vector<std::string> argv = {std::string(ELLM_BINARY_DIR) + "/ellm-launch",
+                                     absl::StrCat("--port=", port_), "--ready-timeout=60"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    int out_pipe[2];
+    pipe(out_pipe);
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(out_pipe[1], 1);
+      int log = open(log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      dup2(log, 2);
+      close(out_pipe[0]);
+      std::vector<char*> cargv;
+      for (std::string& a : argv) cargv.push_back(a.data());
+      cargv.push_back(nullptr);
+      execv(cargv[0], cargv.data());
+      _exit(127);
+    }
+    close(out_pipe[1]);
+    // Wait for "ellm listening on" or the launcher's exit.
+    FILE* out = fdopen(out_pipe[0], "r");
+    char line[512];
+    while (fgets(line, sizeof(line), out) != nullptr) {
+      if (std::string(line).find("ellm listening on") != std::string::npos) {
+        ready_ = true;
+        break;
+      }
+    }
+    out_ = out;
+    if (ready_) {
+      channel_ = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_), grpc::InsecureChannelCredentials());
+      stub_ = ellm::v1::Ellm::NewStub(channel_);
+    }
+  }
+
+  ~EllmSystem() { Stop(); }
+
+  // SIGTERM to the launcher; returns its exit status.
+  int Stop() {
+    if (pid_ <= 0) return exit_status_;
+    kill(pid_, SIGTERM);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    if (out_ != nullptr) fclose(out_);
+    out_ = nullptr;
+    exit_status_ = status;
+    stopped_pid_ = pid_;
+    pid_ = -1;
+    return status;
+  }
+
+  // Waits for the launcher to exit by itself (start-up failures).
+  int WaitExit() {
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    stopped_pid_ = pid_;
+    pid_ = -1;
+    exit_status_ = status;
+    return status;
+  }
+
+  bool ready() const { return ready_; }
+  pid_t pid() const { return pid_ > 0 ? pid_ : stopped_pid_; }
+  ellm::v1::Ellm::Stub* stub() { return stub_.get(); }
+  std::string Log() const {
+    std::ifstream in(log_path_);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }
+  pid_t FindChild(const std::string& needle) const {
+    for (pid_t p : ChildrenOf(pid_)) {
+      if (Cmdline(p).find(needle) != std::string::npos) return p;
+    }
+    return -1;
+  }
+  grpc::health::v1::HealthCheckResponse::ServingStatus Health() {
+    auto stub = grpc::health::v1::Health::NewStub(channel_);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::health::v1::HealthCheckResponse resp;
+    grpc::Status st = stub->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp);
+    return st.ok() ? resp.status() : grpc::health::v1::HealthCheckResponse::UNKNOWN;
+  }
+
+ private:
+  int port_ = 0;
+  pid_t pid_ = -1;
+  pid_t stopped_pid_ = -1;
+  int exit_status_ = 0;
+  bool ready_ = false;
+  FILE* out_ = nullptr;
+  std::string log_path_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<ellm::v1::Ellm::Stub> stub_;
+};
+
+struct Generated {
+  grpc::Status status;
+  std::string text;
+  std::vector<int32_t> tokens;
+  ellm::v1::Finish finish;
+  int messages = 0;
+};
+
+ellm::v1::GenerateRequest Greedy(const std::string& prompt, int max_tokens) {
+  ellm::v1::GenerateRequest req;
+  req.set_prompt(prompt);
+  req.set_max_tokens(max_tokens);
+  req.mutable_sampling()->set_temperature(0);
+  return req;
+}
+
+Generated Generate(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRequest& req,
+                   const std::function<void(const Generated&)>& on_message = nullptr) {
+  Generated g;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  auto reader = stub->Generate(&ctx, req);
+  ellm::v1::GenerateResponse resp;
+  while (reader->Read(&resp)) {
+    ++g.messages;
+    g.text += resp.text();
+    g.tokens.insert(g.tokens.end(), resp.token_ids().begin(), resp.token_ids().end());
+    if (resp.has_finish()) g.finish = resp.finish();
+    if (on_message) on_message(g);
+  }
+  g.status = reader->Finish();
+  return g;
+}
+
+// The reference: greedy tokens of the single-process forward.
+std::vector<int32_t> ReferenceGreedy(const std::string& prompt, int n) {
+  auto file = GgufFile::Open(kStories);
+  EXPECT_TRUE(file.ok());
+  auto config = ModelConfig::FromGguf(**file);
+  auto tokenizer = Tokenizer::FromGguf(**file);
+  auto weights = LoadWeights(**file, *config);
+  EXPECT_TRUE(weights.ok());
+  auto model = ReferenceModel::Create(*std::move(weights));
+  return (*model)->GenerateGreedy((*tokenizer)->Encode(prompt, true), n);
+}
+
+void ExpectCleanShutdown(EllmSystem& system) {
+  const pid_t launcher = system.pid();
+  std::vector<pid_t> children = ChildrenOf(launcher);
+  const int status = system.Stop();
+  EXPECT_TRUE(WIFEXITED(status)) << "launcher status " << status;
+  for (pid_t c : children) {
+    EXPECT_NE(kill(c, 0), 0) << "process " << c << " (" << Cmdline(c) << ") outlived the launcher";
+  }
+  EXPECT_TRUE(LeftoverSegments(launcher).empty())
+      << "leftover: " << (LeftoverSegments(launcher).empty() ? "" : LeftoverSegments(launcher)[0]);
+}
+
+TEST(Integration, GreedyMatchesReferenceWithTwoAttentionWorkers) {
+  const std::vector<int32_t> expected = ReferenceGreedy("Once upon a time", 64);
+  ASSERT_EQ(expected.size(), 64u);
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  EXPECT_EQ(ChildrenOf(system.pid()).size(), 4u);  // 2 attn-workers, mlp-worker, coordinator
+  Generated g = Generate(system.stub(), Greedy("Once upon a time", 64));
+  ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+  EXPECT_EQ(g.tokens, expected);
+  EXPECT_EQ(g.finish.reason(), ellm::v1::FINISH_REASON_MAX_TOKENS);
+  EXPECT_EQ(g.finish.completion_tokens(), 64);
+  EXPECT_EQ(g.finish.prompt_tokens(), 5);
+  EXPECT_GT(g.messages, 10);  // streamed, not sent in one piece
+  EXPECT_NE(g.text.find("Lily"), std::string::npos) << g.text;
+  ExpectCleanShutdown(system);
+}
+
+TEST(Integration, GreedyMatchesReferenceWithOneAndFourAttentionWorkers) {
+  const std::vector<int32_t> expected = ReferenceGreedy("The little dog", 48);
+  for (const char* workers : {"--attn-workers=1", "--attn-workers=4"}) {
+    EllmSystem system({"--model=" + kStories, workers, "--no-numactl"});
+    ASSERT_TRUE(system.ready()) << system.Log();
+    Generated g = Generate(system.stub(), Greedy("The little dog", 48));
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+    EXPECT_EQ(g.tokens, expected) << workers;
+    ExpectCleanShutdown(system);
+  }
+}
+
+TEST(Integration, ConcurrentStreamsGiveWhatEachGivesAlone) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--max-step-tokens=16"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  std::vector<ellm::v1::GenerateRequest> requests = {
+      Greedy("Once upon a time", 60), Greedy("Tom and his friend went to the big park with a ball", 40),
+      Greedy("The cat", 80), Greedy("One day, a girl named Sue", 50)};
+  // One sampled with a seed: same seed, same text, alone or batched.
+  requests[2].mutable_sampling()->set_temperature(0.9f);
+  requests[2].mutable_sampling()->set_top_p(0.9f);
+  requests[2].mutable_sampling()->set_seed(1234);
+  std::vector<Generated> alone;
+  for (const auto& r : requests) {
+    alone.push_back(Generate(system.stub(), r));
+    ASSERT_TRUE(alone.back().status.ok()) << alone.back().status.error_message();
+  }
+  std::vector<std::future<Generated>> together;
+  for (const auto& r : requests) {
+    together.push_back(std::async(std::launch::async, [&system, r] { return Generate(system.stub(), r); }));
+  }
+  for (size_t i = 0; i < requests.size(); ++i) {
+    Generated g = together[i].get();
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+    EXPECT_EQ(g.text, alone[i].text) << "request " << i;
+    EXPECT_EQ(g.tokens, alone[i].tokens) << "request " << i;
+  }
+  ExpectCleanShutdown(system);
+}
+
+TEST(Integration, BadRequestsGetClearErrorsAndTheServerGoesOn) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--kv-cache-mb=1"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  auto expect_code = [&](const ellm::v1::GenerateRequest& req, grpc::StatusCode code,
+                         const std::string& needle) {
+    Generated g = Generate(system.stub(), req);
+    EXPECT_EQ(g.status.error_code(), code) << g.status.error_message();
+    EXPECT_NE(g.status.error_message().find(needle), std::string::npos) << g.status.error_message();
+  };
+  expect_code(Greedy("", 10), grpc::StatusCode::INVALID_ARGUMENT, "prompt is empty");
+  std::string long_prompt;
+  for (int i = 0; i < 2100; ++i) long_prompt += " dog";
+  expect_code(Greedy(long_prompt, 10), grpc::StatusCode::INVALID_ARGUMENT, "the context holds 2048");
+  expect_code(Greedy("Once", 0), grpc::StatusCode::INVALID_ARGUMENT, "max_tokens must be positive");
+  expect_code(Greedy("Once", -5), grpc::StatusCode::INVALID_ARGUMENT, "max_tokens must be positive");
+  expect_code(Greedy("Once", 5000), grpc::StatusCode::INVALID_ARGUMENT, "exceeds");
+  ellm::v1::GenerateRequest bad = Greedy("Once", 5);
+  bad.mutable_sampling()->set_temperature(-1);
+  expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "temperature");
+  bad = Greedy("Once", 5);
+  bad.mutable_sampling()->set_top_p(1.5f);
+  expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "top_p");
+  bad = Greedy("Once", 5);
+  bad.mutable_sampling()->set_top_k(100000);
+  expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "top_k");
+  bad = Greedy("Once", 5);
+  bad.add_stop("");
+  expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "stop string");
+
+  // The KV budget: 1 MiB per worker holds 102 blocks of 16 positions (1632).
+  // A request that can never fit is refused; two that fit one at a time queue.
+  expect_code(Greedy("Once upon a time", 1900), grpc::StatusCode::RESOURCE_EXHAUSTED, "KV blocks");
+  auto a = std::async(std::launch::async, [&] { return Generate(system.stub(), Greedy("Once upon a time", 1000)); });
+  auto b = std::async(std::launch::async, [&] { return Generate(system.stub(), Greedy("The cat", 1000)); });
+  Generated ga = a.get(), gb = b.get();
+  EXPECT_TRUE(ga.status.ok()) << ga.status.error_message();
+  EXPECT_TRUE(gb.status.ok()) << gb.status.error_message();
+  EXPECT_GT(std::max(ga.finish.queue_ms(), gb.finish.queue_ms()), 0.0);
+
+  // Still serving after all that.
+  Generated ok = Generate(system.stub(), Greedy("Once upon a time", 8));
+  EXPECT_TRUE(ok.status.ok());
+  EXPECT_EQ(ok.tokens.size(), 8u);
+  EXPECT_EQ(system.Health(), grpc::health::v1::HealthCheckResponse::SERVING);
+  ExpectCleanShutdown(system);
+}
+
+TEST(Integration, StopStringAndCancelledClient) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  ellm::v1::GenerateRequest req = Greedy("Once upon a time", 64);
+  req.add_stop("Lily");
+  Generated g = Generate(system.stub(), req);
+  ASSERT_TRUE(g.status.ok());
+  EXPECT_EQ(g.finish.reason(), ellm::v1::FINISH_REASON_STOP_STRING);
+  EXPECT_EQ(g.text, ", there was a little girl named ");
+
+  // A client that goes away mid-stream: the server frees the sequence and goes on.
+  {
+    grpc::ClientContext ctx;
+    auto reader = system.stub()->Generate(&ctx, Greedy("Once upon a time", 1500));
+    ellm::v1::GenerateResponse resp;
+    ASSERT_TRUE(reader->Read(&resp));
+    ctx.TryCancel();
+    while (reader->Read(&resp)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  Generated after = Generate(system.stub(), Greedy("Once upon a time", 16));
+  EXPECT_TRUE(after.status.ok());
+  EXPECT_EQ(after.tokens.size(), 16u);
+  ExpectCleanShutdown(system);
+}
+
+TEST(Integration, KilledAttentionWorkerEndsStreamsWithUnavailable) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const pid_t victim = system.FindChild("ellm-attn-worker");
+  ASSERT_GT(victim, 0);
+  std::atomic<bool> killed{false};
+  auto start = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point kill_time;
+  Generated g = Generate(system.stub(), Greedy("Once upon a time", 2000), [&](const Generated& so_far) {
+    if (!killed && so_far.tokens.size() >= 5) {
+      kill_time = std::chrono::steady_clock::now();
+      kill(victim, SIGKILL);
+      killed = true;
+    }
+  });
+  ASSERT_TRUE(killed.load());
+  EXPECT_EQ(g.status.error_code(), grpc::StatusCode::UNAVAILABLE) << g.status.error_message();
+  EXPECT_LT(g.tokens.size(), 2000u);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - kill_time).count();
+  EXPECT_LT(seconds, 5.0);
+  (void)start;
+  // Health turns NOT_SERVING and new requests fail fast with UNAVAILABLE.
+  for (int i = 0; i < 50 && system.Health() != grpc::health::v1::HealthCheckResponse::NOT_SERVING; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(system.Health(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  Generated later = Generate(system.stub(), Greedy("Once", 4));
+  EXPECT_EQ(later.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  ExpectCleanShutdown(system);
+}
+
+TEST(Integration, LauncherRefusesBadModelsAndSplits) {
+  const std::string dir = testing::MakeTempDir("models");
+  // Truncated copy of a real model.
+  {
+    std::ifstream in(kStories, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::ofstream(dir + "/truncated.gguf", std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+    std::ofstream(dir + "/notgguf.gguf", std::ios::binary) << "this is not a model file at all";
+  }
+  // A valid GGUF of an architecture ellm does not run.
+  {
+    GgufWriter w;
+    w.SetString("general.architecture", "mamba");
+    w.SetUint32("mamba.block_count", 2);
+    ASSERT_TRUE(w.WriteFile(dir + "/mamba.gguf").ok());
+  }
+  struct Case {
+    std::vector<std::string> args;
+    std::string needle;
+  };
+  std::vector<Case> cases = {
+      {{"--model=" + dir + "/truncated.gguf"}, "outside the file"},
+      {{"--model=" + dir + "/notgguf.gguf"}, "magic"},
+      {{"--model=" + dir + "/missing.gguf"}, "missing.gguf"},
+      {{"--model=" + dir + "/mamba.gguf"}, "mamba"},
+      {{"--model=" + kStories, "--attn-workers=3"}, "cannot split"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> args = c.args;
+    args.push_back("--no-numactl");
+    EllmSystem system(args);
+    EXPECT_FALSE(system.ready());
+    const int status = system.WaitExit();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << c.args[0];
+    EXPECT_NE(system.Log().find(c.needle), std::string::npos) << c.args[0] << "\n" << system.Log();
+    EXPECT_TRUE(LeftoverSegments(system.pid()).empty());
+  }
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace ellm

@@ -1,0 +1,386 @@
+// core/sampler.h: greedy, temperature, top-k and top-p sampling, parameter
+// validation, and the per-sequence random generator.
+//
+// The statistical tests draw with a fixed seed, so they are deterministic; the
+// bounds (5 standard deviations per bucket, chi-square at p ~ 1e-6) are loose
+// enough that a correct sampler passes with any seed, and tight enough that a
+// sampler ignoring the temperature (or the top-k / top-p cut) fails by a wide margin.
+#include "core/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace ellm {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::vector<float> RandomLogits(int n, uint32_t seed, float scale = 3.0f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> x(n);
+  for (float& v : x) v = dist(gen);
+  return x;
+}
+
+// log softmax(logits)[i] in double.
+double LogSoftmax(const std::vector<float>& logits, int i) {
+  double max = -std::numeric_limits<double>::infinity();
+  for (float v : logits) max = std::max(max, static_cast<double>(v));
+  double sum = 0;
+  for (float v : logits) sum += std::exp(static_cast<double>(v) - max);
+  return logits[i] - max - std::log(sum);
+}
+
+// softmax(logits / t) in double.
+std::vector<double> TemperedSoftmax(const std::vector<float>& logits, double t) {
+  double max = -std::numeric_limits<double>::infinity();
+  for (float v : logits) max = std::max(max, static_cast<double>(v));
+  std::vector<double> p(logits.size());
+  double sum = 0;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    p[i] = std::exp((logits[i] - max) / t);
+    sum += p[i];
+  }
+  for (double& v : p) v /= sum;
+  return p;
+}
+
+// Ids sorted by logit, descending (ties by id).
+std::vector<int> SortedIds(const std::vector<float>& logits) {
+  std::vector<int> ids(logits.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  std::stable_sort(ids.begin(), ids.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+  return ids;
+}
+
+// Draws `draws` tokens with a fixed-seed SequenceRng and checks the
+// frequencies against `expected` (a distribution over the vocabulary): every
+// bucket within 5 sigma, tokens with probability 0 never drawn, and Pearson's
+// chi-square below the 1e-6 tail of its distribution (approximated by
+// df + 7 sqrt(2 df) + 10, more than the exact quantile for df <= 64).
+void ExpectFrequencies(const std::vector<float>& logits, const SamplingParams& params,
+                       const std::vector<double>& expected, int draws, uint64_t seed) {
+  const int n = static_cast<int>(logits.size());
+  std::vector<int> counts(n, 0);
+  SequenceRng rng(seed);
+  for (int i = 0; i < draws; ++i) {
+    const SampledToken t = Sample(logits.data(), n, params, rng.NextUniform());
+    ASSERT_GE(t.token, 0);
+    ASSERT_LT(t.token, n);
+    ++counts[t.token];
+  }
+  double chi2 = 0;
+  int df = -1;
+  for (int i = 0; i < n; ++i) {
+    const double p = expected[i];
+    if (p == 0) {
+      EXPECT_EQ(counts[i], 0) << "token " << i << " is outside the allowed set";
+      continue;
+    }
+    const double mean = p * draws;
+    const double sigma = std::sqrt(draws * p * (1 - p));
+    EXPECT_NEAR(counts[i], mean, 5 * sigma + 1) << "token " << i << " p=" << p;
+    chi2 += (counts[i] - mean) * (counts[i] - mean) / mean;
+    ++df;
+  }
+  if (df > 0) {
+    EXPECT_LT(chi2, df + 7 * std::sqrt(2.0 * df) + 10) << "df=" << df;
+  }
+}
+
+TEST(SamplerGreedy, PicksArgmaxWithLogSoftmaxLogprob) {
+  for (int n : {1, 2, 17, 512}) {
+    const std::vector<float> logits = RandomLogits(n, 100 + n);
+    const int argmax =
+        static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    const SamplingParams greedy{.temperature = 0};
+    for (float u : {0.0f, 0.3f, 0.999999f}) {
+      const SampledToken t = Sample(logits.data(), n, greedy, u);
+      EXPECT_EQ(t.token, argmax) << "n=" << n << " u=" << u;
+      EXPECT_NEAR(t.logprob, LogSoftmax(logits, argmax), 1e-5) << "n=" << n;
+    }
+  }
+}
+
+TEST(SamplerGreedy, TiesGoToTheLowestId) {
+  const std::vector<float> logits = {1.0f, 5.0f, -2.0f, 5.0f, 5.0f, 0.0f};
+  const SampledToken t = Sample(logits.data(), 6, {.temperature = 0}, 0.7f);
+  EXPECT_EQ(t.token, 1);
+  EXPECT_NEAR(t.logprob, LogSoftmax(logits, 1), 1e-6);
+  // Three tied maxima share the mass: log(1/3) minus a little.
+  EXPECT_LT(t.logprob, std::log(1.0 / 3.0));
+}
+
+TEST(SamplerGreedy, TopKOneIsArgmaxForEveryDraw) {
+  const std::vector<float> logits = RandomLogits(50, 7);
+  const int argmax =
+      static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  for (int i = 0; i < 100; ++i) {
+    const float u = i / 100.0f;
+    EXPECT_EQ(Sample(logits.data(), 50, {.temperature = 1.5f, .top_k = 1}, u).token, argmax);
+  }
+}
+
+TEST(SamplerTemperature, SameUniformGivesSameToken) {
+  const std::vector<float> logits = RandomLogits(64, 3, 1.0f);
+  const SamplingParams params{.temperature = 0.8f, .top_k = 20, .top_p = 0.9f};
+  SequenceRng rng(42);
+  std::set<int> distinct;
+  for (int i = 0; i < 200; ++i) {
+    const float u = rng.NextUniform();
+    const SampledToken a = Sample(logits.data(), 64, params, u);
+    const SampledToken b = Sample(logits.data(), 64, params, u);
+    EXPECT_EQ(a.token, b.token);
+    EXPECT_EQ(a.logprob, b.logprob);
+    distinct.insert(a.token);
+  }
+  // The draw matters: different u give different tokens.
+  EXPECT_GT(distinct.size(), 3u);
+}
+
+TEST(SamplerTemperature, UniformPicksByCumulativeMassInSortedOrder) {
+  // Two tokens, p = (0.25, 0.75) at temperature 1; sorted order is [1, 0],
+  // so u < 0.75 picks token 1 and u >= 0.75 picks token 0.
+  const std::vector<float> logits = {0.0f, static_cast<float>(std::log(3.0))};
+  const SamplingParams params{.temperature = 1.0f};
+  EXPECT_EQ(Sample(logits.data(), 2, params, 0.0f).token, 1);
+  EXPECT_EQ(Sample(logits.data(), 2, params, 0.74f).token, 1);
+  EXPECT_EQ(Sample(logits.data(), 2, params, 0.76f).token, 0);
+  EXPECT_EQ(Sample(logits.data(), 2, params, 0.9999999f).token, 0);
+}
+
+TEST(SamplerTemperature, FrequenciesMatchTemperedSoftmax) {
+  const std::vector<float> logits = {1.0f, 0.5f, -0.3f, 2.0f, 0.0f, -1.0f, 1.5f, 0.2f, -2.5f, 0.9f};
+  int seed = 1;
+  for (double t : {0.5, 1.0, 2.0}) {
+    SCOPED_TRACE(testing::Message() << "temperature " << t);
+    ExpectFrequencies(logits, {.temperature = static_cast<float>(t)}, TemperedSoftmax(logits, t),
+                      200000, seed++);
+  }
+}
+
+TEST(SamplerTemperature, LogprobIsUnderTheRawDistribution) {
+  // Whatever the temperature and cuts, logprob is log softmax(logits) of the token.
+  const std::vector<float> logits = RandomLogits(40, 11);
+  SequenceRng rng(5);
+  for (const SamplingParams& params :
+       {SamplingParams{.temperature = 0.3f}, SamplingParams{.temperature = 2.5f, .top_k = 5},
+        SamplingParams{.temperature = 1.0f, .top_p = 0.5f}}) {
+    for (int i = 0; i < 50; ++i) {
+      const SampledToken t = Sample(logits.data(), 40, params, rng.NextUniform());
+      EXPECT_NEAR(t.logprob, LogSoftmax(logits, t.token), 1e-5);
+    }
+  }
+}
+
+TEST(SamplerTopK, NeverLeavesTheKBest) {
+  const int n = 100;
+  const std::vector<float> logits = RandomLogits(n, 21);
+  const std::vector<int> sorted = SortedIds(logits);
+  for (int k : {1, 2, 5, 17, 99}) {
+    const std::set<int> allowed(sorted.begin(), sorted.begin() + k);
+    std::set<int> seen;
+    SequenceRng rng(k);
+    for (int i = 0; i < 5000; ++i) {
+      const int token = Sample(logits.data(), n, {.temperature = 3.0f, .top_k = k},
+                               rng.NextUniform()).token;
+      ASSERT_TRUE(allowed.count(token)) << "k=" << k << " token " << token;
+      seen.insert(token);
+    }
+    // At a high temperature every one of the k candidates shows up.
+    if (k <= 17) {
+      EXPECT_EQ(seen.size(), static_cast<size_t>(k)) << "k=" << k;
+    }
+  }
+  // The extreme draw stays inside too.
+  for (int k : {1, 3, 10}) {
+    const std::set<int> allowed(sorted.begin(), sorted.begin() + k);
+    EXPECT_TRUE(allowed.count(
+        Sample(logits.data(), n, {.temperature = 100.0f, .top_k = k}, 0.99999994f).token));
+  }
+}
+
+TEST(SamplerTopK, FrequenciesMatchRenormalisedSoftmaxOfTheKBest) {
+  const std::vector<float> logits = RandomLogits(30, 31, 1.0f);
+  const std::vector<int> sorted = SortedIds(logits);
+  const int k = 6;
+  const double t = 0.7;
+  std::vector<double> expected(logits.size(), 0.0);
+  std::vector<double> p = TemperedSoftmax(logits, t);
+  double mass = 0;
+  for (int i = 0; i < k; ++i) mass += p[sorted[i]];
+  for (int i = 0; i < k; ++i) expected[sorted[i]] = p[sorted[i]] / mass;
+  ExpectFrequencies(logits, {.temperature = static_cast<float>(t), .top_k = k}, expected, 100000,
+                    77);
+}
+
+// The nucleus: the smallest prefix of the sorted tokens whose tempered mass
+// reaches top_p.
+std::vector<int> Nucleus(const std::vector<float>& logits, double t, double top_p) {
+  const std::vector<int> sorted = SortedIds(logits);
+  const std::vector<double> p = TemperedSoftmax(logits, t);
+  std::vector<int> out;
+  double cum = 0;
+  for (int id : sorted) {
+    out.push_back(id);
+    cum += p[id];
+    if (cum >= top_p) break;
+  }
+  return out;
+}
+
+TEST(SamplerTopP, NeverLeavesTheNucleus) {
+  const int n = 200;
+  const std::vector<float> logits = RandomLogits(n, 41, 2.0f);
+  for (double t : {0.7, 1.0, 1.8}) {
+    for (double top_p : {0.1, 0.5, 0.9, 0.99}) {
+      const std::vector<int> nucleus = Nucleus(logits, t, top_p);
+      ASSERT_LT(nucleus.size(), static_cast<size_t>(n));
+      const std::set<int> allowed(nucleus.begin(), nucleus.end());
+      const SamplingParams params{.temperature = static_cast<float>(t),
+                                  .top_p = static_cast<float>(top_p)};
+      SequenceRng rng(static_cast<uint64_t>(t * 100 + top_p * 1000));
+      std::set<int> seen;
+      for (int i = 0; i < 4000; ++i) {
+        const int token = Sample(logits.data(), n, params, rng.NextUniform()).token;
+        ASSERT_TRUE(allowed.count(token))
+            << "t=" << t << " top_p=" << top_p << " token " << token << " nucleus size "
+            << nucleus.size();
+        seen.insert(token);
+      }
+      EXPECT_TRUE(allowed.count(Sample(logits.data(), n, params, 0.99999994f).token));
+      // The cut is not too tight either: the nucleus' last token is reachable
+      // (checked where its share is large enough to show up in 4000 draws).
+      const std::vector<double> p = TemperedSoftmax(logits, t);
+      double mass = 0;
+      for (int id : nucleus) mass += p[id];
+      if (p[nucleus.back()] / mass > 0.005) {
+        EXPECT_TRUE(seen.count(nucleus.back())) << "t=" << t << " top_p=" << top_p;
+      }
+    }
+  }
+}
+
+TEST(SamplerTopP, FrequenciesMatchRenormalisedNucleus) {
+  const std::vector<float> logits = {2.0f, 1.0f, 0.5f, 0.0f, -0.5f, -1.0f, -3.0f, 1.5f};
+  const double t = 1.0, top_p = 0.8;
+  const std::vector<int> nucleus = Nucleus(logits, t, top_p);
+  ASSERT_GT(nucleus.size(), 1u);
+  ASSERT_LT(nucleus.size(), logits.size());
+  const std::vector<double> p = TemperedSoftmax(logits, t);
+  std::vector<double> expected(logits.size(), 0.0);
+  double mass = 0;
+  for (int id : nucleus) mass += p[id];
+  for (int id : nucleus) expected[id] = p[id] / mass;
+  ExpectFrequencies(logits, {.temperature = 1.0f, .top_p = static_cast<float>(top_p)}, expected,
+                    100000, 99);
+}
+
+TEST(SamplerTopP, TinyTopPIsArgmax) {
+  const std::vector<float> logits = RandomLogits(300, 51, 1.0f);
+  const int argmax =
+      static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  SequenceRng rng(8);
+  for (int i = 0; i < 500; ++i) {
+    EXPECT_EQ(Sample(logits.data(), 300, {.temperature = 2.0f, .top_p = 1e-6f},
+                     rng.NextUniform()).token,
+              argmax);
+  }
+}
+
+TEST(ValidateSamplingParams, AcceptsTheEdgesOfEachRange) {
+  EXPECT_TRUE(ValidateSamplingParams({}, 100).ok());
+  EXPECT_TRUE(ValidateSamplingParams({.temperature = 0}, 100).ok());
+  EXPECT_TRUE(ValidateSamplingParams({.temperature = 100}, 100).ok());
+  EXPECT_TRUE(ValidateSamplingParams({.top_k = 0}, 100).ok());
+  EXPECT_TRUE(ValidateSamplingParams({.top_k = 100}, 100).ok());
+  EXPECT_TRUE(ValidateSamplingParams({.top_p = 1.0f}, 100).ok());
+  EXPECT_TRUE(ValidateSamplingParams({.top_p = 1e-6f}, 100).ok());
+}
+
+TEST(ValidateSamplingParams, RejectsEachBadParameterByName) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  struct Case {
+    SamplingParams params;
+    const char* name;
+  };
+  const std::vector<Case> cases = {
+      {{.temperature = -0.5f}, "temperature"}, {{.temperature = nan}, "temperature"},
+      {{.temperature = inf}, "temperature"},   {{.temperature = 100.5f}, "temperature"},
+      {{.top_k = -1}, "top_k"},                {{.top_k = 101}, "top_k"},
+      {{.top_p = 0.0f}, "top_p"},              {{.top_p = -0.1f}, "top_p"},
+      {{.top_p = 1.01f}, "top_p"},             {{.top_p = nan}, "top_p"},
+  };
+  for (const Case& c : cases) {
+    const absl::Status st = ValidateSamplingParams(c.params, 100);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << c.name;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(c.name));
+  }
+}
+
+TEST(SequenceRng, SameSeedSameStream) {
+  for (uint64_t seed : {uint64_t{0}, uint64_t{1}, uint64_t{0xdeadbeefcafe}}) {
+    SequenceRng a(seed), b(seed);
+    for (int i = 0; i < 1000; ++i) ASSERT_EQ(a.Next(), b.Next()) << "seed " << seed;
+    for (int i = 0; i < 1000; ++i) ASSERT_EQ(a.NextUniform(), b.NextUniform());
+  }
+}
+
+TEST(SequenceRng, DifferentSeedsDiffer) {
+  const std::vector<uint64_t> seeds = {0, 1, 2, 3, 1ull << 32, ~0ull};
+  std::vector<std::vector<uint64_t>> streams;
+  for (uint64_t seed : seeds) {
+    SequenceRng rng(seed);
+    std::vector<uint64_t> s(64);
+    for (uint64_t& v : s) v = rng.Next();
+    streams.push_back(s);
+  }
+  for (size_t i = 0; i < streams.size(); ++i) {
+    for (size_t j = i + 1; j < streams.size(); ++j) {
+      int equal = 0;
+      for (int k = 0; k < 64; ++k) equal += streams[i][k] == streams[j][k];
+      EXPECT_EQ(equal, 0) << "seeds " << seeds[i] << " and " << seeds[j];
+    }
+  }
+  // Seed 0 does not give a degenerate all-zero state.
+  SequenceRng zero(0);
+  int zeros = 0;
+  for (int i = 0; i < 100; ++i) zeros += zero.Next() == 0;
+  EXPECT_EQ(zeros, 0);
+}
+
+TEST(SequenceRng, NextUniformIsInUnitIntervalAndUniform) {
+  SequenceRng rng(12345);
+  const int n = 1000000;
+  float lo = 1, hi = 0;
+  double sum = 0;
+  std::vector<int> buckets(10, 0);
+  for (int i = 0; i < n; ++i) {
+    const float u = rng.NextUniform();
+    ASSERT_GE(u, 0.0f);
+    ASSERT_LT(u, 1.0f);
+    lo = std::min(lo, u);
+    hi = std::max(hi, u);
+    sum += u;
+    ++buckets[static_cast<int>(u * 10)];
+  }
+  EXPECT_LT(lo, 1e-4f);
+  EXPECT_GT(hi, 1 - 1e-4f);
+  // Mean 1/2, sd of the mean sqrt(1/12/n) ~ 2.9e-4.
+  EXPECT_NEAR(sum / n, 0.5, 5 * 2.9e-4);
+  for (int b = 0; b < 10; ++b) EXPECT_NEAR(buckets[b], n / 10, 5 * std::sqrt(n * 0.09)) << b;
+}
+
+}  // namespace
+}  // namespace ellm
