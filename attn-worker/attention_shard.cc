@@ -1,19 +1,60 @@
 #include "attn-worker/attention_shard.h"
 
 #include <algorithm>
+#include <atomic>
 
 #include "absl/strings/str_cat.h"
 #include "core/kernels.h"
 
 namespace ellm::attn {
+namespace {
 
-AttentionShard::AttentionShard(const ShardGeometry& geometry, KvCache* cache, ThreadPool* pool)
-    : g_(geometry), cache_(cache), pool_(pool), scratch_(pool->size()) {
-  for (Scratch& s : scratch_) {
-    s.k_rows.resize(g_.max_positions);
-    s.v_rows.resize(g_.max_positions);
-    s.scores.resize(g_.max_positions);
+// Runs fn(i, thread) for i in [0, n), each index taken by the next free
+// thread (items differ in size; which thread runs one never matters).
+template <typename Fn>
+void ParallelItems(ThreadPool* pool, int64_t n, const Fn& fn) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  pool->ParallelFor(std::min<int64_t>(n, pool->size()), [&](int64_t, int64_t, int thread) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      fn(i, thread);
+    }
+  });
+}
+
+// Partials of parallel chunks held per step, at most (the rest fold inside
+// their items).
+constexpr int64_t kPartialBudgetBytes = int64_t{64} << 20;
+
+}  // namespace
+
+int AutoChunkPositions(const KvFormat& format) {
+  const double per_position = format.BytesPerPosition();
+  int c = 256;
+  while (c < 4096 && c * per_position < 128 * 1024) c *= 2;
+  return c;
+}
+
+AttentionShard::AttentionShard(const ShardGeometry& geometry, KvCache* cache, ThreadPool* pool,
+                               const AttentionKernel* kernel)
+    : g_(geometry), cache_(cache), pool_(pool), kernel_(kernel), scratch_(pool->size()) {
+  if (kernel_ == nullptr) kernel_ = *SelectKernel(KernelChoice::kAuto);
+  chunk_ = g_.chunk_positions > 0 ? (g_.chunk_positions + kTile - 1) / kTile * kTile
+                                  : AutoChunkPositions(cache_->format());
+  if (cache_->format().dtype == KvDType::kF32) {
+    f32_scratch_.resize(pool->size());
+    for (F32Scratch& s : f32_scratch_) {
+      s.k_rows.resize(g_.max_positions);
+      s.v_rows.resize(g_.max_positions);
+      s.scores.resize(g_.max_positions);
+    }
   }
+}
+
+std::string AttentionShard::kernel_name() const {
+  if (cache_->format().dtype == KvDType::kF32) return "f32-reference";
+  return absl::StrCat(std::string(kernel_->name), " ", std::string(KvDTypeName(cache_->format().dtype)));
 }
 
 absl::Status AttentionShard::Process(uint32_t layer, uint32_t n_seqs, uint32_t n_tokens,
@@ -22,7 +63,7 @@ absl::Status AttentionShard::Process(uint32_t layer, uint32_t n_seqs, uint32_t n
     return absl::InvalidArgumentError(
         absl::StrCat("attention request for layer ", layer, " of a ", g_.layers, "-layer model"));
   }
-  const int hd = g_.head_dim, kvh = g_.kv_heads(), qh = g_.q_heads();
+  const int hd = g_.head_dim, kvh = g_.kv_heads();
 
   // Reserve positions once per step (layer 0); later layers must find them.
   if (layer == 0) {
@@ -43,36 +84,183 @@ absl::Status AttentionShard::Process(uint32_t layer, uint32_t n_seqs, uint32_t n
     }
   }
 
-  // Token index -> (sequence, position).
-  std::vector<std::pair<uint64_t, int>> token_at(n_tokens);
+  // Token index -> position; slice -> first token.
+  last_pos_.resize(n_tokens);
+  slice_token0_.resize(n_seqs);
+  std::vector<uint64_t> token_seq(n_tokens);
   {
     uint32_t t = 0;
     for (uint32_t i = 0; i < n_seqs; ++i) {
+      slice_token0_[i] = static_cast<int32_t>(t);
       for (uint32_t j = 0; j < req.slices[i].n_tokens; ++j, ++t) {
-        token_at[t] = {req.slices[i].seq_id, static_cast<int>(req.slices[i].start_pos + j)};
+        token_seq[t] = req.slices[i].seq_id;
+        last_pos_[t] = static_cast<int32_t>(req.slices[i].start_pos + j);
       }
     }
   }
 
-  // Append k, v.
-  for (uint32_t t = 0; t < n_tokens; ++t) {
-    const auto [seq, pos] = token_at[t];
-    for (int h = 0; h < kvh; ++h) {
-      std::copy_n(req.k + (static_cast<size_t>(t) * kvh + h) * hd, hd,
-                  cache_->KeyRow(seq, layer, h, pos));
-      std::copy_n(req.v + (static_cast<size_t>(t) * kvh + h) * hd, hd,
-                  cache_->ValueRow(seq, layer, h, pos));
+  // Append k, v: the one place they are converted to the cache's dtype.
+  const int64_t rows = static_cast<int64_t>(n_tokens) * kvh;
+  auto store = [&](int64_t begin, int64_t end, int) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t t = r / kvh;
+      const int h = static_cast<int>(r % kvh);
+      cache_->Store(token_seq[t], static_cast<int>(layer), h, last_pos_[t],
+                    req.k + static_cast<size_t>(r) * hd, req.v + static_cast<size_t>(r) * hd);
     }
+  };
+  if (rows >= 64 && cache_->format().dtype != KvDType::kF32) {
+    pool_->ParallelFor(rows, store);
+  } else {
+    store(0, rows, 0);
   }
 
+  if (cache_->format().dtype == KvDType::kF32) {
+    ProcessF32(layer, n_tokens, req, out);
+    return absl::OkStatus();
+  }
+
+  PrepareQueries(req.q, static_cast<int>(n_tokens) * g_.q_heads(), hd, kernel_->q_max, &prep_);
+
+  // Plan: parallel chunks for decodes and small prefill chunks (within the
+  // partials budget), one folding item per (16 tokens, KV head) otherwise.
+  const int group = g_.gqa_ratio;
+  const int pf = PartialFloats(prep_.padded_dim);
+  const int64_t budget_slots = kPartialBudgetBytes / (pf * static_cast<int64_t>(sizeof(float)));
+  items_.clear();
+  merges_.clear();
+  int64_t slots = 0;
+  for (uint32_t s = 0; s < n_seqs; ++s) {
+    const shm::SeqSlice& slice = req.slices[s];
+    const int n = static_cast<int>(slice.n_tokens);
+    for (int tg = 0; tg < n; tg += kMaxChunkTokens) {
+      const int nt = std::min(kMaxChunkTokens, n - tg);
+      const int token0 = slice_token0_[s] + tg;
+      const int chunks = last_pos_[token0 + nt - 1] / chunk_ + 1;
+      for (int h = 0; h < kvh; ++h) {
+        const int64_t need = static_cast<int64_t>(chunks) * nt * group;
+        if (n <= kMaxChunkTokens && slots + need <= budget_slots) {
+          merges_.push_back({static_cast<int>(s), token0, nt, h, chunks, slots});
+          for (int c = 0; c < chunks; ++c) {
+            items_.push_back({static_cast<int>(s), token0, nt, h, c, c + 1,
+                              slots + static_cast<int64_t>(c) * nt * group});
+          }
+          slots += need;
+        } else {
+          items_.push_back({static_cast<int>(s), token0, nt, h, 0, chunks, -1});
+        }
+      }
+    }
+  }
+  partials_.Resize(static_cast<size_t>(slots) * pf);
+  const size_t chunk_floats = ChunkScratchFloats(kMaxChunkTokens, group);
+  const size_t partial_floats = static_cast<size_t>(kMaxChunkTokens) * group * pf;
+  for (ThreadScratch& s : scratch_) {
+    s.chunk.Resize(chunk_floats);
+    s.partials.Resize(partial_floats);
+    s.acc.Resize(partial_floats);
+  }
+
+  ParallelItems(pool_, static_cast<int64_t>(items_.size()), [&](int64_t i, int thread) {
+    RunItem(items_[i], layer, req, out, scratch_[thread]);
+  });
+
+  // Merge the parallel chunks of each (token, query head) in chunk order.
+  std::vector<std::pair<int, int>> merge_tasks;  // (merge group, token in group)
+  for (size_t m = 0; m < merges_.size(); ++m) {
+    for (int i = 0; i < merges_[m].n_tokens; ++i) merge_tasks.emplace_back(static_cast<int>(m), i);
+  }
+  ParallelItems(pool_, static_cast<int64_t>(merge_tasks.size()), [&](int64_t task, int thread) {
+    const MergeGroup& m = merges_[merge_tasks[task].first];
+    const int i = merge_tasks[task].second;
+    float* acc_data = scratch_[thread].acc.data();
+    for (int j = 0; j < group; ++j) {
+      const Partial acc(acc_data, prep_.padded_dim);
+      acc.Clear();
+      for (int c = 0; c < m.chunks; ++c) {
+        const int64_t slot = m.first_slot + static_cast<int64_t>(c) * m.n_tokens * group + i * group + j;
+        acc.Merge(Partial(partials_.data() + slot * pf, prep_.padded_dim));
+      }
+      WriteOutput(m, i, j, acc, out);
+    }
+  });
+  return absl::OkStatus();
+}
+
+ChunkArgs AttentionShard::ArgsFor(const Item& item, uint32_t layer,
+                                  const shm::AttnRequestView& req) const {
+  ChunkArgs a;
+  a.kv = cache_->View(req.slices[item.slice].seq_id, static_cast<int>(layer), item.kv_head);
+  a.group = g_.gqa_ratio;
+  a.n_tokens = item.n_tokens;
+  a.last_pos = last_pos_.data() + item.token0;
+  a.q = &prep_;
+  a.q_row0 = item.token0 * g_.q_heads() + item.kv_head * g_.gqa_ratio;
+  a.q_token_stride = g_.q_heads();
+  return a;
+}
+
+void AttentionShard::WriteOutput(const MergeGroup& m, int token, int head, const Partial& p,
+                                 float* out) const {
+  const int t = m.token0 + token;
+  const int q_head = m.kv_head * g_.gqa_ratio + head;
+  p.Normalize(out + (static_cast<size_t>(t) * g_.q_heads() + q_head) * g_.head_dim, g_.head_dim);
+}
+
+void AttentionShard::RunItem(const Item& item, uint32_t layer, const shm::AttnRequestView& req,
+                             float* out, ThreadScratch& scratch) {
+  ChunkArgs a = ArgsFor(item, layer, req);
+  a.scratch = scratch.chunk.data();
+  const AttendChunkFn attend = kernel_->For(a.kv.format.dtype);
+  const int hp = a.kv.format.padded_dim, pf = PartialFloats(hp), group = g_.gqa_ratio;
+  if (item.partial_slot >= 0) {
+    a.pos_begin = item.chunk_begin * chunk_;
+    a.pos_end = std::min(a.kv.length, a.pos_begin + chunk_);
+    a.partials = partials_.data() + item.partial_slot * pf;
+    attend(a);
+    return;
+  }
+  // All chunks in turn, folded exactly as the merge step folds parallel ones.
+  const int n = item.n_tokens * group;
+  for (int x = 0; x < n; ++x) Partial(scratch.acc.data() + static_cast<size_t>(x) * pf, hp).Clear();
+  a.partials = scratch.partials.data();
+  for (int c = item.chunk_begin; c < item.chunk_end; ++c) {
+    a.pos_begin = c * chunk_;
+    a.pos_end = std::min(a.kv.length, a.pos_begin + chunk_);
+    attend(a);
+    for (int x = 0; x < n; ++x) {
+      Partial(scratch.acc.data() + static_cast<size_t>(x) * pf, hp)
+          .Merge(Partial(scratch.partials.data() + static_cast<size_t>(x) * pf, hp));
+    }
+  }
+  const MergeGroup m{item.slice, item.token0, item.n_tokens, item.kv_head, 0, 0};
+  for (int i = 0; i < item.n_tokens; ++i) {
+    for (int j = 0; j < group; ++j) {
+      WriteOutput(m, i, j, Partial(scratch.acc.data() + static_cast<size_t>(i * group + j) * pf, hp),
+                  out);
+    }
+  }
+}
+
+void AttentionShard::ProcessF32(uint32_t layer, uint32_t n_tokens, const shm::AttnRequestView& req,
+                                float* out) {
+  const int hd = g_.head_dim, qh = g_.q_heads();
+  std::vector<uint64_t> token_seq(n_tokens);
+  {
+    uint32_t t = 0;
+    for (size_t i = 0; t < n_tokens; ++i) {
+      for (uint32_t j = 0; j < req.slices[i].n_tokens; ++j, ++t) token_seq[t] = req.slices[i].seq_id;
+    }
+  }
   // Causal attention, one work item per (token, query head).
   pool_->ParallelFor(static_cast<int64_t>(n_tokens) * qh, [&](int64_t begin, int64_t end, int thread) {
-    Scratch& s = scratch_[thread];
+    F32Scratch& s = f32_scratch_[thread];
     for (int64_t item = begin; item < end; ++item) {
       const int t = static_cast<int>(item / qh);
       const int h = static_cast<int>(item % qh);
       const int kv_head = h / g_.gqa_ratio;
-      const auto [seq, pos] = token_at[t];
+      const uint64_t seq = token_seq[t];
+      const int pos = last_pos_[t];
       for (int p = 0; p <= pos; ++p) {
         s.k_rows[p] = cache_->KeyRow(seq, layer, kv_head, p);
         s.v_rows[p] = cache_->ValueRow(seq, layer, kv_head, p);
@@ -82,7 +270,6 @@ absl::Status AttentionShard::Process(uint32_t layer, uint32_t n_seqs, uint32_t n
                     out + (static_cast<size_t>(t) * qh + h) * hd);
     }
   });
-  return absl::OkStatus();
 }
 
 }  // namespace ellm::attn

@@ -1,12 +1,27 @@
 // AttentionShard: the attention worker's logic, free of transport types. For
 // each attention request of one layer it appends the new k, v of every token
-// to the KV cache and computes causal attention for the shard's query heads.
+// to the KV cache (quantising them once, there) and computes causal attention
+// for the shard's query heads.
+//
+// f32 caches use core/kernels.h's AttendOneHead per (token, query head): the
+// same arithmetic as the single-process reference forward, bit for bit.
+// f16 and int8 caches use the flash-decoding kernels of attention_kernels.h:
+// a sequence's positions are cut into chunks of chunk_positions (fixed
+// absolute boundaries), each (sequence, KV head, chunk) is one work item on
+// the thread pool, taken dynamically by whichever thread is free, and the
+// partials of a (token, query head) are merged in chunk order in one place.
+// Slices of more than kMaxChunkTokens tokens (prefill) run their chunks one
+// after another inside one item per (16 tokens, KV head) and fold them the
+// same way. A token's result therefore depends only on its own sequence and
+// position: not on the batch around it, the thread count, or whether it came
+// in a decode or a prefill step.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "attn-worker/attention_kernels.h"
 #include "attn-worker/kv_cache.h"
 #include "core/thread_pool.h"
 #include "shm/messages.h"
@@ -20,14 +35,23 @@ struct ShardGeometry {
   int gqa_ratio = 1;      // query heads per KV head
   int head_dim = 0;
   int max_positions = 0;  // the model's context
+  int chunk_positions = 0;  // positions per flash-decoding chunk, a multiple of 16 (0: automatic)
   int kv_heads() const { return kv_head_end - kv_head_begin; }
   int q_heads() const { return kv_heads() * gqa_ratio; }
   shm::AttnShape shape() const { return {q_heads(), kv_heads(), head_dim}; }
 };
 
+// Automatic chunk length: the smallest power of two >= 256 positions whose K
+// and V reach 128 KiB per KV head (at most 4096), so the partials written and
+// merged stay ~1-2% of the bytes read while 4K positions still give 8-16
+// items per KV head.
+int AutoChunkPositions(const KvFormat& format);
+
 class AttentionShard {
  public:
-  AttentionShard(const ShardGeometry& geometry, KvCache* cache, ThreadPool* pool);
+  // `kernel` computes f16/int8 attention (nullptr: the fastest this CPU runs).
+  AttentionShard(const ShardGeometry& geometry, KvCache* cache, ThreadPool* pool,
+                 const AttentionKernel* kernel = nullptr);
 
   // Handles one request of `layer`: slices[n_seqs] with q/k/v as in
   // shm/messages.h; writes out[n_tokens][q_heads][head_dim].
@@ -37,18 +61,53 @@ class AttentionShard {
   absl::Status Process(uint32_t layer, uint32_t n_seqs, uint32_t n_tokens,
                        const shm::AttnRequestView& request, float* out);
 
-  std::string kernel_name() const { return "f32-reference"; }
+  // "f32-reference", or the kernel and dtype, e.g. "avx512 int8".
+  std::string kernel_name() const;
+  int chunk_positions() const { return chunk_; }
 
  private:
+  // One work item: tokens [token0, token0 + n_tokens) of slice `slice` (at
+  // most kMaxChunkTokens), KV head `kv_head`, chunks [chunk_begin, chunk_end).
+  // partial_slot >= 0: one chunk whose partials go to slot partial_slot;
+  // -1: all chunks in turn, folded, normalised into the output.
+  struct Item {
+    int slice, token0, n_tokens, kv_head, chunk_begin, chunk_end;
+    int64_t partial_slot;
+  };
+  // A (token group, KV head) whose chunks ran as separate items: merged after.
+  struct MergeGroup {
+    int slice, token0, n_tokens, kv_head, chunks;
+    int64_t first_slot;
+  };
+  struct ThreadScratch {
+    AlignedArray<float> chunk, partials, acc;
+  };
+
+  void ProcessF32(uint32_t layer, uint32_t n_tokens, const shm::AttnRequestView& req, float* out);
+  void RunItem(const Item& item, uint32_t layer, const shm::AttnRequestView& req, float* out,
+               ThreadScratch& scratch);
+  ChunkArgs ArgsFor(const Item& item, uint32_t layer, const shm::AttnRequestView& req) const;
+  void WriteOutput(const MergeGroup& g, int token, int head, const Partial& p, float* out) const;
+
   ShardGeometry g_;
   KvCache* cache_;
   ThreadPool* pool_;
-  // Per-thread scratch: row pointers and scores of up to max_positions.
-  struct Scratch {
+  const AttentionKernel* kernel_;
+  int chunk_ = 0;
+  // f32 path: per-thread row pointers and scores of up to max_positions.
+  struct F32Scratch {
     std::vector<const float*> k_rows, v_rows;
     std::vector<float> scores;
   };
-  std::vector<Scratch> scratch_;
+  std::vector<F32Scratch> f32_scratch_;
+  // Kernel path, kept across steps.
+  QueryPrep prep_;
+  std::vector<int32_t> last_pos_;     // [n_tokens] position of each token of the step
+  std::vector<int32_t> slice_token0_;  // [n_seqs] first token of each slice
+  std::vector<Item> items_;
+  std::vector<MergeGroup> merges_;
+  AlignedArray<float> partials_;
+  std::vector<ThreadScratch> scratch_;
 };
 
 }  // namespace ellm::attn

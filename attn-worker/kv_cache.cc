@@ -19,9 +19,12 @@ absl::StatusOr<std::unique_ptr<NodeMemory>> NodeMemory::Allocate(size_t bytes, i
     }
     m->data_ = static_cast<float*>(numa_alloc_onnode(bytes, numa_node));
     m->numa_ = true;
+    // The kernels stream this memory: huge pages spare TLB misses.
+    if (m->data_ != nullptr) madvise(m->data_, bytes, MADV_HUGEPAGE);
   } else {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     m->data_ = p == MAP_FAILED ? nullptr : static_cast<float*>(p);
+    if (m->data_ != nullptr) madvise(m->data_, bytes, MADV_HUGEPAGE);
   }
   if (m->data_ == nullptr) {
     return absl::ResourceExhaustedError(
@@ -40,8 +43,8 @@ NodeMemory::~NodeMemory() {
 }
 
 size_t KvCache::BlockBytes(const KvCacheOptions& o) {
-  return static_cast<size_t>(o.layers) * 2 * o.kv_heads * o.block_tokens * o.head_dim *
-         sizeof(float);
+  const KvFormat f = KvFormat::Make(o.dtype, o.head_dim);
+  return static_cast<size_t>(o.layers) * o.kv_heads * 2 * f.SegmentBytes(o.block_tokens);
 }
 
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& options) {
@@ -49,10 +52,20 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& o
       options.block_tokens <= 0 || options.blocks <= 0 || options.blocks > INT32_MAX) {
     return absl::InvalidArgumentError("KV cache options must all be positive");
   }
+  if (options.head_dim > kMaxHeadDim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head_dim ", options.head_dim, " exceeds ", kMaxHeadDim));
+  }
   std::unique_ptr<KvCache> cache(new KvCache(options));
-  cache->block_floats_ = BlockBytes(options) / sizeof(float);
+  cache->format_ = KvFormat::Make(options.dtype, options.head_dim);
+  RETURN_IF_ERROR(cache->format_.CheckBlockTokens(options.block_tokens));
+  cache->segment_bytes_ = cache->format_.SegmentBytes(options.block_tokens);
+  const size_t block_bytes = BlockBytes(options);
+  if (block_bytes > SIZE_MAX / static_cast<size_t>(options.blocks)) {
+    return absl::InvalidArgumentError("KV cache size overflows");
+  }
   ASSIGN_OR_RETURN(cache->memory_,
-                   NodeMemory::Allocate(BlockBytes(options) * options.blocks, options.numa_node));
+                   NodeMemory::Allocate(block_bytes * options.blocks, options.numa_node));
   cache->free_.reserve(options.blocks);
   for (int64_t b = options.blocks - 1; b >= 0; --b) cache->free_.push_back(static_cast<int32_t>(b));
   return cache;
@@ -80,23 +93,43 @@ absl::Status KvCache::Reserve(uint64_t seq, int start, int n) {
   return absl::OkStatus();
 }
 
-float* KvCache::Row(uint64_t seq, int layer, int kv, int kv_head, int pos) {
-  const Sequence& s = seqs_.at(seq);
-  const KvCacheOptions& o = options_;
-  const int32_t block = s.blocks[pos / o.block_tokens];
-  const size_t offset =
-      ((((static_cast<size_t>(layer) * 2 + kv) * o.kv_heads + kv_head) * o.block_tokens) +
-       pos % o.block_tokens) *
-      o.head_dim;
-  return memory_->data() + block * block_floats_ + offset;
+uint8_t* KvCache::BlockBase(int layer, int kv_head, int32_t block) const {
+  const size_t region = static_cast<size_t>(layer) * options_.kv_heads + kv_head;
+  return memory_->bytes_data() +
+         (region * options_.blocks + block) * static_cast<size_t>(2 * segment_bytes_);
 }
 
 float* KvCache::KeyRow(uint64_t seq, int layer, int kv_head, int pos) {
-  return Row(seq, layer, 0, kv_head, pos);
+  if (options_.dtype != KvDType::kF32) return nullptr;
+  const Sequence& s = seqs_.at(seq);
+  return reinterpret_cast<float*>(BlockBase(layer, kv_head, s.blocks[pos / options_.block_tokens])) +
+         static_cast<size_t>(pos % options_.block_tokens) * options_.head_dim;
 }
 
 float* KvCache::ValueRow(uint64_t seq, int layer, int kv_head, int pos) {
-  return Row(seq, layer, 1, kv_head, pos);
+  if (options_.dtype != KvDType::kF32) return nullptr;
+  return reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(KeyRow(seq, layer, kv_head, pos)) +
+                                  segment_bytes_);
+}
+
+void KvCache::Store(uint64_t seq, int layer, int kv_head, int pos, const float* k, const float* v) {
+  const KvSeqView view = View(seq, layer, kv_head);
+  const int row = view.RowInTile(pos);
+  format_.StoreKey(const_cast<uint8_t*>(view.KeyTile(pos)), row, k);
+  format_.StoreValue(const_cast<uint8_t*>(view.ValueTile(pos)), row, v);
+}
+
+KvSeqView KvCache::View(uint64_t seq, int layer, int kv_head) const {
+  const Sequence& s = seqs_.at(seq);
+  KvSeqView v;
+  v.format = format_;
+  v.base = BlockBase(layer, kv_head, 0);
+  v.blocks = s.blocks.data();
+  v.block_stride = 2 * segment_bytes_;
+  v.value_offset = segment_bytes_;
+  v.block_tokens = options_.block_tokens;
+  v.length = s.length;
+  return v;
 }
 
 int KvCache::Length(uint64_t seq) const {

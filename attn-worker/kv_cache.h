@@ -1,11 +1,14 @@
 // The KV cache of one attention shard: KV heads [a, b) of every layer, in
 // paged blocks from one pool allocated on the shard's NUMA node.
 //
-// Pool layout: blocks × [layers][2 (K, V)][kv_heads][block_tokens][head_dim] f32.
-// A sequence owns a list of blocks (its block table); position p of a
-// sequence lives in block table[p / block_tokens], row p % block_tokens.
-// Positions are appended in order; a sequence's blocks return to the pool when
-// it is freed.
+// Pool layout: [layers][kv_heads] regions, each [blocks] × {K segment, V
+// segment} (kv_format.h gives a segment's bytes for each dtype). A sequence
+// owns a list of block ids (its block table), the same ids in every region;
+// position p lives in block table[p / block_tokens], row p % block_tokens.
+// One (layer, KV head) of a sequence whose blocks are consecutive ids is
+// therefore one contiguous run of memory, which the decode kernels stream.
+// Positions are appended in order and quantised once, when stored; a
+// sequence's blocks return to the pool when it is freed.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +16,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "attn-worker/kv_format.h"
 #include "core/status.h"
 
 namespace ellm::attn {
@@ -24,6 +28,7 @@ struct KvCacheOptions {
   int block_tokens = 16;
   int64_t blocks = 0;    // pool size
   int numa_node = -1;    // allocate on this node (libnuma); -1: anywhere
+  KvDType dtype = KvDType::kF32;  // the worker's default is int8 (--kv_dtype)
 };
 
 // Memory from libnuma on a node (or plain mmap), released by the destructor.
@@ -32,6 +37,7 @@ class NodeMemory {
   static absl::StatusOr<std::unique_ptr<NodeMemory>> Allocate(size_t bytes, int numa_node);
   ~NodeMemory();
   float* data() const { return data_; }
+  uint8_t* bytes_data() const { return reinterpret_cast<uint8_t*>(data_); }
   size_t bytes() const { return bytes_; }
 
  private:
@@ -51,9 +57,15 @@ class KvCache {
   // sequence's current length (FailedPrecondition otherwise); ResourceExhausted
   // when the pool runs out (the sequence is left as it was).
   absl::Status Reserve(uint64_t seq, int start, int n);
-  // K and V rows of (layer, kv head, position) of `seq`; the position must be reserved.
+  // K and V rows of (layer, kv head, position) of `seq`; the position must be
+  // reserved. f32 caches only (nullptr for the other dtypes: use Store).
   float* KeyRow(uint64_t seq, int layer, int kv_head, int pos);
   float* ValueRow(uint64_t seq, int layer, int kv_head, int pos);
+  // Stores k and v [head_dim] at a reserved position, converting to the dtype.
+  void Store(uint64_t seq, int layer, int kv_head, int pos, const float* k, const float* v);
+  // The blocks of (layer, kv head) of `seq`, for the kernels; valid until the
+  // sequence is next reserved or freed. The sequence must exist.
+  KvSeqView View(uint64_t seq, int layer, int kv_head) const;
   // Positions held for `seq` (0 if unknown).
   int Length(uint64_t seq) const;
   void Free(uint64_t seq);
@@ -61,6 +73,7 @@ class KvCache {
   int64_t blocks_total() const { return options_.blocks; }
   int64_t blocks_free() const { return static_cast<int64_t>(free_.size()); }
   const KvCacheOptions& options() const { return options_; }
+  const KvFormat& format() const { return format_; }
 
  private:
   struct Sequence {
@@ -68,10 +81,12 @@ class KvCache {
     int length = 0;
   };
   explicit KvCache(const KvCacheOptions& options) : options_(options) {}
-  float* Row(uint64_t seq, int layer, int kv, int kv_head, int pos);
+  // Start of block `block` of the (layer, kv head) region.
+  uint8_t* BlockBase(int layer, int kv_head, int32_t block) const;
 
   KvCacheOptions options_;
-  size_t block_floats_ = 0;
+  KvFormat format_;
+  int64_t segment_bytes_ = 0;  // K (or V) part of a block of one (layer, kv head)
   std::unique_ptr<NodeMemory> memory_;
   std::vector<int32_t> free_;
   std::unordered_map<uint64_t, Sequence> seqs_;

@@ -19,6 +19,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "attn-worker/attention_kernels.h"
 #include "attn-worker/attention_shard.h"
 #include "attn-worker/kv_cache.h"
 #include "core/gguf.h"
@@ -41,7 +42,13 @@ ABSL_FLAG(int, numa_node, -1, "NUMA node to bind memory and threads to (-1: none
 ABSL_FLAG(std::string, cpus, "", "cpus for the attention threads, e.g. 0-7 (default: the node's cores)");
 ABSL_FLAG(int, threads, 0, "attention threads (default: one per cpu in --cpus)");
 ABSL_FLAG(int, kv_cache_mb, 256, "KV cache size of this shard in MiB");
-ABSL_FLAG(int, block_tokens, 16, "positions per KV block");
+ABSL_FLAG(int, block_tokens, 16, "positions per KV block (a multiple of 16 for int8 and f16)");
+ABSL_FLAG(std::string, kv_dtype, "int8",
+          "KV cache element type: int8 (per-position asymmetric codes, f16 scale and min), "
+          "f16, or f32 (bit-exact with the fp32 reference forward)");
+ABSL_FLAG(std::string, attn_kernel, "auto",
+          "attention kernel for int8/f16: auto (the fastest this CPU runs), reference, avx2, "
+          "avx2-vnni or avx512");
 ABSL_FLAG(int, max_batch, 16, "most sequences in one step");
 ABSL_FLAG(int, max_step_tokens, 256, "most tokens in one step");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
@@ -62,6 +69,8 @@ struct AttnWorkerConfig {
   int block_tokens = 16;
   int max_batch = 16;
   int max_step_tokens = 256;
+  KvDType kv_dtype = KvDType::kInt8;
+  KernelChoice kernel = KernelChoice::kAuto;
 };
 
 absl::StatusOr<AttnWorkerConfig> ConfigFromFlags() {
@@ -98,6 +107,8 @@ absl::StatusOr<AttnWorkerConfig> ConfigFromFlags() {
       if (n.id == c.numa_node) c.cpus = n.cpus;
     }
   }
+  ASSIGN_OR_RETURN(c.kv_dtype, ParseKvDType(absl::GetFlag(FLAGS_kv_dtype)));
+  ASSIGN_OR_RETURN(c.kernel, ParseKernelChoice(absl::GetFlag(FLAGS_attn_kernel)));
   c.threads = absl::GetFlag(FLAGS_threads);
   if (c.threads <= 0) c.threads = c.cpus.empty() ? 1 : static_cast<int>(c.cpus.size());
   return c;
@@ -189,20 +200,23 @@ absl::Status Run(const AttnWorkerConfig& config) {
   kv.head_dim = model.head_dim;
   kv.block_tokens = config.block_tokens;
   kv.numa_node = config.numa_node;
+  kv.dtype = config.kv_dtype;
   kv.blocks = config.kv_cache_bytes / static_cast<int64_t>(KvCache::BlockBytes(kv));
   if (kv.blocks <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("--kv_cache_mb is too small for one block of ",
                                                    KvCache::BlockBytes(kv), " bytes"));
   }
   ASSIGN_OR_RETURN(auto cache, KvCache::Create(kv));
-  LogInfo("KV heads [%d, %d) of %d layers: %d blocks of %d positions (%.1f MiB, %s)",
+  LogInfo("KV heads [%d, %d) of %d layers: %d blocks of %d positions (%.1f MiB %s, %s)",
           config.kv_head_begin, config.kv_head_end, model.n_layers, kv.blocks, kv.block_tokens,
-          (KvCache::BlockBytes(kv) * kv.blocks) / 1048576.0,
+          (KvCache::BlockBytes(kv) * kv.blocks) / 1048576.0, std::string(KvDTypeName(kv.dtype)),
           config.numa_node >= 0 ? absl::StrCat("NUMA node ", config.numa_node) : "no NUMA binding");
 
   ThreadPool pool(config.threads, config.cpus);
-  AttentionShard shard(geometry, cache.get(), &pool);
-  LogInfo("attention kernel %s, %d threads%s", shard.kernel_name(), pool.size(),
+  ASSIGN_OR_RETURN(const AttentionKernel* kernel, SelectKernel(config.kernel));
+  AttentionShard shard(geometry, cache.get(), &pool, kernel);
+  LogInfo("attention kernel %s, chunks of %d positions, %d threads%s", shard.kernel_name(),
+          shard.chunk_positions(), pool.size(),
           config.cpus.empty() ? "" : absl::StrCat(" on cpus ", FormatCpuList(config.cpus)));
 
   const shm::AttnShape shape = geometry.shape();

@@ -127,6 +127,10 @@ absl::Status Run(const CoordinatorConfig& config) {
   info.set_kv_blocks_total(kv_blocks);
   info.set_kv_block_tokens(block_tokens);
   info.set_max_batch(config.max_batch);
+  service_options.chat = ChatTemplate::FromGgufTemplate(
+      file->Has("tokenizer.chat_template") ? file->GetString("tokenizer.chat_template").value_or("")
+                                           : "");
+  LogInfo("chat template: %s", service_options.chat.name());
   EllmService service(service_options, model, *tokenizer, &scheduler);
 
   grpc::EnableDefaultHealthCheckService(true);

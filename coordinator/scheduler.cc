@@ -162,8 +162,10 @@ void Scheduler::Loop() {
     uint64_t step = 0;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      // Not `broken_`: once broken and drained there is nothing to wake for,
+      // and waking on it would spin the thread.
       cv_.wait_for(lock, std::chrono::milliseconds(100), [this] {
-        return stop_ || broken_ || !running_.empty() || !waiting_.empty() || !done_.empty();
+        return stop_ || !running_.empty() || !waiting_.empty() || !done_.empty();
       });
       if (stop_) return;
       if (broken_) {
@@ -227,10 +229,25 @@ void Scheduler::Loop() {
       }
       continue;
     }
-    // Advance every sequence of the step, then deliver sampled tokens.
+    // Advance every sequence of the step, then deliver sampled tokens. A
+    // sequence that asked for a token and got none ends with an error (the
+    // workers' reply is checked, not trusted).
     for (size_t i = 0; i < plan.seqs.size(); ++i) {
       in_step[i]->fed += static_cast<int>(plan.seqs[i].slice.n_tokens);
       in_step[i]->in_kv = true;
+      if (!plan.seqs[i].sample) continue;
+      const uint64_t id = plan.seqs[i].slice.seq_id;
+      const bool answered = std::any_of(result->begin(), result->end(),
+                                        [id](const shm::SampledSeq& r) { return r.seq_id == id; });
+      if (answered) continue;
+      Fail(in_step[i], absl::InternalError("the mlp-worker returned no token for this request"));
+      for (auto it = running_.begin(); it != running_.end(); ++it) {
+        if (it->get() == in_step[i]) {
+          done_.push_back(std::move(*it));
+          running_.erase(it);
+          break;
+        }
+      }
     }
     for (const shm::SampledSeq& r : *result) {
       auto it = std::find_if(running_.begin(), running_.end(),

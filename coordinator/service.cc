@@ -37,12 +37,35 @@ ellm::v1::FinishReason ToProto(FinishReason r) {
 
 }  // namespace
 
+absl::StatusOr<std::vector<int32_t>> EllmService::PromptTokens(
+    const std::string& prompt,
+    const google::protobuf::RepeatedPtrField<ellm::v1::ChatMessage>& messages,
+    const std::optional<bool>& add_bos) const {
+  if (messages.empty()) {
+    if (prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
+    if (!ValidUtf8(prompt)) return absl::InvalidArgumentError("prompt is not valid UTF-8");
+    return tokenizer_.Encode(prompt, add_bos.value_or(tokenizer_.add_bos()));
+  }
+  if (!prompt.empty()) {
+    return absl::InvalidArgumentError("send either a prompt or chat messages, not both");
+  }
+  std::vector<ChatMessage> chat;
+  for (const ellm::v1::ChatMessage& m : messages) {
+    if (!ValidUtf8(m.content())) {
+      return absl::InvalidArgumentError("a chat message is not valid UTF-8");
+    }
+    chat.push_back({m.role(), m.content()});
+  }
+  ASSIGN_OR_RETURN(std::string text, options_.chat.Render(chat));
+  // The template writes BOS itself where the model wants one.
+  return tokenizer_.Encode(text, add_bos.value_or(false), /*parse_special=*/true);
+}
+
 absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRequest& r) const {
   GenerateOptions o;
-  if (r.prompt().empty()) return absl::InvalidArgumentError("prompt is empty");
-  if (!ValidUtf8(r.prompt())) return absl::InvalidArgumentError("prompt is not valid UTF-8");
-  const bool add_bos = r.has_add_bos() ? r.add_bos() : tokenizer_.add_bos();
-  o.prompt = tokenizer_.Encode(r.prompt(), add_bos);
+  ASSIGN_OR_RETURN(o.prompt, PromptTokens(r.prompt(), r.messages(),
+                                          r.has_add_bos() ? std::optional<bool>(r.add_bos())
+                                                          : std::nullopt));
   const int n = static_cast<int>(o.prompt.size());
   const int ctx = config_.context_length;
   if (n >= ctx) {
@@ -119,11 +142,20 @@ grpc::Status EllmService::Generate(grpc::ServerContext* context,
 
 grpc::Status EllmService::Tokenize(grpc::ServerContext*, const ellm::v1::TokenizeRequest* request,
                                    ellm::v1::TokenizeResponse* response) {
-  const bool add_bos = request->has_add_bos() ? request->add_bos() : tokenizer_.add_bos();
+  absl::StatusOr<std::vector<int32_t>> ids =
+      request->messages().empty()
+          ? absl::StatusOr<std::vector<int32_t>>(tokenizer_.Encode(
+                request->text(), request->has_add_bos() ? request->add_bos() : tokenizer_.add_bos()))
+          : PromptTokens("", request->messages(),
+                         request->has_add_bos() ? std::optional<bool>(request->add_bos()) : std::nullopt);
+  if (!ids.ok()) return ToGrpcStatus(ids.status());
   int32_t prev = -1;
-  for (int32_t id : tokenizer_.Encode(request->text(), add_bos)) {
+  for (int32_t id : *ids) {
     response->add_token_ids(id);
-    response->add_pieces(tokenizer_.TokenBytes(prev, id));
+    std::string piece = tokenizer_.TokenBytes(prev, id);
+    // Control tokens print nothing in generated text; here they show as themselves.
+    if (piece.empty() && tokenizer_.token_type(id) == TokenType::kControl) piece = tokenizer_.token(id);
+    response->add_pieces(piece);
     prev = id;
   }
   return grpc::Status::OK;

@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "coordinator/chat_template.h"
 #include "coordinator/scheduler.h"
 #include "core/model_config.h"
 #include "core/tokenizer.h"
@@ -16,6 +17,7 @@ struct ServiceOptions {
   std::string model_path;
   int default_max_tokens = 128;
   ellm::v1::ModelInfo model_info;  // filled by main
+  ChatTemplate chat;               // from tokenizer.chat_template
 };
 
 class EllmService final : public ellm::v1::Ellm::Service {
@@ -33,6 +35,12 @@ class EllmService final : public ellm::v1::Ellm::Service {
 
   // Turns a request into scheduler options (InvalidArgument on bad input).
   absl::StatusOr<GenerateOptions> Validate(const ellm::v1::GenerateRequest& request) const;
+  // The prompt's token ids: the raw prompt, or the chat messages rendered
+  // with the model's template (special tokens parsed).
+  absl::StatusOr<std::vector<int32_t>> PromptTokens(
+      const std::string& prompt,
+      const google::protobuf::RepeatedPtrField<ellm::v1::ChatMessage>& messages,
+      const std::optional<bool>& add_bos) const;
 
  private:
   const ServiceOptions& options_;

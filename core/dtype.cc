@@ -3,10 +3,10 @@
 #include <bit>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "core/quants.h"
 
 namespace ellm {
 namespace {
@@ -17,38 +17,24 @@ absl::string_view ToAbsl(std::string_view s) { return {s.data(), s.size()}; }
 static_assert(std::endian::native == std::endian::little,
               "ellm reads little-endian tensor data in place");
 
-// Plain types: one element per "block".
-void DequantizeF32(const void* src, float* dst, int64_t n) {
-  std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
-}
-
-void DequantizeF16(const void* src, float* dst, int64_t n) {
-  const auto* h = static_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) dst[i] = HalfToFloat(h[i]);
-}
-
-void DequantizeBf16(const void* src, float* dst, int64_t n) {
-  const auto* h = static_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(h[i]);
-}
-
-// The one table. Block sizes are ggml's; quantized types have no reader yet.
+// The one table. Block sizes are ggml's; the converters are core/quants.h's,
+// and types without them cannot be read (or written) yet.
 constexpr DTypeTraits kTraits[] = {
-    {DType::kF32, "f32", 1, sizeof(float), DequantizeF32},
-    {DType::kF16, "f16", 1, sizeof(uint16_t), DequantizeF16},
-    {DType::kQ4_0, "q4_0", kQK, sizeof(BlockQ4_0), nullptr},
-    {DType::kQ4_1, "q4_1", kQK, sizeof(BlockQ4_1), nullptr},
-    {DType::kQ5_0, "q5_0", kQK, sizeof(BlockQ5_0), nullptr},
-    {DType::kQ5_1, "q5_1", kQK, sizeof(BlockQ5_1), nullptr},
-    {DType::kQ8_0, "q8_0", kQK, sizeof(BlockQ8_0), nullptr},
-    {DType::kQ8_1, "q8_1", kQK, sizeof(BlockQ8_1), nullptr},
-    {DType::kQ2_K, "q2_K", kQK_K, sizeof(BlockQ2_K), nullptr},
-    {DType::kQ3_K, "q3_K", kQK_K, sizeof(BlockQ3_K), nullptr},
-    {DType::kQ4_K, "q4_K", kQK_K, sizeof(BlockQ4_K), nullptr},
-    {DType::kQ5_K, "q5_K", kQK_K, sizeof(BlockQ5_K), nullptr},
-    {DType::kQ6_K, "q6_K", kQK_K, sizeof(BlockQ6_K), nullptr},
-    {DType::kQ8_K, "q8_K", kQK_K, sizeof(BlockQ8_K), nullptr},
-    {DType::kBF16, "bf16", 1, sizeof(uint16_t), DequantizeBf16},
+    {DType::kF32, "f32", 1, sizeof(float), DequantizeRowF32, QuantizeRowF32},
+    {DType::kF16, "f16", 1, sizeof(uint16_t), DequantizeRowF16, QuantizeRowF16},
+    {DType::kQ4_0, "q4_0", kQK, sizeof(BlockQ4_0), DequantizeRowQ4_0, QuantizeRowQ4_0},
+    {DType::kQ4_1, "q4_1", kQK, sizeof(BlockQ4_1), nullptr, nullptr},
+    {DType::kQ5_0, "q5_0", kQK, sizeof(BlockQ5_0), nullptr, nullptr},
+    {DType::kQ5_1, "q5_1", kQK, sizeof(BlockQ5_1), nullptr, nullptr},
+    {DType::kQ8_0, "q8_0", kQK, sizeof(BlockQ8_0), DequantizeRowQ8_0, QuantizeRowQ8_0},
+    {DType::kQ8_1, "q8_1", kQK, sizeof(BlockQ8_1), nullptr, nullptr},
+    {DType::kQ2_K, "q2_K", kQK_K, sizeof(BlockQ2_K), nullptr, nullptr},
+    {DType::kQ3_K, "q3_K", kQK_K, sizeof(BlockQ3_K), nullptr, nullptr},
+    {DType::kQ4_K, "q4_K", kQK_K, sizeof(BlockQ4_K), DequantizeRowQ4_K, QuantizeRowQ4_K},
+    {DType::kQ5_K, "q5_K", kQK_K, sizeof(BlockQ5_K), DequantizeRowQ5_K, QuantizeRowQ5_K},
+    {DType::kQ6_K, "q6_K", kQK_K, sizeof(BlockQ6_K), DequantizeRowQ6_K, QuantizeRowQ6_K},
+    {DType::kQ8_K, "q8_K", kQK_K, sizeof(BlockQ8_K), nullptr, nullptr},
+    {DType::kBF16, "bf16", 1, sizeof(uint16_t), DequantizeRowBf16, QuantizeRowBf16},
 };
 
 }  // namespace

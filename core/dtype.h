@@ -63,6 +63,9 @@ static_assert(sizeof(BlockQ8_K) == 292);
 
 // Converts `n` elements (a multiple of the block size) of a row to float.
 using DequantizeFn = void (*)(const void* src, float* dst, int64_t n);
+// Converts `n` floats (a multiple of the block size) to n / block_elements
+// blocks of the type (reference quantisers, core/quants.h).
+using QuantizeFn = void (*)(const float* src, void* dst, int64_t n);
 
 struct DTypeTraits {
   DType type;
@@ -70,6 +73,7 @@ struct DTypeTraits {
   int64_t block_elements;    // elements per block (1 for plain types)
   int64_t block_bytes;       // bytes per block
   DequantizeFn dequantize;   // nullptr where ellm cannot read the type yet
+  QuantizeFn quantize;       // nullptr where ellm cannot write the type yet
 };
 
 // The traits of `type`, or nullptr when the id is not a ggml type ellm knows.

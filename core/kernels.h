@@ -24,6 +24,13 @@ void RmsNorm(const float* x, const float* weight, float* out, int64_t n, float e
 // pos * base^(-2i / rope_dims). x is [n_heads, head_dim].
 void RopeInterleaved(float* x, int n_heads, int head_dim, int rope_dims, int pos, float base);
 
+// Rotary embedding in the NeoX layout (GGUF "neox", used by qwen2): pairs
+// (i, i + rope_dims/2) for i < rope_dims/2 rotate by pos * base^(-2i / rope_dims).
+void RopeNeox(float* x, int n_heads, int head_dim, int rope_dims, int pos, float base);
+
+// x[i] += b[i] for i < n.
+void AddBias(float* x, const float* b, int64_t n);
+
 // In-place softmax over [n] (max-subtracted).
 void Softmax(float* x, int64_t n);
 

@@ -11,15 +11,26 @@
 namespace ellm {
 namespace {
 
-// Architectures whose forward pass ellm implements (qwen2 is its own issue).
-constexpr const char* kSupportedArchitectures[] = {"llama"};
+// Architectures whose forward pass ellm implements, and how they differ.
+struct ArchTraits {
+  const char* name;
+  bool rope_neox;  // RoPE rotates pairs (i, i + rope_dims/2) instead of (2i, 2i+1)
+  bool qkv_bias;   // Q, K, V projections carry biases
+};
+constexpr ArchTraits kArchitectures[] = {
+    {"llama", false, false},
+    {"qwen2", true, true},
+};
+constexpr const char* kSupportedArchitectures[] = {"llama", "qwen2"};
 
-bool IsSupported(std::string_view arch) {
-  for (std::string_view a : kSupportedArchitectures) {
-    if (a == arch) return true;
+const ArchTraits* FindArch(std::string_view arch) {
+  for (const ArchTraits& a : kArchitectures) {
+    if (arch == a.name) return &a;
   }
-  return false;
+  return nullptr;
 }
+
+bool IsSupported(std::string_view arch) { return FindArch(arch) != nullptr; }
 
 absl::Status Unsupported(absl::string_view arch) {
   return absl::InvalidArgumentError(absl::StrCat("unsupported architecture '", arch,
@@ -127,6 +138,9 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
   ASSIGN_OR_RETURN(c.norm_eps,
                    OptionalFloat(file, p + "attention.layer_norm_rms_epsilon", 1e-5f));
   ASSIGN_OR_RETURN(c.vocab_size, VocabSize(file));
+  const ArchTraits* traits = FindArch(c.arch);
+  c.rope_neox = traits->rope_neox;
+  c.qkv_bias = traits->qkv_bias;
 
   RETURN_IF_ERROR(c.Validate());
   return c;

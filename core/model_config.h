@@ -10,7 +10,7 @@
 namespace ellm {
 
 struct ModelConfig {
-  std::string arch;         // "llama" (qwen2 is its own issue)
+  std::string arch;         // "llama" or "qwen2"
   std::string name;         // general.name, informational
   int n_layers = 0;         // {arch}.block_count
   int dim = 0;              // {arch}.embedding_length
@@ -23,6 +23,10 @@ struct ModelConfig {
   float norm_eps = 1e-5f;   // {arch}.attention.layer_norm_rms_epsilon, default 1e-5
   int context_length = 0;   // {arch}.context_length
   int vocab_size = 0;       // length of tokenizer.ggml.tokens, else token_embd rows
+  // Set from the architecture: qwen2 uses NeoX RoPE (pairs (i, i + rope_dims/2))
+  // and biases on Q, K, V; llama uses interleaved pairs (2i, 2i+1), no biases.
+  bool rope_neox = false;
+  bool qkv_bias = false;
 
   // Derived.
   int q_dim() const { return n_heads * head_dim; }

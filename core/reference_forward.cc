@@ -51,8 +51,7 @@ const std::vector<float>& ReferenceModel::Forward(int32_t token, int pos) {
     MatVec(L.wq.data(), xb_.data(), q_.data(), c.q_dim(), dim);
     MatVec(L.wk.data(), xb_.data(), k_.data(), kv_dim, dim);
     MatVec(L.wv.data(), xb_.data(), v_.data(), kv_dim, dim);
-    RopeInterleaved(q_.data(), c.n_heads, hd, c.rope_dims, pos, c.rope_base);
-    RopeInterleaved(k_.data(), c.n_kv_heads, hd, c.rope_dims, pos, c.rope_base);
+    QkvPostprocess(c, L, pos, q_.data(), k_.data(), v_.data());
 
     // Append k, v to the cache at `pos`.
     float* layer_k = key_cache_.data() + static_cast<size_t>(l) * max_positions_ * kv_dim;

@@ -63,40 +63,12 @@ void ReplaceAll(std::string& s, std::string_view from, std::string_view to) {
   s = std::move(out);
 }
 
-// A token id from metadata `key`: `fallback` when absent, -1 when stored as
-// unset (uint32 max or -1). InvalidArgument when outside [0, n_vocab).
-absl::StatusOr<int32_t> ReadTokenId(const GgufFile& file, std::string_view key,
-                                    int32_t fallback, int32_t n_vocab) {
-  if (!file.Has(key)) return fallback < n_vocab ? fallback : -1;
-  absl::StatusOr<int64_t> value = file.GetInt(key);
-  if (!value.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tokenizer: ", Absl(key), ": ", value.status().message()));
-  }
-  if (*value == -1 || *value == kUnsetIdU32) return -1;
-  if (*value < 0 || *value >= n_vocab) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "tokenizer: %s = %d is outside the vocabulary of %d tokens", Absl(key), *value, n_vocab));
-  }
-  return static_cast<int32_t>(*value);
-}
-
-absl::StatusOr<bool> ReadBool(const GgufFile& file, std::string_view key, bool fallback) {
-  if (!file.Has(key)) return fallback;
-  absl::StatusOr<bool> value = file.GetBool(key);
-  if (!value.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tokenizer: ", Absl(key), ": ", value.status().message()));
-  }
-  return *value;
-}
-
 // SentencePiece vocabularies (tokenizer.ggml.model == "llama"), encoded the
 // way llama.cpp's SPM tokenizer does it:
-//  1. text is cut at user-defined tokens (longest first), which are emitted
-//     as they are; control tokens in the text are not recognised;
+//  1. text is cut at special tokens (Tokenizer::SplitOnSpecialTokens), which
+//     are emitted as they are;
 //  2. each remaining fragment gets one '▁' prefix (when add_space_prefix and
-//     it starts the text or follows a user-defined token), spaces become '▁';
+//     it starts the text or follows a special token), spaces become '▁';
 //  3. the fragment is split into UTF-8 characters, and the adjacent pair whose
 //     concatenation is a token with the highest score is merged, again and
 //     again (ties: the leftmost pair) until no pair forms a token;
@@ -106,7 +78,9 @@ class SpmTokenizer : public Tokenizer {
  public:
   static absl::StatusOr<std::unique_ptr<Tokenizer>> Create(const GgufFile& file);
 
-  std::vector<int32_t> Encode(std::string_view text, bool add_bos) const override;
+  using Tokenizer::Encode;
+  std::vector<int32_t> Encode(std::string_view text, bool add_bos,
+                              bool parse_special) const override;
   std::string TokenBytes(int32_t prev, int32_t id) const override;
 
  private:
@@ -114,20 +88,13 @@ class SpmTokenizer : public Tokenizer {
 
   // Appends the ids of one escaped fragment ('▁' for spaces) to `out`.
   void EncodeFragment(std::string_view text, std::vector<int32_t>& out) const;
-  int32_t Find(std::string_view piece) const {
-    auto it = token_to_id_.find(Absl(piece));
-    return it == token_to_id_.end() ? -1 : it->second;
-  }
 
   std::vector<float> scores_;
-  absl::flat_hash_map<std::string, int32_t> token_to_id_;
   // Id for each byte value: its <0xXX> token, else the one-byte token, else unk
   // (-1 when there is no unk either: the byte is dropped).
   std::array<int32_t, 256> byte_token_{};
   // Byte value of each byte token (<0xXX>), -1 for other tokens.
   std::vector<int16_t> token_byte_;
-  // User-defined tokens, longest first: matched in raw text before SPM.
-  std::vector<std::pair<std::string, int32_t>> user_defined_;
   int32_t unk_id_ = -1;
   bool add_space_prefix_ = true;
 };
@@ -135,22 +102,7 @@ class SpmTokenizer : public Tokenizer {
 absl::StatusOr<std::unique_ptr<Tokenizer>> SpmTokenizer::Create(const GgufFile& file) {
   std::unique_ptr<SpmTokenizer> tok(new SpmTokenizer());
 
-  if (!file.Has("tokenizer.ggml.tokens")) {
-    return absl::InvalidArgumentError(
-        "tokenizer: the GGUF has no tokenizer.ggml.tokens (no vocabulary)");
-  }
-  absl::StatusOr<std::vector<std::string>> tokens = file.GetStringArray("tokenizer.ggml.tokens");
-  if (!tokens.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tokenizer: tokenizer.ggml.tokens: ", tokens.status().message()));
-  }
-  if (tokens->empty()) {
-    return absl::InvalidArgumentError("tokenizer: tokenizer.ggml.tokens is empty");
-  }
-  if (tokens->size() > static_cast<size_t>(INT32_MAX)) {
-    return absl::InvalidArgumentError("tokenizer: tokenizer.ggml.tokens is too large");
-  }
-  tok->tokens_ = *std::move(tokens);
+  RETURN_IF_ERROR(tok->LoadVocabulary(file));
   const size_t n = tok->tokens_.size();
   const int32_t n_vocab = static_cast<int32_t>(n);
 
@@ -168,107 +120,41 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> SpmTokenizer::Create(const GgufFile& 
     for (size_t i = 0; i < n; ++i) tok->scores_[i] = static_cast<float>((*scores)[i]);
   }
 
-  tok->types_.assign(n, TokenType::kNormal);
-  if (file.Has("tokenizer.ggml.token_type")) {
-    absl::StatusOr<std::vector<int64_t>> types = file.GetIntArray("tokenizer.ggml.token_type");
-    if (!types.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tokenizer: tokenizer.ggml.token_type: ", types.status().message()));
-    }
-    if (types->size() != n) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "tokenizer: tokenizer.ggml.token_type has %d entries for %d tokens", types->size(), n));
-    }
-    for (size_t i = 0; i < n; ++i) {
-      const int64_t t = (*types)[i];
-      if (t < static_cast<int64_t>(TokenType::kUndefined) ||
-          t > static_cast<int64_t>(TokenType::kByte)) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "tokenizer: token %d ('%s') has unknown token type %d", i, tok->tokens_[i], t));
-      }
-      tok->types_[i] = static_cast<TokenType>(t);
-    }
-  }
-
   // SentencePiece defaults, as llama.cpp applies them when the keys are absent.
   ASSIGN_OR_RETURN(tok->bos_id_, ReadTokenId(file, "tokenizer.ggml.bos_token_id", 1, n_vocab));
   ASSIGN_OR_RETURN(tok->eos_id_, ReadTokenId(file, "tokenizer.ggml.eos_token_id", 2, n_vocab));
   ASSIGN_OR_RETURN(tok->unk_id_,
                    ReadTokenId(file, "tokenizer.ggml.unknown_token_id", 0, n_vocab));
-  ASSIGN_OR_RETURN(tok->eot_id_, ReadTokenId(file, "tokenizer.ggml.eot_token_id", -1, n_vocab));
   ASSIGN_OR_RETURN(tok->add_bos_, ReadBool(file, "tokenizer.ggml.add_bos_token", true));
   ASSIGN_OR_RETURN(tok->add_space_prefix_,
                    ReadBool(file, "tokenizer.ggml.add_space_prefix", true));
 
-  tok->token_to_id_.reserve(n);
   tok->token_byte_.assign(n, -1);
   for (int32_t id = 0; id < n_vocab; ++id) {
-    const std::string& text = tok->tokens_[id];
-    // A repeated text maps to its last id, as in llama.cpp.
-    tok->token_to_id_.insert_or_assign(text, id);
     if (tok->types_[id] == TokenType::kByte) {
-      tok->token_byte_[id] = static_cast<int16_t>(ParseByteToken(text));
-    } else if (tok->types_[id] == TokenType::kUserDefined && !text.empty()) {
-      tok->user_defined_.emplace_back(text, id);
+      tok->token_byte_[id] = static_cast<int16_t>(ParseByteToken(tok->tokens_[id]));
     }
   }
-  std::stable_sort(tok->user_defined_.begin(), tok->user_defined_.end(),
-                   [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
 
   for (int b = 0; b < 256; ++b) {
-    int32_t id = tok->Find(absl::StrFormat("<0x%02X>", b));
-    if (id < 0) id = tok->Find(std::string(1, static_cast<char>(b)));
+    int32_t id = tok->FindToken(absl::StrFormat("<0x%02X>", b));
+    if (id < 0) id = tok->FindToken(std::string(1, static_cast<char>(b)));
     tok->byte_token_[b] = id >= 0 ? id : tok->unk_id_;
   }
 
-  // Vocabularies without an explicit EOT id: the usual end-of-turn texts.
-  if (tok->eot_id_ < 0) {
-    for (std::string_view text : {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
-                                  "<|endoftext|>", "<EOT>"}) {
-      const int32_t id = tok->Find(text);
-      if (id >= 0 && id != tok->eos_id_ &&
-          (tok->types_[id] == TokenType::kControl || tok->types_[id] == TokenType::kUserDefined)) {
-        tok->eot_id_ = id;
-        break;
-      }
-    }
-  }
+  RETURN_IF_ERROR(tok->LoadEndOfGeneration(file));
   return std::unique_ptr<Tokenizer>(std::move(tok));
 }
 
-std::vector<int32_t> SpmTokenizer::Encode(std::string_view text, bool add_bos) const {
+std::vector<int32_t> SpmTokenizer::Encode(std::string_view text, bool add_bos,
+                                          bool parse_special) const {
   std::vector<int32_t> out;
   if (add_bos && bos_id_ >= 0) out.push_back(bos_id_);
   if (text.empty()) return out;
 
-  // Fragments of the text: raw text (id -1) or a user-defined token's id.
-  struct Fragment {
-    std::string_view text;
-    int32_t id;
-  };
-  std::vector<Fragment> fragments = {{text, -1}};
-  for (const auto& [piece, id] : user_defined_) {
-    std::vector<Fragment> split;
-    for (const Fragment& f : fragments) {
-      if (f.id >= 0 || f.text.size() < piece.size()) {
-        split.push_back(f);
-        continue;
-      }
-      size_t start = 0;
-      for (size_t pos = f.text.find(piece); pos != std::string_view::npos;
-           pos = f.text.find(piece, start)) {
-        if (pos > start) split.push_back({f.text.substr(start, pos - start), -1});
-        split.push_back({f.text.substr(pos, piece.size()), id});
-        start = pos + piece.size();
-      }
-      if (start < f.text.size()) split.push_back({f.text.substr(start), -1});
-    }
-    fragments = std::move(split);
-  }
-
   bool after_special = true;  // the start of the text counts as one
   std::string escaped;
-  for (const Fragment& f : fragments) {
+  for (const Fragment& f : SplitOnSpecialTokens(text, parse_special)) {
     if (f.id >= 0) {
       out.push_back(f.id);
       after_special = true;
@@ -322,7 +208,7 @@ void SpmTokenizer::EncodeFragment(std::string_view text, std::vector<int32_t>& o
   auto try_add = [&](int left, int right) {
     if (left < 0 || right < 0) return;
     const size_t len = pieces[left].len + pieces[right].len;
-    const int32_t id = Find(text.substr(pieces[left].offset, len));
+    const int32_t id = FindToken(text.substr(pieces[left].offset, len));
     if (id < 0) return;
     queue.push({scores_[id], left, right, len});
   };
@@ -345,7 +231,7 @@ void SpmTokenizer::EncodeFragment(std::string_view text, std::vector<int32_t>& o
 
   for (int i = 0; i >= 0; i = pieces[i].next) {
     const std::string_view piece = text.substr(pieces[i].offset, pieces[i].len);
-    const int32_t id = Find(piece);
+    const int32_t id = FindToken(piece);
     if (id >= 0) {
       out.push_back(id);
       continue;
@@ -401,8 +287,162 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& f
         absl::StrCat("tokenizer: tokenizer.ggml.model: ", model.status().message()));
   }
   if (*model == "llama") return SpmTokenizer::Create(file);
-  return absl::InvalidArgumentError(
-      absl::StrCat("tokenizer model '", *model, "' is not supported yet (supported: llama)"));
+  if (*model == "gpt2") return internal::CreateBpeTokenizer(file);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "tokenizer model '", *model, "' is not supported yet (supported: llama, gpt2)"));
+}
+
+absl::StatusOr<int32_t> Tokenizer::ReadTokenId(const GgufFile& file, std::string_view key,
+                                               int32_t fallback, int32_t n_vocab) {
+  if (!file.Has(key)) return fallback < n_vocab ? fallback : -1;
+  absl::StatusOr<int64_t> value = file.GetInt(key);
+  if (!value.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokenizer: ", Absl(key), ": ", value.status().message()));
+  }
+  if (*value == -1 || *value == kUnsetIdU32) return -1;
+  if (*value < 0 || *value >= n_vocab) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "tokenizer: %s = %d is outside the vocabulary of %d tokens", Absl(key), *value, n_vocab));
+  }
+  return static_cast<int32_t>(*value);
+}
+
+absl::StatusOr<bool> Tokenizer::ReadBool(const GgufFile& file, std::string_view key,
+                                         bool fallback) {
+  if (!file.Has(key)) return fallback;
+  absl::StatusOr<bool> value = file.GetBool(key);
+  if (!value.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokenizer: ", Absl(key), ": ", value.status().message()));
+  }
+  return *value;
+}
+
+absl::Status Tokenizer::LoadVocabulary(const GgufFile& file) {
+  if (!file.Has("tokenizer.ggml.tokens")) {
+    return absl::InvalidArgumentError(
+        "tokenizer: the GGUF has no tokenizer.ggml.tokens (no vocabulary)");
+  }
+  absl::StatusOr<std::vector<std::string>> tokens = file.GetStringArray("tokenizer.ggml.tokens");
+  if (!tokens.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokenizer: tokenizer.ggml.tokens: ", tokens.status().message()));
+  }
+  if (tokens->empty()) {
+    return absl::InvalidArgumentError("tokenizer: tokenizer.ggml.tokens is empty");
+  }
+  if (tokens->size() > static_cast<size_t>(INT32_MAX)) {
+    return absl::InvalidArgumentError("tokenizer: tokenizer.ggml.tokens is too large");
+  }
+  tokens_ = *std::move(tokens);
+  const size_t n = tokens_.size();
+
+  types_.assign(n, TokenType::kNormal);
+  if (file.Has("tokenizer.ggml.token_type")) {
+    absl::StatusOr<std::vector<int64_t>> types = file.GetIntArray("tokenizer.ggml.token_type");
+    if (!types.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokenizer: tokenizer.ggml.token_type: ", types.status().message()));
+    }
+    if (types->size() != n) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "tokenizer: tokenizer.ggml.token_type has %d entries for %d tokens", types->size(), n));
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t t = (*types)[i];
+      if (t < static_cast<int64_t>(TokenType::kUndefined) ||
+          t > static_cast<int64_t>(TokenType::kByte)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "tokenizer: token %d ('%s') has unknown token type %d", i, tokens_[i], t));
+      }
+      types_[i] = static_cast<TokenType>(t);
+    }
+  }
+
+  token_to_id_.reserve(n);
+  special_tokens_.clear();
+  for (size_t i = 0; i < n; ++i) {
+    const auto id = static_cast<int32_t>(i);
+    token_to_id_.insert_or_assign(tokens_[i], id);
+    const TokenType type = types_[i];
+    if ((type == TokenType::kControl || type == TokenType::kUserDefined ||
+         type == TokenType::kUnknown) &&
+        !tokens_[i].empty()) {
+      special_tokens_.push_back(id);
+    }
+  }
+  std::stable_sort(special_tokens_.begin(), special_tokens_.end(), [&](int32_t a, int32_t b) {
+    return tokens_[a].size() > tokens_[b].size();
+  });
+  return absl::OkStatus();
+}
+
+absl::Status Tokenizer::LoadEndOfGeneration(const GgufFile& file) {
+  const int32_t n_vocab = vocab_size();
+  eog_ids_.clear();
+  auto add = [&](int32_t id) {
+    if (id >= 0 && std::find(eog_ids_.begin(), eog_ids_.end(), id) == eog_ids_.end()) {
+      eog_ids_.push_back(id);
+    }
+  };
+  add(eos_id_);
+  ASSIGN_OR_RETURN(const int32_t eot,
+                   ReadTokenId(file, "tokenizer.ggml.eot_token_id", -1, n_vocab));
+  add(eot);
+  ASSIGN_OR_RETURN(const int32_t eom,
+                   ReadTokenId(file, "tokenizer.ggml.eom_token_id", -1, n_vocab));
+  add(eom);
+  // Chat vocabularies mark the end of a turn with one of these; the metadata
+  // often names only the end of the document (or only the end of the turn).
+  for (std::string_view text :
+       {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+        "<|end_of_text|>", "<EOT>",
+        // DeepSeek's <｜end▁of▁sentence｜> (fullwidth bars, '▁' for spaces).
+        "<\xEF\xBD\x9C" "end\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>"}) {
+    const int32_t id = FindToken(text);
+    if (id >= 0 &&
+        (types_[id] == TokenType::kControl || types_[id] == TokenType::kUserDefined)) {
+      add(id);
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<Tokenizer::Fragment> Tokenizer::SplitOnSpecialTokens(std::string_view text,
+                                                                 bool parse_special) const {
+  std::vector<Fragment> fragments;
+  if (text.empty()) return fragments;
+  fragments.push_back({text, -1});
+  std::vector<Fragment> split;
+  for (const int32_t id : special_tokens_) {
+    if (!parse_special && types_[id] != TokenType::kUserDefined) continue;
+    const std::string& piece = tokens_[id];
+    split.clear();
+    bool found = false;
+    for (const Fragment& f : fragments) {
+      if (f.id >= 0 || f.text.size() < piece.size()) {
+        split.push_back(f);
+        continue;
+      }
+      size_t start = 0;
+      for (size_t pos = f.text.find(piece); pos != std::string_view::npos;
+           pos = f.text.find(piece, start)) {
+        found = true;
+        if (pos > start) split.push_back({f.text.substr(start, pos - start), -1});
+        split.push_back({f.text.substr(pos, piece.size()), id});
+        start = pos + piece.size();
+      }
+      if (start < f.text.size()) split.push_back({f.text.substr(start), -1});
+    }
+    if (found) fragments.swap(split);
+  }
+  return fragments;
+}
+
+int32_t Tokenizer::FindToken(std::string_view text) const {
+  auto it = token_to_id_.find(Absl(text));
+  return it == token_to_id_.end() ? -1 : it->second;
 }
 
 std::string Tokenizer::Decode(const std::vector<int32_t>& ids) const {
@@ -416,7 +456,7 @@ std::string Tokenizer::Decode(const std::vector<int32_t>& ids) const {
 }
 
 bool Tokenizer::IsEndOfGeneration(int32_t id) const {
-  return id >= 0 && (id == eos_id_ || id == eot_id_);
+  return id >= 0 && std::find(eog_ids_.begin(), eog_ids_.end(), id) != eog_ids_.end();
 }
 
 namespace {

@@ -1,6 +1,7 @@
 #include "core/weights.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/kernels.h"
 #include "absl/strings/str_join.h"
 
 namespace ellm {
@@ -32,50 +33,122 @@ absl::StatusOr<std::vector<float>> ReadTensorF32(const GgufFile& file, const std
   return out;
 }
 
+void QkvPostprocess(const ModelConfig& c, const LayerWeights& w, int pos, float* q, float* k,
+                    float* v) {
+  if (c.qkv_bias) {
+    AddBias(q, w.bq.data(), c.q_dim());
+    AddBias(k, w.bk.data(), c.kv_dim());
+    AddBias(v, w.bv.data(), c.kv_dim());
+  }
+  if (c.rope_neox) {
+    RopeNeox(q, c.n_heads, c.head_dim, c.rope_dims, pos, c.rope_base);
+    RopeNeox(k, c.n_kv_heads, c.head_dim, c.rope_dims, pos, c.rope_base);
+  } else {
+    RopeInterleaved(q, c.n_heads, c.head_dim, c.rope_dims, pos, c.rope_base);
+    RopeInterleaved(k, c.n_kv_heads, c.head_dim, c.rope_dims, pos, c.rope_base);
+  }
+}
+
+namespace {
+
+// The shape and type checks ReadTensorF32 and ReadTensorRaw share.
+absl::StatusOr<const GgufTensorInfo*> FindReadableTensor(const GgufFile& file,
+                                                         const std::string& name,
+                                                         const std::vector<int64_t>& shape) {
+  const GgufTensorInfo* info = file.FindTensor(name);
+  if (info == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("model file has no tensor '", name, "'"));
+  }
+  if (info->shape != shape) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", name, "' has shape {", absl::StrJoin(info->shape, ", "),
+                     "}, expected {", absl::StrJoin(shape, ", "), "}"));
+  }
+  if (Traits(info->type).dequantize == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' has type ",
+                                                   std::string(Traits(info->type).name),
+                                                   ", which ellm cannot read yet"));
+  }
+  return info;
+}
+
+}  // namespace
+
+absl::StatusOr<RawMatrix> ReadTensorRaw(const GgufFile& file, const std::string& name,
+                                        int64_t cols, int64_t rows) {
+  ASSIGN_OR_RETURN(const GgufTensorInfo* info, FindReadableTensor(file, name, {cols, rows}));
+  RawMatrix m;
+  m.type = info->type;
+  m.rows = rows;
+  m.cols = cols;
+  const uint8_t* src = file.TensorData(*info);
+  m.data.assign(src, src + info->bytes);
+  return m;
+}
+
 absl::StatusOr<ModelWeights> LoadWeights(const GgufFile& file, const ModelConfig& c,
                                          const LoadProgress& progress) {
+  LoadOptions options;
+  options.progress = progress;
+  return LoadWeights(file, c, options);
+}
+
+absl::StatusOr<ModelWeights> LoadWeights(const GgufFile& file, const ModelConfig& c,
+                                         const LoadOptions& options) {
   ModelWeights w;
   w.config = c;
   const int64_t dim = c.dim, q = c.q_dim(), kv = c.kv_dim(), ffn = c.ffn_dim;
-  const int total = 3 + 9 * c.n_layers;
+  const int total = 3 + (c.qkv_bias ? 12 : 9) * c.n_layers;
   int done = 0;
   auto tick = [&] {
     ++done;
-    if (progress) progress(done, total);
+    if (options.progress) options.progress(done, total);
   };
-  ASSIGN_OR_RETURN(w.token_embd, ReadTensorF32(file, "token_embd.weight", {dim, c.vocab_size}));
-  tick();
+  // A matrix {cols, rows}: fp32 into `f`, or as stored into `raw`.
+  auto matrix = [&](const std::string& name, int64_t cols, int64_t rows, std::vector<float>* f,
+                    RawMatrix* raw) -> absl::Status {
+    if (options.raw_matrices) {
+      ASSIGN_OR_RETURN(*raw, ReadTensorRaw(file, name, cols, rows));
+    } else {
+      ASSIGN_OR_RETURN(*f, ReadTensorF32(file, name, {cols, rows}));
+    }
+    tick();
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(matrix("token_embd.weight", dim, c.vocab_size, &w.token_embd, &w.raw_token_embd));
   w.layers.resize(c.n_layers);
   for (int l = 0; l < c.n_layers; ++l) {
     LayerWeights& L = w.layers[l];
     const std::string p = absl::StrCat("blk.", l, ".");
     ASSIGN_OR_RETURN(L.attn_norm, ReadTensorF32(file, p + "attn_norm.weight", {dim}));
     tick();
-    ASSIGN_OR_RETURN(L.wq, ReadTensorF32(file, p + "attn_q.weight", {dim, q}));
-    tick();
-    ASSIGN_OR_RETURN(L.wk, ReadTensorF32(file, p + "attn_k.weight", {dim, kv}));
-    tick();
-    ASSIGN_OR_RETURN(L.wv, ReadTensorF32(file, p + "attn_v.weight", {dim, kv}));
-    tick();
-    ASSIGN_OR_RETURN(L.wo, ReadTensorF32(file, p + "attn_output.weight", {q, dim}));
-    tick();
+    RETURN_IF_ERROR(matrix(p + "attn_q.weight", dim, q, &L.wq, &L.raw_wq));
+    RETURN_IF_ERROR(matrix(p + "attn_k.weight", dim, kv, &L.wk, &L.raw_wk));
+    RETURN_IF_ERROR(matrix(p + "attn_v.weight", dim, kv, &L.wv, &L.raw_wv));
+    if (c.qkv_bias) {
+      ASSIGN_OR_RETURN(L.bq, ReadTensorF32(file, p + "attn_q.bias", {q}));
+      tick();
+      ASSIGN_OR_RETURN(L.bk, ReadTensorF32(file, p + "attn_k.bias", {kv}));
+      tick();
+      ASSIGN_OR_RETURN(L.bv, ReadTensorF32(file, p + "attn_v.bias", {kv}));
+      tick();
+    }
+    RETURN_IF_ERROR(matrix(p + "attn_output.weight", q, dim, &L.wo, &L.raw_wo));
     ASSIGN_OR_RETURN(L.ffn_norm, ReadTensorF32(file, p + "ffn_norm.weight", {dim}));
     tick();
-    ASSIGN_OR_RETURN(L.w_gate, ReadTensorF32(file, p + "ffn_gate.weight", {dim, ffn}));
-    tick();
-    ASSIGN_OR_RETURN(L.w_up, ReadTensorF32(file, p + "ffn_up.weight", {dim, ffn}));
-    tick();
-    ASSIGN_OR_RETURN(L.w_down, ReadTensorF32(file, p + "ffn_down.weight", {ffn, dim}));
-    tick();
+    RETURN_IF_ERROR(matrix(p + "ffn_gate.weight", dim, ffn, &L.w_gate, &L.raw_w_gate));
+    RETURN_IF_ERROR(matrix(p + "ffn_up.weight", dim, ffn, &L.w_up, &L.raw_w_up));
+    RETURN_IF_ERROR(matrix(p + "ffn_down.weight", ffn, dim, &L.w_down, &L.raw_w_down));
   }
   ASSIGN_OR_RETURN(w.output_norm, ReadTensorF32(file, "output_norm.weight", {dim}));
   tick();
   if (file.FindTensor("output.weight") != nullptr) {
-    ASSIGN_OR_RETURN(w.output, ReadTensorF32(file, "output.weight", {dim, c.vocab_size}));
+    RETURN_IF_ERROR(matrix("output.weight", dim, c.vocab_size, &w.output, &w.raw_output));
   } else {
-    w.output = w.token_embd;  // tied embeddings
+    w.tied_embeddings = true;
+    if (!options.raw_matrices) w.output = w.token_embd;  // tied embeddings
+    tick();
   }
-  tick();
   return w;
 }
 

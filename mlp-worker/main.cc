@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +25,9 @@
 #include "core/weights.h"
 #include "mlp-worker/backend.h"
 #include "mlp-worker/step_runner.h"
+#if ELLM_HAVE_CUDA
+#include "mlp-worker/cuda/cuda_backend.h"
+#endif
 #include "proto/ellm.grpc.pb.h"
 #include "shm/channel.h"
 #include "shm/messages.h"
@@ -33,8 +37,16 @@ ABSL_FLAG(std::string, channel, "", "name of the shared-memory channel to create
 ABSL_FLAG(std::string, attn_shards, "",
           "attention shards as CHANNEL=BEGIN:END,... (KV heads [BEGIN, END) each), in head order");
 ABSL_FLAG(std::string, listen, "", "gRPC control address, e.g. unix:/tmp/x.sock");
-ABSL_FLAG(std::string, backend, "cpu", "cpu (cuda: see the CUDA backend issue)");
+ABSL_FLAG(std::string, backend, "cpu", "cpu, or cuda (a GPU; builds with the CUDA toolkit)");
 ABSL_FLAG(int, threads, 1, "threads of the CPU backend");
+ABSL_FLAG(std::string, cpu_weights, "native",
+          "weights of the CPU backend: native (each matrix in its file type, int8/half kernels) or "
+          "f32 (dequantised at load: results bit-identical to the reference forward)");
+ABSL_FLAG(int, device, 0, "CUDA device of the cuda backend");
+ABSL_FLAG(bool, cuda_graphs, false, "cuda backend: replay each layer's kernels from CUDA graphs");
+ABSL_FLAG(bool, probe_cuda, false,
+          "print 'cuda: yes (<device>)' and exit 0 when --device is a usable CUDA device, else "
+          "'cuda: no (<why>)' and exit 1");
 ABSL_FLAG(int, max_batch, 16, "most sequences in one step");
 ABSL_FLAG(int, max_step_tokens, 256, "most tokens in one step");
 ABSL_FLAG(int, connect_timeout_s, 60, "how long to wait for the attention workers' channels");
@@ -54,7 +66,10 @@ struct MlpWorkerConfig {
   std::vector<ShardSpec> shards;
   std::string listen;
   std::string backend;
+  std::string cpu_weights;  // "native" or "f32"
   int threads = 1;
+  int device = 0;
+  bool cuda_graphs = false;
   int max_batch = 16;
   int max_step_tokens = 256;
   absl::Duration connect_timeout;
@@ -66,16 +81,32 @@ absl::StatusOr<MlpWorkerConfig> ConfigFromFlags() {
   c.channel = absl::GetFlag(FLAGS_channel);
   c.listen = absl::GetFlag(FLAGS_listen);
   c.backend = absl::GetFlag(FLAGS_backend);
+  c.cpu_weights = absl::GetFlag(FLAGS_cpu_weights);
   c.threads = std::max(1, absl::GetFlag(FLAGS_threads));
+  c.device = absl::GetFlag(FLAGS_device);
+  c.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   c.max_batch = absl::GetFlag(FLAGS_max_batch);
   c.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
   c.connect_timeout = absl::Seconds(absl::GetFlag(FLAGS_connect_timeout_s));
   if (c.model_path.empty()) return absl::InvalidArgumentError("--model is required");
   if (c.channel.empty()) return absl::InvalidArgumentError("--channel is required");
   if (c.listen.empty()) return absl::InvalidArgumentError("--listen is required");
-  if (c.backend != "cpu") {
+  if (c.backend == "cuda") {
+#if ELLM_HAVE_CUDA
+    std::string why;
+    if (!CudaDeviceAvailable(&why, c.device)) {
+      return absl::UnavailableError(absl::StrCat("no CUDA device: ", why));
+    }
+#else
+    return absl::InvalidArgumentError("--backend cuda: this build has no CUDA backend");
+#endif
+  } else if (c.backend != "cpu") {
     return absl::InvalidArgumentError(
-        absl::StrCat("--backend ", c.backend, " is not available in this build (use cpu)"));
+        absl::StrCat("--backend ", c.backend, " is not a backend (cpu or cuda)"));
+  }
+  if (c.cpu_weights != "native" && c.cpu_weights != "f32") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cpu_weights must be native or f32, not '", c.cpu_weights, "'"));
   }
   if (c.max_batch <= 0 || c.max_step_tokens <= 0) {
     return absl::InvalidArgumentError("--max_batch and --max_step_tokens must be positive");
@@ -138,21 +169,59 @@ void WriteError(shm::Ring& ring, uint64_t step, const absl::Status& status) {
   if (!st.ok()) LogError("cannot send error reply: %s", st.ToString());
 }
 
+absl::StatusOr<std::unique_ptr<MlpBackend>> MakeBackend(const MlpWorkerConfig& config,
+                                                         ModelWeights weights) {
+#if ELLM_HAVE_CUDA
+  if (config.backend == "cuda") {
+    CudaBackendOptions options;
+    options.device = config.device;
+    options.use_graphs = config.cuda_graphs;
+    int last_percent = -1;
+    options.progress = [&](int done, int total) {
+      const int percent = done * 100 / total;
+      if (percent / 10 != last_percent / 10 || done == total) {
+        LogInfo("uploading weights to cuda:%d: %d/%d tensors (%d%%)", config.device, done, total,
+                percent);
+        last_percent = percent;
+      }
+    };
+    return CreateCudaBackend(std::move(weights), config.max_step_tokens, options);
+  }
+#endif
+  return CreateCpuBackend(std::move(weights), config.max_step_tokens, config.threads);
+}
+
+// --probe_cuda: one line for the launcher, exit 0 when a device is usable.
+int ProbeCuda() {
+#if ELLM_HAVE_CUDA
+  std::string why;
+  const bool yes = CudaDeviceAvailable(&why, absl::GetFlag(FLAGS_device));
+  std::printf("cuda: %s (%s)\n", yes ? "yes" : "no", why.c_str());
+  return yes ? 0 : 1;
+#else
+  std::printf("cuda: no (this build has no CUDA backend)\n");
+  return 1;
+#endif
+}
+
 absl::Status Run(const MlpWorkerConfig& config) {
   ASSIGN_OR_RETURN(auto file, GgufFile::Open(config.model_path));
   ASSIGN_OR_RETURN(ModelConfig model, ModelConfig::FromGguf(*file));
   LogInfo("model %s: %s", config.model_path, model.DebugString());
   int last_percent = -1;
-  ASSIGN_OR_RETURN(ModelWeights weights,
-                   LoadWeights(*file, model, [&](int done, int total) {
-                     const int percent = done * 100 / total;
-                     if (percent / 10 != last_percent / 10 || done == total) {
-                       LogInfo("loading weights: %d/%d tensors (%d%%)", done, total, percent);
-                       last_percent = percent;
-                     }
-                   }));
-  ASSIGN_OR_RETURN(std::unique_ptr<MlpBackend> backend,
-                   CreateCpuBackend(std::move(weights), config.max_step_tokens, config.threads));
+  LoadOptions load;
+  // The CPU backend's native kernels take the matrices as stored; other
+  // backends get fp32.
+  load.raw_matrices = config.backend == "cpu" && config.cpu_weights == "native";
+  load.progress = [&](int done, int total) {
+    const int percent = done * 100 / total;
+    if (percent / 10 != last_percent / 10 || done == total) {
+      LogInfo("loading weights: %d/%d tensors (%d%%)", done, total, percent);
+      last_percent = percent;
+    }
+  };
+  ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(*file, model, load));
+  ASSIGN_OR_RETURN(std::unique_ptr<MlpBackend> backend, MakeBackend(config, std::move(weights)));
   LogInfo("backend %s", backend->name());
 
   std::vector<std::unique_ptr<shm::Channel>> channels;
@@ -164,6 +233,7 @@ absl::Status Run(const MlpWorkerConfig& config) {
     channels.push_back(std::move(channel));
   }
   ASSIGN_OR_RETURN(auto runner, StepRunner::Create(model, backend.get(), links, config.max_step_tokens));
+  if (runner->direct_io()) LogInfo("q, k, v and attention outputs move directly between the device and the ring slots");
 
   const uint64_t plan_bytes = sizeof(shm::FrameHeader) + config.max_batch * sizeof(shm::PlanSeq) +
                               config.max_step_tokens * sizeof(int32_t);
@@ -235,6 +305,7 @@ int main(int argc, char** argv) {
   ellm::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level);
   ellm::SetLogIdentity("mlp-worker", level);
   ellm::InstallStopSignalHandlers();
+  if (absl::GetFlag(FLAGS_probe_cuda)) return ellm::mlp::ProbeCuda();
   absl::StatusOr<ellm::mlp::MlpWorkerConfig> config = ellm::mlp::ConfigFromFlags();
   if (!config.ok()) {
     ellm::LogError("%s", config.status().message());

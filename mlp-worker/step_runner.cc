@@ -1,8 +1,10 @@
 #include "mlp-worker/step_runner.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "core/log.h"
 #include "core/sampler.h"
 
 namespace ellm::mlp {
@@ -24,8 +26,63 @@ absl::StatusOr<std::unique_ptr<StepRunner>> StepRunner::Create(const ModelConfig
     return absl::InvalidArgumentError(absl::StrCat("attention shards cover KV heads 0..", next,
                                                    " of ", config.n_kv_heads));
   }
-  return std::unique_ptr<StepRunner>(
+  std::unique_ptr<StepRunner> runner(
       new StepRunner(config, backend, std::move(shards), max_step_tokens));
+  if (backend->SupportsDirectIo()) {
+    runner->direct_ = true;
+    for (const ShardLink& s : runner->shards_) {
+      absl::Status st = backend->RegisterHostMemory(s.channel->memory(), s.channel->memory_bytes());
+      if (st.ok()) {
+        runner->registered_.push_back(s.channel->memory());
+      } else {
+        LogWarning("attn-worker %d: ring memory not registered with backend %s (%s); "
+                   "copies go through staging buffers",
+                   s.shard, backend->name(), st.ToString());
+      }
+    }
+  }
+  return runner;
+}
+
+StepRunner::~StepRunner() {
+  for (void* base : registered_) backend_->UnregisterHostMemory(base);
+}
+
+shm::WaitOptions StepRunner::ShardWait(const ShardLink& link) const {
+  shm::WaitOptions wait;
+  wait.timeout = shard_timeout;
+  shm::Channel* channel = link.channel;
+  wait.peer_alive = [channel] { return channel->PeerAlive(); };
+  return wait;
+}
+
+absl::Status StepRunner::ReadError(const ShardLink& link, const absl::Status& status) const {
+  if (status.code() == absl::StatusCode::kUnavailable) {
+    return absl::UnavailableError(absl::StrCat("attn-worker ", link.shard, " (pid ",
+                                               link.channel->replies().producer_pid(),
+                                               ") has exited"));
+  }
+  return absl::Status(status.code(), absl::StrCat("attn-worker ", link.shard, ": ", status.message()));
+}
+
+absl::Status StepRunner::CheckReply(const ShardLink& link, const shm::FrameHeader& h,
+                                    const uint8_t* payload, uint64_t step, int layer,
+                                    uint32_t T) const {
+  const int qh = (link.kv_head_end - link.kv_head_begin) * c_.gqa_ratio();
+  if (h.kind == static_cast<uint16_t>(shm::FrameKind::kError)) {
+    absl::Status remote = shm::DecodeError(h, payload);
+    return absl::Status(remote.code(),
+                        absl::StrCat("attn-worker ", link.shard, ": ", remote.message()));
+  }
+  if (h.kind != static_cast<uint16_t>(shm::FrameKind::kAttnResult) || h.step != step ||
+      h.layer != static_cast<uint32_t>(layer) || h.n_tokens != T ||
+      h.payload_bytes != shm::AttnShape{qh, 0, c_.head_dim}.ResultBytes(T)) {
+    return absl::DataLossError(absl::StrCat("attn-worker ", link.shard, " answered kind ", h.kind,
+                                            " step ", h.step, " layer ", h.layer, " with ",
+                                            h.payload_bytes, " bytes; expected step ", step,
+                                            " layer ", layer));
+  }
+  return absl::OkStatus();
 }
 
 StepRunner::StepRunner(const ModelConfig& config, MlpBackend* backend,
@@ -94,35 +151,13 @@ absl::Status StepRunner::GatherLayer(uint64_t step, int layer, uint32_t T) {
   const int hd = c_.head_dim, g = c_.gqa_ratio();
   for (const ShardLink& link : shards_) {
     const int qh = (link.kv_head_end - link.kv_head_begin) * g;
-    shm::WaitOptions wait;
-    wait.timeout = shard_timeout;
-    wait.peer_alive = [&] { return link.channel->PeerAlive(); };
-    absl::StatusOr<shm::Ring::Frame> frame = link.channel->replies().BeginRead(wait);
+    absl::StatusOr<shm::Ring::Frame> frame = link.channel->replies().BeginRead(ShardWait(link));
     if (!frame.ok()) {
-      absl::Status st = frame.status();
-      if (st.code() == absl::StatusCode::kUnavailable) {
-        st = absl::UnavailableError(absl::StrCat("attn-worker ", link.shard,
-                                                 " (pid ", link.channel->replies().producer_pid(),
-                                                 ") has exited"));
-      } else {
-        st = absl::Status(st.code(), absl::StrCat("attn-worker ", link.shard, ": ", st.message()));
-      }
-      if (first_error.ok()) first_error = st;
+      if (first_error.ok()) first_error = ReadError(link, frame.status());
       continue;
     }
-    const shm::FrameHeader& h = frame->header;
-    absl::Status st;
-    if (h.kind == static_cast<uint16_t>(shm::FrameKind::kError)) {
-      absl::Status remote = shm::DecodeError(h, frame->payload);
-      st = absl::Status(remote.code(), absl::StrCat("attn-worker ", link.shard, ": ", remote.message()));
-    } else if (h.kind != static_cast<uint16_t>(shm::FrameKind::kAttnResult) || h.step != step ||
-               h.layer != static_cast<uint32_t>(layer) || h.n_tokens != T ||
-               h.payload_bytes != shm::AttnShape{qh, 0, hd}.ResultBytes(T)) {
-      st = absl::DataLossError(absl::StrCat("attn-worker ", link.shard, " answered kind ", h.kind,
-                                            " step ", h.step, " layer ", h.layer, " with ",
-                                            h.payload_bytes, " bytes; expected step ", step,
-                                            " layer ", layer));
-    } else {
+    absl::Status st = CheckReply(link, frame->header, frame->payload, step, layer, T);
+    if (st.ok()) {
       const float* out = reinterpret_cast<const float*>(frame->payload);
       const size_t row = static_cast<size_t>(qh) * hd;
       for (uint32_t t = 0; t < T; ++t) {
@@ -132,6 +167,94 @@ absl::Status StepRunner::GatherLayer(uint64_t step, int layer, uint32_t T) {
     }
     link.channel->replies().EndRead();
     if (!st.ok() && first_error.ok()) first_error = st;
+  }
+  return first_error;
+}
+
+absl::Status StepRunner::RunLayerDirect(uint64_t step, int layer,
+                                        const std::vector<shm::SeqSlice>& slices, uint32_t T) {
+  RETURN_IF_ERROR(backend_->StageQkv(layer));
+  const int hd = c_.head_dim, g = c_.gqa_ratio();
+  const size_t n = shards_.size();
+  std::vector<MlpBackend::ShardIo> io(n);
+  std::vector<uint8_t*> slots;
+  // Take a request slot in every shard's ring; the backend writes q, k, v
+  // straight into them (the payload layout of shm/messages.h).
+  absl::Status st;
+  for (const ShardLink& link : shards_) {
+    absl::StatusOr<uint8_t*> slot = link.channel->requests().BeginWrite(ShardWait(link));
+    if (!slot.ok()) {
+      st = absl::Status(slot.status().code(),
+                        absl::StrCat("attn-worker ", link.shard, ": ", slot.status().message()));
+      break;
+    }
+    uint8_t* p = *slot;
+    std::memcpy(p, slices.data(), slices.size() * sizeof(shm::SeqSlice));
+    float* f = reinterpret_cast<float*>(p + slices.size() * sizeof(shm::SeqSlice));
+    const size_t kvh = link.kv_head_end - link.kv_head_begin;
+    MlpBackend::ShardIo& s = io[slots.size()];
+    s.kv_head_begin = link.kv_head_begin;
+    s.kv_head_end = link.kv_head_end;
+    s.q = f;
+    s.k = s.q + T * kvh * g * hd;
+    s.v = s.k + T * kvh * hd;
+    slots.push_back(p);
+  }
+  if (st.ok()) st = backend_->WriteQkvShards(io.data(), static_cast<int>(n));
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const ShardLink& link = shards_[i];
+    shm::Ring& ring = link.channel->requests();
+    if (st.ok()) {
+      const int kvh = link.kv_head_end - link.kv_head_begin;
+      shm::FrameHeader h;
+      h.kind = static_cast<uint16_t>(shm::FrameKind::kAttnRequest);
+      h.step = step;
+      h.layer = static_cast<uint32_t>(layer);
+      h.n_seqs = static_cast<uint32_t>(slices.size());
+      h.n_tokens = T;
+      h.payload_bytes = shm::AttnShape{kvh * g, kvh, hd}.RequestBytes(h.n_seqs, T);
+      ring.CommitWrite(h);
+    } else {
+      // A taken slot is published as an error frame, so the ring stays usable.
+      const std::string message(st.message());
+      const size_t bytes = std::min<size_t>(message.size(), ring.max_payload_bytes());
+      std::memcpy(slots[i], message.data(), bytes);
+      ring.CommitWrite(shm::ErrorHeader(step, st, bytes));
+    }
+  }
+  if (!st.ok()) {
+    // The shards that got an error frame answer it; read those answers so the
+    // next step does not take them for its own.
+    for (size_t i = 0; i < slots.size(); ++i) {
+      absl::StatusOr<shm::Ring::Frame> frame = shards_[i].channel->replies().BeginRead(ShardWait(shards_[i]));
+      if (frame.ok()) shards_[i].channel->replies().EndRead();
+    }
+    return st;
+  }
+
+  // Every shard's reply is read, even after a failure, so the rings stay in step.
+  absl::Status first_error;
+  std::vector<bool> held(n, false);
+  for (size_t i = 0; i < n; ++i) {
+    const ShardLink& link = shards_[i];
+    absl::StatusOr<shm::Ring::Frame> frame = link.channel->replies().BeginRead(ShardWait(link));
+    if (!frame.ok()) {
+      if (first_error.ok()) first_error = ReadError(link, frame.status());
+      continue;
+    }
+    absl::Status check = CheckReply(link, frame->header, frame->payload, step, layer, T);
+    if (!check.ok()) {
+      link.channel->replies().EndRead();
+      if (first_error.ok()) first_error = check;
+      continue;
+    }
+    held[i] = true;
+    io[i].attn = reinterpret_cast<const float*>(frame->payload);
+  }
+  // The backend has read the reply slots when this returns; they are released after.
+  if (first_error.ok()) first_error = backend_->CompleteLayerFromShards(layer, io.data(), static_cast<int>(n));
+  for (size_t i = 0; i < n; ++i) {
+    if (held[i]) shards_[i].channel->replies().EndRead();
   }
   return first_error;
 }
@@ -154,6 +277,10 @@ absl::StatusOr<std::vector<shm::SampledSeq>> StepRunner::Run(uint64_t step,
   }
   RETURN_IF_ERROR(backend_->BeginStep(plan.tokens.data(), positions.data(), T));
   for (int layer = 0; layer < c_.n_layers; ++layer) {
+    if (direct_) {
+      RETURN_IF_ERROR(RunLayerDirect(step, layer, slices, static_cast<uint32_t>(T)));
+      continue;
+    }
     RETURN_IF_ERROR(backend_->ComputeQkv(layer, q_.data(), k_.data(), v_.data()));
     RETURN_IF_ERROR(SendLayer(step, layer, slices));
     RETURN_IF_ERROR(GatherLayer(step, layer, static_cast<uint32_t>(T)));

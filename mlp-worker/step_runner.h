@@ -35,18 +35,39 @@ class StepRunner {
   // does not answer within `shard_timeout`, other codes from the shards' errors.
   absl::StatusOr<std::vector<shm::SampledSeq>> Run(uint64_t step, const shm::StepPlan& plan);
 
+  ~StepRunner();
+  StepRunner(const StepRunner&) = delete;
+  StepRunner& operator=(const StepRunner&) = delete;
+
   absl::Duration shard_timeout = absl::Seconds(120);
+
+  // True when the backend moves q, k, v and the attention output directly
+  // between its memory and the ring slots (MlpBackend::SupportsDirectIo).
+  bool direct_io() const { return direct_; }
 
  private:
   StepRunner(const ModelConfig& config, MlpBackend* backend, std::vector<ShardLink> shards,
              int max_step_tokens);
   absl::Status SendLayer(uint64_t step, int layer, const std::vector<shm::SeqSlice>& slices);
   absl::Status GatherLayer(uint64_t step, int layer, uint32_t n_tokens);
+  // One layer with direct I/O: the backend writes q, k, v into the request
+  // slots and reads the attention output out of the reply slots.
+  absl::Status RunLayerDirect(uint64_t step, int layer, const std::vector<shm::SeqSlice>& slices,
+                              uint32_t n_tokens);
+  shm::WaitOptions ShardWait(const ShardLink& link) const;
+  // The error of a failed BeginRead on `link`'s reply ring, naming the shard.
+  absl::Status ReadError(const ShardLink& link, const absl::Status& status) const;
+  // OK when `h` is the attention result of (step, layer) with T tokens for
+  // `link`; the shard's error or a DataLoss naming what is wrong otherwise.
+  absl::Status CheckReply(const ShardLink& link, const shm::FrameHeader& h, const uint8_t* payload,
+                          uint64_t step, int layer, uint32_t T) const;
 
   ModelConfig c_;
   MlpBackend* backend_;
   std::vector<ShardLink> shards_;
   int max_tokens_;
+  bool direct_ = false;
+  std::vector<void*> registered_;                 // ring segments registered with the backend
   std::vector<float> q_, k_, v_, attn_, logits_;  // token-major, whole model
 };
 

@@ -35,6 +35,10 @@ class Channel {
   Ring& requests() { return requests_; }
   Ring& replies() { return replies_; }
   const std::string& name() const { return segment_->name(); }
+  // The whole mapped segment (both rings), e.g. to register it with a GPU so
+  // copies go straight between ring slots and device memory.
+  void* memory() const { return segment_->data(); }
+  size_t memory_bytes() const { return segment_->size(); }
   // Liveness of the process on the other side (from the pids in the rings).
   // True while the peer has not opened the channel yet (its pid is unknown).
   bool PeerAlive() const;

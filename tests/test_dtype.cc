@@ -27,12 +27,12 @@ TEST(DTypeTraitsTest, BlockSizesMatchGgml) {
   };
   const Expected expected[] = {
       {DType::kF32, 0, "f32", 1, 4, true},       {DType::kF16, 1, "f16", 1, 2, true},
-      {DType::kQ4_0, 2, "q4_0", 32, 18, false},  {DType::kQ4_1, 3, "q4_1", 32, 20, false},
+      {DType::kQ4_0, 2, "q4_0", 32, 18, true},  {DType::kQ4_1, 3, "q4_1", 32, 20, false},
       {DType::kQ5_0, 6, "q5_0", 32, 22, false},  {DType::kQ5_1, 7, "q5_1", 32, 24, false},
-      {DType::kQ8_0, 8, "q8_0", 32, 34, false},  {DType::kQ8_1, 9, "q8_1", 32, 36, false},
+      {DType::kQ8_0, 8, "q8_0", 32, 34, true},  {DType::kQ8_1, 9, "q8_1", 32, 36, false},
       {DType::kQ2_K, 10, "q2_K", 256, 84, false}, {DType::kQ3_K, 11, "q3_K", 256, 110, false},
-      {DType::kQ4_K, 12, "q4_K", 256, 144, false}, {DType::kQ5_K, 13, "q5_K", 256, 176, false},
-      {DType::kQ6_K, 14, "q6_K", 256, 210, false}, {DType::kQ8_K, 15, "q8_K", 256, 292, false},
+      {DType::kQ4_K, 12, "q4_K", 256, 144, true}, {DType::kQ5_K, 13, "q5_K", 256, 176, true},
+      {DType::kQ6_K, 14, "q6_K", 256, 210, true}, {DType::kQ8_K, 15, "q8_K", 256, 292, false},
       {DType::kBF16, 30, "bf16", 1, 2, true},
   };
   for (const Expected& e : expected) {

@@ -97,11 +97,30 @@ TEST(ModelConfigTest, VocabOnlyFileHasHyperparameters) {
 }
 
 TEST(ModelConfigTest, UnsupportedArchitectureIsNamed) {
-  EXPECT_TRUE(IsInvalid(ConfigOfFile(kModels + "/vocab/qwen2.5-vocab-derived.gguf").status(),
-                        "unsupported architecture 'qwen2' (ellm supports: llama)"));
   GgufWriter w = MinimalLlama();
   w.SetString("general.architecture", "xyz");
-  EXPECT_TRUE(IsInvalid(ConfigOf(w).status(), "unsupported architecture 'xyz'"));
+  EXPECT_TRUE(IsInvalid(ConfigOf(w).status(),
+                        "unsupported architecture 'xyz' (ellm supports: llama, qwen2)"));
+}
+
+TEST(ModelConfigTest, Qwen2ReadsItsHyperparametersAndArchitectureTraits) {
+  absl::StatusOr<ModelConfig> c = ConfigOfFile(kModels + "/vocab/qwen2.5-vocab-derived.gguf");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->arch, "qwen2");
+  EXPECT_EQ(c->n_layers, 24);
+  EXPECT_EQ(c->dim, 896);
+  EXPECT_EQ(c->n_heads, 14);
+  EXPECT_EQ(c->n_kv_heads, 2);
+  EXPECT_EQ(c->head_dim, 64);
+  EXPECT_FLOAT_EQ(c->rope_base, 1e6f);
+  EXPECT_FLOAT_EQ(c->norm_eps, 1e-6f);
+  EXPECT_EQ(c->vocab_size, 151936);
+  EXPECT_TRUE(c->rope_neox);
+  EXPECT_TRUE(c->qkv_bias);
+  absl::StatusOr<ModelConfig> llama = ConfigOf(MinimalLlama());
+  ASSERT_TRUE(llama.ok());
+  EXPECT_FALSE(llama->rope_neox);
+  EXPECT_FALSE(llama->qkv_bias);
 }
 
 TEST(ModelConfigTest, DefaultsApplied) {

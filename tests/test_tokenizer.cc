@@ -229,6 +229,18 @@ TEST_F(LlamaSpmTest, SpecialTokensInTextAreNotParsed) {
   EXPECT_EQ(tok_->Decode(ids), "<s>hi</s>");
 }
 
+TEST_F(LlamaSpmTest, ParseSpecialEmitsControlTokens) {
+  const std::vector<int32_t> ids = tok_->Encode("<s>hi</s>", false, /*parse_special=*/true);
+  ASSERT_GE(ids.size(), 3u);
+  EXPECT_EQ(ids.front(), 1);
+  EXPECT_EQ(ids.back(), 2);
+  // The text after a special token gets the space prefix, as at the start.
+  EXPECT_EQ(std::vector<int32_t>(ids.begin() + 1, ids.end() - 1), tok_->Encode("hi", false));
+  EXPECT_EQ(tok_->Decode(ids), "hi");
+  // The two-argument form does not parse them.
+  EXPECT_EQ(tok_->Encode("<s>hi</s>", false), tok_->Encode("<s>hi</s>", false, false));
+}
+
 TEST_F(LlamaSpmTest, TokenBytesByType) {
   EXPECT_EQ(tok_->TokenBytes(5, 1), "");           // control <s>
   EXPECT_EQ(tok_->TokenBytes(5, 2), "");           // control </s>
@@ -338,14 +350,15 @@ TEST(TokenizerTest, Stories260K) {
   EXPECT_TRUE(tok->IsEndOfGeneration(2));
 }
 
-TEST(TokenizerTest, RejectsByteLevelBpeByName) {
+TEST(TokenizerTest, RejectsUnsupportedModelByName) {
+  // WordPiece (BERT) is not supported; byte-level BPE is (test_tokenizer_bpe).
   absl::StatusOr<std::unique_ptr<GgufFile>> file =
-      GgufFile::Open(kVocabDir + "ggml-vocab-gpt-2.gguf");
+      GgufFile::Open(kVocabDir + "ggml-vocab-bert-bge.gguf");
   ASSERT_TRUE(file.ok()) << file.status();
   absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
   ASSERT_FALSE(tok.ok());
   EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(tok.status().message(), HasSubstr("'gpt2'"));
+  EXPECT_THAT(tok.status().message(), HasSubstr("'bert'"));
   EXPECT_THAT(tok.status().message(), HasSubstr("not supported"));
 }
 
@@ -451,11 +464,12 @@ TEST(TinyVocabTest, ErrorsNameTheProblem) {
   EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(tok.status().message(), HasSubstr("bos_token_id"));
 
-  TinyVocabOptions bpe;
-  bpe.model = "gpt2";
-  tok = TinyTokenizer(bpe);
+  TinyVocabOptions wordpiece;
+  wordpiece.model = "bert";
+  tok = TinyTokenizer(wordpiece);
   ASSERT_FALSE(tok.ok());
-  EXPECT_EQ(tok.status().message(), "tokenizer model 'gpt2' is not supported yet (supported: llama)");
+  EXPECT_EQ(tok.status().message(),
+            "tokenizer model 'bert' is not supported yet (supported: llama, gpt2)");
 }
 
 TEST(TinyVocabTest, MissingTokenizerModel) {

@@ -1,33 +1,73 @@
-// CPU backend: composes the core kernels in exactly the order of the reference
-// forward, so its results equal the reference's bit for bit.
+// CPU backend. The matrices (projections, MLP, LM head, embeddings) are
+// QuantMatrix objects (cpu/matmul.h), multiplied for all T tokens of a step
+// at once with rows split across the pool's threads; RMSNorm, RoPE, biases
+// and SwiGLU are core/kernels.h's, per token.
+//
+// Two weight modes, set by how the weights were loaded:
+//   f32     LoadWeights dequantised every matrix to fp32 (the default load):
+//           F32 matrices, whose kernel is core Dot bit for bit, composed in
+//           the reference forward's order, so the results equal the
+//           reference forward's exactly.
+//   native  LoadOptions::raw_matrices: each matrix keeps its GGUF type,
+//           repacked for the int8 / half kernels. Close to the reference
+//           (activations are quantised to int8 per block), not identical;
+//           F32 matrices still take the exact kernel.
 #include <algorithm>
+#include <map>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/kernels.h"
+#include "core/log.h"
 #include "core/thread_pool.h"
 #include "mlp-worker/backend.h"
+#include "mlp-worker/cpu/matmul.h"
 
 namespace ellm::mlp {
 namespace {
 
+absl::string_view Absl(std::string_view s) { return {s.data(), s.size()}; }
+
+// Moves one matrix [rows, cols] out of the loaded weights into a QuantMatrix,
+// freeing the loaded copy.
+absl::StatusOr<QuantMatrix> TakeMatrix(std::string_view name, int64_t rows, int64_t cols,
+                                       std::vector<float>* f32, RawMatrix* raw) {
+  if (!raw->empty()) {
+    if (raw->rows != rows || raw->cols != cols) {
+      return absl::InvalidArgumentError(absl::StrCat(Absl(name), " is [", raw->rows, ", ", raw->cols,
+                                                     "], expected [", rows, ", ", cols, "]"));
+    }
+    absl::StatusOr<QuantMatrix> m =
+        QuantMatrix::FromRaw(raw->type, rows, cols, raw->data.data(), raw->data.size());
+    if (!m.ok()) return absl::Status(m.status().code(), absl::StrCat(Absl(name), ": ", m.status().message()));
+    *raw = RawMatrix();
+    return m;
+  }
+  if (f32->size() != static_cast<size_t>(rows * cols)) {
+    return absl::InvalidArgumentError(absl::StrCat(Absl(name), " has ", f32->size(), " values, expected ",
+                                                   rows * cols));
+  }
+  QuantMatrix m = QuantMatrix::FromF32(f32->data(), rows, cols);
+  *f32 = std::vector<float>();
+  return m;
+}
+
 class CpuBackend final : public MlpBackend {
  public:
-  CpuBackend(ModelWeights weights, int max_step_tokens, int threads)
-      : w_(std::move(weights)), max_tokens_(max_step_tokens), pool_(threads) {
-    const ModelConfig& c = w_.config;
-    x_.resize(static_cast<size_t>(max_tokens_) * c.dim);
-    positions_.resize(max_tokens_);
-    per_thread_.resize(pool_.size());
-    for (Scratch& s : per_thread_) {
-      s.xb.resize(c.dim);
-      s.proj.resize(c.dim);
-      s.hb.resize(c.ffn_dim);
-      s.hb2.resize(c.ffn_dim);
-    }
+  static absl::StatusOr<std::unique_ptr<MlpBackend>> Create(ModelWeights weights, int max_step_tokens,
+                                                            int threads) {
+    std::unique_ptr<CpuBackend> b(new CpuBackend(std::move(weights), max_step_tokens, threads));
+    RETURN_IF_ERROR(b->TakeMatrices());
+    b->LogKernels();
+    return std::unique_ptr<MlpBackend>(std::move(b));
   }
 
-  std::string name() const override { return absl::StrCat("cpu-f32 (", pool_.size(), " threads)"); }
+  std::string name() const override {
+    if (!native_) return absl::StrCat("cpu-f32 (", pool_.size(), " threads)");
+    return absl::StrCat("cpu-native ", Absl(MatIsaName(isa_)), " (", absl::StrJoin(type_names_, ", "), "; ",
+                        pool_.size(), " threads)");
+  }
 
   absl::Status BeginStep(const int32_t* tokens, const int32_t* positions, int n) override {
     if (n <= 0 || n > max_tokens_) {
@@ -38,8 +78,9 @@ class CpuBackend final : public MlpBackend {
       if (tokens[t] < 0 || tokens[t] >= c.vocab_size) {
         return absl::InvalidArgumentError(absl::StrCat("token id ", tokens[t], " out of range"));
       }
-      std::copy_n(w_.token_embd.data() + static_cast<size_t>(tokens[t]) * c.dim, c.dim,
-                  x_.data() + static_cast<size_t>(t) * c.dim);
+    }
+    for (int t = 0; t < n; ++t) {
+      token_embd_.DequantizeRow(tokens[t], x_.data() + static_cast<size_t>(t) * c.dim);
       positions_[t] = positions[t];
     }
     n_ = n;
@@ -49,19 +90,16 @@ class CpuBackend final : public MlpBackend {
   absl::Status ComputeQkv(int layer, float* q, float* k, float* v) override {
     const ModelConfig& c = w_.config;
     const LayerWeights& L = w_.layers[layer];
-    pool_.ParallelFor(n_, [&](int64_t begin, int64_t end, int thread) {
-      Scratch& s = per_thread_[thread];
-      for (int64_t t = begin; t < end; ++t) {
-        float* qt = q + t * c.q_dim();
-        float* kt = k + t * c.kv_dim();
-        float* vt = v + t * c.kv_dim();
-        RmsNorm(x_.data() + t * c.dim, L.attn_norm.data(), s.xb.data(), c.dim, c.norm_eps);
-        MatVec(L.wq.data(), s.xb.data(), qt, c.q_dim(), c.dim);
-        MatVec(L.wk.data(), s.xb.data(), kt, c.kv_dim(), c.dim);
-        MatVec(L.wv.data(), s.xb.data(), vt, c.kv_dim(), c.dim);
-        RopeInterleaved(qt, c.n_heads, c.head_dim, c.rope_dims, positions_[t], c.rope_base);
-        RopeInterleaved(kt, c.n_kv_heads, c.head_dim, c.rope_dims, positions_[t], c.rope_base);
-      }
+    const Layer& M = layers_[layer];
+    ForTokens(n_, [&](int64_t t) {
+      RmsNorm(x_.data() + t * c.dim, L.attn_norm.data(), xb_.data() + t * c.dim, c.dim, c.norm_eps);
+    });
+    act_.Set(xb_.data(), n_, c.dim);
+    MatMul(M.wq, act_, q, &pool_, isa_);
+    MatMul(M.wk, act_, k, &pool_, isa_);
+    MatMul(M.wv, act_, v, &pool_, isa_);
+    ForTokens(n_, [&](int64_t t) {
+      QkvPostprocess(c, L, positions_[t], q + t * c.q_dim(), k + t * c.kv_dim(), v + t * c.kv_dim());
     });
     return absl::OkStatus();
   }
@@ -69,49 +107,144 @@ class CpuBackend final : public MlpBackend {
   absl::Status CompleteLayer(int layer, const float* attn) override {
     const ModelConfig& c = w_.config;
     const LayerWeights& L = w_.layers[layer];
-    pool_.ParallelFor(n_, [&](int64_t begin, int64_t end, int thread) {
-      Scratch& s = per_thread_[thread];
-      for (int64_t t = begin; t < end; ++t) {
-        float* x = x_.data() + t * c.dim;
-        MatVec(L.wo.data(), attn + t * c.q_dim(), s.proj.data(), c.dim, c.q_dim());
-        for (int i = 0; i < c.dim; ++i) x[i] += s.proj[i];
-        RmsNorm(x, L.ffn_norm.data(), s.xb.data(), c.dim, c.norm_eps);
-        MatVec(L.w_gate.data(), s.xb.data(), s.hb.data(), c.ffn_dim, c.dim);
-        MatVec(L.w_up.data(), s.xb.data(), s.hb2.data(), c.ffn_dim, c.dim);
-        SwiGlu(s.hb.data(), s.hb2.data(), s.hb.data(), c.ffn_dim);
-        MatVec(L.w_down.data(), s.hb.data(), s.proj.data(), c.dim, c.ffn_dim);
-        for (int i = 0; i < c.dim; ++i) x[i] += s.proj[i];
-      }
+    const Layer& M = layers_[layer];
+    act_.Set(attn, n_, c.q_dim());
+    MatMul(M.wo, act_, proj_.data(), &pool_, isa_);
+    ForTokens(n_, [&](int64_t t) {
+      float* x = x_.data() + t * c.dim;
+      const float* p = proj_.data() + t * c.dim;
+      for (int i = 0; i < c.dim; ++i) x[i] += p[i];
+      RmsNorm(x, L.ffn_norm.data(), xb_.data() + t * c.dim, c.dim, c.norm_eps);
+    });
+    act_.Set(xb_.data(), n_, c.dim);
+    MatMul(M.w_gate, act_, hb_.data(), &pool_, isa_);
+    MatMul(M.w_up, act_, hb2_.data(), &pool_, isa_);
+    ForTokens(n_, [&](int64_t t) {
+      float* h = hb_.data() + t * c.ffn_dim;
+      SwiGlu(h, hb2_.data() + t * c.ffn_dim, h, c.ffn_dim);
+    });
+    act_.Set(hb_.data(), n_, c.ffn_dim);
+    MatMul(M.w_down, act_, proj_.data(), &pool_, isa_);
+    ForTokens(n_, [&](int64_t t) {
+      float* x = x_.data() + t * c.dim;
+      const float* p = proj_.data() + t * c.dim;
+      for (int i = 0; i < c.dim; ++i) x[i] += p[i];
     });
     return absl::OkStatus();
   }
 
   absl::Status ComputeLogits(const int32_t* rows, int n, float* logits) override {
     const ModelConfig& c = w_.config;
+    if (n < 0 || n > max_tokens_) return absl::InvalidArgumentError("too many logits rows");
     for (int i = 0; i < n; ++i) {
       if (rows[i] < 0 || rows[i] >= n_) return absl::InvalidArgumentError("logits row out of range");
     }
-    pool_.ParallelFor(n, [&](int64_t begin, int64_t end, int thread) {
-      Scratch& s = per_thread_[thread];
-      for (int64_t i = begin; i < end; ++i) {
-        RmsNorm(x_.data() + static_cast<size_t>(rows[i]) * c.dim, w_.output_norm.data(),
-                s.xb.data(), c.dim, c.norm_eps);
-        MatVec(w_.output.data(), s.xb.data(), logits + i * c.vocab_size, c.vocab_size, c.dim);
-      }
+    // xb_ is free here: the last layer is complete.
+    ForTokens(n, [&](int64_t i) {
+      RmsNorm(x_.data() + static_cast<size_t>(rows[i]) * c.dim, w_.output_norm.data(),
+              xb_.data() + i * c.dim, c.dim, c.norm_eps);
     });
+    act_.Set(xb_.data(), n, c.dim);
+    MatMul(*lm_head_, act_, logits, &pool_, isa_);
     return absl::OkStatus();
   }
 
  private:
-  struct Scratch {
-    std::vector<float> xb, proj, hb, hb2;
+  struct Layer {
+    QuantMatrix wq, wk, wv, wo, w_gate, w_up, w_down;
   };
-  ModelWeights w_;
+
+  CpuBackend(ModelWeights weights, int max_step_tokens, int threads)
+      : w_(std::move(weights)), max_tokens_(max_step_tokens), pool_(threads), isa_(BestMatIsa()) {
+    const ModelConfig& c = w_.config;
+    const size_t T = static_cast<size_t>(max_tokens_);
+    x_.resize(T * c.dim);
+    xb_.resize(T * c.dim);
+    proj_.resize(T * c.dim);
+    hb_.resize(T * c.ffn_dim);
+    hb2_.resize(T * c.ffn_dim);
+    positions_.resize(max_tokens_);
+  }
+
+  absl::Status TakeMatrices() {
+    const ModelConfig& c = w_.config;
+    const int64_t dim = c.dim, q = c.q_dim(), kv = c.kv_dim(), ffn = c.ffn_dim, vocab = c.vocab_size;
+    native_ = !w_.raw_token_embd.empty();
+    ASSIGN_OR_RETURN(token_embd_, TakeMatrix("token_embd", vocab, dim, &w_.token_embd, &w_.raw_token_embd));
+    layers_.resize(c.n_layers);
+    for (int l = 0; l < c.n_layers; ++l) {
+      LayerWeights& L = w_.layers[l];
+      Layer& M = layers_[l];
+      const std::string p = absl::StrCat("blk.", l, ".");
+      ASSIGN_OR_RETURN(M.wq, TakeMatrix(p + "attn_q", q, dim, &L.wq, &L.raw_wq));
+      ASSIGN_OR_RETURN(M.wk, TakeMatrix(p + "attn_k", kv, dim, &L.wk, &L.raw_wk));
+      ASSIGN_OR_RETURN(M.wv, TakeMatrix(p + "attn_v", kv, dim, &L.wv, &L.raw_wv));
+      ASSIGN_OR_RETURN(M.wo, TakeMatrix(p + "attn_output", dim, q, &L.wo, &L.raw_wo));
+      ASSIGN_OR_RETURN(M.w_gate, TakeMatrix(p + "ffn_gate", ffn, dim, &L.w_gate, &L.raw_w_gate));
+      ASSIGN_OR_RETURN(M.w_up, TakeMatrix(p + "ffn_up", ffn, dim, &L.w_up, &L.raw_w_up));
+      ASSIGN_OR_RETURN(M.w_down, TakeMatrix(p + "ffn_down", dim, ffn, &L.w_down, &L.raw_w_down));
+    }
+    if (native_ && w_.tied_embeddings) {
+      lm_head_ = &token_embd_;
+    } else {
+      ASSIGN_OR_RETURN(output_, TakeMatrix("output", vocab, dim, &w_.output, &w_.raw_output));
+      lm_head_ = &output_;
+    }
+    return absl::OkStatus();
+  }
+
+  // Logs the kernel of each weight type, with its matrices and bytes.
+  void LogKernels() {
+    struct Use {
+      int matrices = 0;
+      size_t bytes = 0;
+    };
+    std::map<DType, Use> uses;
+    auto count = [&](const QuantMatrix& m) {
+      uses[m.type()].matrices++;
+      uses[m.type()].bytes += m.bytes();
+    };
+    for (const Layer& M : layers_) {
+      for (const QuantMatrix* m : {&M.wq, &M.wk, &M.wv, &M.wo, &M.w_gate, &M.w_up, &M.w_down}) count(*m);
+    }
+    count(*lm_head_);
+    std::vector<std::string> parts;
+    for (const auto& [type, use] : uses) {
+      type_names_.push_back(std::string(Traits(type).name));
+      parts.push_back(absl::StrCat(KernelName(type, isa_), " (", use.matrices, " matrices, ",
+                                   use.bytes >> 20, " MiB)"));
+    }
+    LogInfo("cpu backend: %s weights, %d threads; matmul kernels: %s", native_ ? "native" : "f32",
+            pool_.size(), absl::StrJoin(parts, ", "));
+  }
+
+  // fn(t) for t in [0, n): on the pool when there are enough tokens to share.
+  template <typename Fn>
+  void ForTokens(int64_t n, const Fn& fn) {
+    if (n < 8 || pool_.size() == 1) {
+      for (int64_t t = 0; t < n; ++t) fn(t);
+      return;
+    }
+    pool_.ParallelFor(n, [&](int64_t begin, int64_t end, int) {
+      for (int64_t t = begin; t < end; ++t) fn(t);
+    });
+  }
+
+  ModelWeights w_;  // config, norms and biases (the matrices moved into QuantMatrix)
   int max_tokens_;
   ThreadPool pool_;
-  std::vector<float> x_;           // [max_tokens, dim] hidden states
+  MatIsa isa_;
+  bool native_ = false;
+  std::vector<std::string> type_names_;
+  QuantMatrix token_embd_, output_;
+  const QuantMatrix* lm_head_ = nullptr;
+  std::vector<Layer> layers_;
+  Activations act_;
+  std::vector<float> x_;     // [max_tokens, dim] hidden states
+  std::vector<float> xb_;    // [max_tokens, dim] normed
+  std::vector<float> proj_;  // [max_tokens, dim]
+  std::vector<float> hb_, hb2_;  // [max_tokens, ffn_dim]
   std::vector<int32_t> positions_;
-  std::vector<Scratch> per_thread_;
   int n_ = 0;
 };
 
@@ -120,7 +253,7 @@ class CpuBackend final : public MlpBackend {
 absl::StatusOr<std::unique_ptr<MlpBackend>> CreateCpuBackend(ModelWeights weights,
                                                              int max_step_tokens, int threads) {
   if (max_step_tokens <= 0) return absl::InvalidArgumentError("max_step_tokens must be positive");
-  return std::unique_ptr<MlpBackend>(new CpuBackend(std::move(weights), max_step_tokens, threads));
+  return CpuBackend::Create(std::move(weights), max_step_tokens, threads);
 }
 
 }  // namespace ellm::mlp

@@ -1,0 +1,390 @@
+// AVX2 attention kernels (AVX2 + FMA + F16C; 8 lanes, so a tile of 16
+// positions is two vectors): f16 and int8 KV. The same structure as
+// attention_avx512.cc; see there.
+//
+// This file is compiled twice: as is (kernel "avx2": int8 products with
+// VPMADDUBSW + VPMADDWD, whose saturating int16 pair sums limit query codes
+// to ±63 and weight codes to 0..127), and from attention_avx2_vnni.cc with
+// ELLM_AVX2_VNNI=1 (kernel "avx2-vnni": VEX VPDPBUSD, full 8-bit codes). Every
+// function carries its target attribute; the f16 kernel is only built once.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "attn-worker/attention_kernels.h"
+
+#ifndef ELLM_AVX2_VNNI
+#define ELLM_AVX2_VNNI 0
+#endif
+
+#if ELLM_AVX2_VNNI
+#define ELLM_TARGET __attribute__((target("avx2,fma,f16c,avxvnni,bmi,bmi2")))
+#define ELLM_AVX2_NS avx2_vnni
+#else
+#define ELLM_TARGET __attribute__((target("avx2,fma,f16c,bmi,bmi2")))
+#define ELLM_AVX2_NS avx2_plain
+#endif
+#define ELLM_INLINE inline __attribute__((always_inline))
+
+namespace ellm::attn::internal {
+namespace ELLM_AVX2_NS {
+namespace {
+
+constexpr int kBlock = 8;                            // query heads per register block
+constexpr int kWeightMax = ELLM_AVX2_VNNI ? 255 : 127;  // int8 weight codes
+
+struct HeadScratch {
+  float dvec[16];
+  float bvec[16];
+  float w[16];
+  float pad[16];
+};
+static_assert(sizeof(HeadScratch) == 64 * sizeof(float));
+
+struct TileCtx {
+  const uint8_t* k;
+  const uint8_t* v;
+  int hp;
+  int nvalid;
+  __m256 valid[2];  // lane masks of positions 0-7, 8-15
+  __m256 kscale[2], kmin[2], vscale[2], vbias[2];
+};
+
+struct HeadsCtx {
+  const int8_t* codes;
+  const float* scaled;
+  const float* code_scale;
+  const int32_t* code_sum;
+  float* part;
+  int pf;
+  HeadScratch* hs;
+};
+
+ELLM_TARGET ELLM_INLINE int32_t Load32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+ELLM_TARGET ELLM_INLINE __m256 LoadHalves(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+ELLM_TARGET ELLM_INLINE float HMax(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+ELLM_TARGET ELLM_INLINE float HSum(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// u8 x s8 products, 4 per int32 lane, added to acc.
+ELLM_TARGET ELLM_INLINE __m256i Dpbusd(__m256i acc, __m256i a_u8, __m256i b_s8) {
+#if ELLM_AVX2_VNNI
+  return _mm256_dpbusd_avx_epi32(acc, a_u8, b_s8);
+#else
+  const __m256i pairs = _mm256_maddubs_epi16(a_u8, b_s8);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+// 2^x for x <= 0 (lanes below -126 give ~0); see attention_avx512.cc.
+ELLM_TARGET ELLM_INLINE __m256 Exp2(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.5403530e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Online-softmax step over the tile's 16 scores s[2] (invalid lanes -inf);
+// writes the weights to p[2] (0 in invalid lanes).
+ELLM_TARGET ELLM_INLINE void SoftmaxStep(const __m256* s, const __m256* valid, float* part, int hp,
+                                         HeadScratch* h, bool int8, __m256* p) {
+  float& m = part[hp];
+  const float tmax = HMax(_mm256_max_ps(s[0], s[1]));
+  if (tmax > m) {
+    if (m != -INFINITY) {
+      const __m256 alpha = _mm256_set1_ps(std::exp2(m - tmax));
+      for (int i = 0; i < hp; i += 8) {
+        _mm256_storeu_ps(part + i, _mm256_mul_ps(_mm256_loadu_ps(part + i), alpha));
+      }
+      for (int i = 0; i < 16; i += 8) {
+        _mm256_storeu_ps(h->dvec + i, _mm256_mul_ps(_mm256_loadu_ps(h->dvec + i), alpha));
+        if (int8) _mm256_storeu_ps(h->bvec + i, _mm256_mul_ps(_mm256_loadu_ps(h->bvec + i), alpha));
+      }
+    }
+    m = tmax;
+  }
+  const __m256 mv = _mm256_set1_ps(m);
+  for (int x = 0; x < 2; ++x) {
+    p[x] = _mm256_and_ps(valid[x], Exp2(_mm256_sub_ps(s[x], mv)));
+    _mm256_storeu_ps(h->dvec + 8 * x, _mm256_add_ps(_mm256_loadu_ps(h->dvec + 8 * x), p[x]));
+  }
+}
+
+// Scores of G heads for the 8 positions of half x (int8 K codes x query codes).
+template <int G>
+ELLM_TARGET ELLM_INLINE void Int8Scores(const TileCtx& t, const HeadsCtx& q, __m256i (*acc)[G]) {
+  const int n_dq = t.hp / 4;
+  if constexpr (G <= 4) {
+    for (int x = 0; x < 2; ++x) {
+      for (int j = 0; j < G; ++j) acc[x][j] = _mm256_setzero_si256();
+    }
+    for (int dq = 0; dq < n_dq; ++dq) {
+      const __m256i k0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.k + 64 * dq));
+      const __m256i k1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.k + 64 * dq + 32));
+      for (int j = 0; j < G; ++j) {
+        const __m256i c = _mm256_set1_epi32(Load32(q.codes + j * t.hp + 4 * dq));
+        acc[0][j] = Dpbusd(acc[0][j], k0, c);
+        acc[1][j] = Dpbusd(acc[1][j], k1, c);
+      }
+    }
+  } else {
+    for (int x = 0; x < 2; ++x) {
+      for (int j = 0; j < G; ++j) acc[x][j] = _mm256_setzero_si256();
+      for (int dq = 0; dq < n_dq; ++dq) {
+        const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.k + 64 * dq + 32 * x));
+        for (int j = 0; j < G; ++j) {
+          acc[x][j] = Dpbusd(acc[x][j], k, _mm256_set1_epi32(Load32(q.codes + j * t.hp + 4 * dq)));
+        }
+      }
+    }
+  }
+}
+
+template <int G>
+ELLM_TARGET void Int8Tile(const TileCtx& t, const HeadsCtx& q) {
+  const int hp = t.hp;
+  __m256i acc[2][G];
+  Int8Scores<G>(t, q, acc);
+  float wscale[G];
+  for (int j = 0; j < G; ++j) {
+    const __m256 qsum = _mm256_set1_ps(static_cast<float>(q.code_sum[j]));
+    const __m256 qscale = _mm256_set1_ps(q.code_scale[j]);
+    __m256 s[2], p[2], w[2];
+    for (int x = 0; x < 2; ++x) {
+      s[x] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[x][j]), t.kscale[x], _mm256_mul_ps(t.kmin[x], qsum));
+      s[x] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(s[x], qscale), t.valid[x]);
+    }
+    HeadScratch* h = q.hs + j;
+    SoftmaxStep(s, t.valid, q.part + j * q.pf, hp, h, true, p);
+    for (int x = 0; x < 2; ++x) {
+      const __m256 b = _mm256_and_ps(t.valid[x], _mm256_mul_ps(p[x], t.vbias[x]));
+      _mm256_storeu_ps(h->bvec + 8 * x, _mm256_add_ps(_mm256_loadu_ps(h->bvec + 8 * x), b));
+      w[x] = _mm256_and_ps(t.valid[x], _mm256_mul_ps(p[x], t.vscale[x]));
+    }
+    const float wmax = HMax(_mm256_max_ps(w[0], w[1]));
+    const __m256 inv = _mm256_set1_ps(wmax > 0 ? kWeightMax / wmax : 0.0f);
+    const __m256i c0 = _mm256_cvtps_epi32(_mm256_mul_ps(w[0], inv));
+    const __m256i c1 = _mm256_cvtps_epi32(_mm256_mul_ps(w[1], inv));
+    const __m256i c16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(c0, c1), 0xD8);
+    const __m128i c8 = _mm_packus_epi16(_mm256_castsi256_si128(c16), _mm256_extracti128_si256(c16, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(h->w), c8);
+    wscale[j] = wmax * (1.0f / kWeightMax);
+  }
+  for (int dg = 0; dg < hp / 16; ++dg) {
+    for (int dh = 0; dh < 2; ++dh) {
+      __m256i va[G];
+      for (int j = 0; j < G; ++j) va[j] = _mm256_setzero_si256();
+      for (int quad = 0; quad < 4; ++quad) {
+        const __m256i v = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(t.v + 64 * (4 * dg + quad) + 32 * dh));
+        for (int j = 0; j < G; ++j) {
+          const uint8_t* w = reinterpret_cast<const uint8_t*>(q.hs[j].w) + 4 * quad;
+          va[j] = Dpbusd(va[j], _mm256_set1_epi32(Load32(w)), v);
+        }
+      }
+      for (int j = 0; j < G; ++j) {
+        float* o = q.part + j * q.pf + 16 * dg + 8 * dh;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(va[j]), _mm256_set1_ps(wscale[j]),
+                                            _mm256_loadu_ps(o)));
+      }
+    }
+  }
+}
+
+#if !ELLM_AVX2_VNNI
+template <int G>
+ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
+  const int hp = t.hp;
+  __m256 acc[2][G];
+  if constexpr (G <= 4) {
+    for (int x = 0; x < 2; ++x) {
+      for (int j = 0; j < G; ++j) acc[x][j] = _mm256_setzero_ps();
+    }
+    for (int d = 0; d < hp; ++d) {
+      const __m256 k0 = LoadHalves(t.k + 32 * d), k1 = LoadHalves(t.k + 32 * d + 16);
+      for (int j = 0; j < G; ++j) {
+        const __m256 c = _mm256_set1_ps(q.scaled[j * hp + d]);
+        acc[0][j] = _mm256_fmadd_ps(k0, c, acc[0][j]);
+        acc[1][j] = _mm256_fmadd_ps(k1, c, acc[1][j]);
+      }
+    }
+  } else {
+    for (int x = 0; x < 2; ++x) {
+      for (int j = 0; j < G; ++j) acc[x][j] = _mm256_setzero_ps();
+      for (int d = 0; d < hp; ++d) {
+        const __m256 k = LoadHalves(t.k + 32 * d + 16 * x);
+        for (int j = 0; j < G; ++j) {
+          acc[x][j] = _mm256_fmadd_ps(k, _mm256_set1_ps(q.scaled[j * hp + d]), acc[x][j]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < G; ++j) {
+    __m256 s[2], p[2];
+    for (int x = 0; x < 2; ++x) s[x] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), acc[x][j], t.valid[x]);
+    HeadScratch* h = q.hs + j;
+    SoftmaxStep(s, t.valid, q.part + j * q.pf, hp, h, false, p);
+    _mm256_storeu_ps(h->w, p[0]);
+    _mm256_storeu_ps(h->w + 8, p[1]);
+  }
+  constexpr int kBanks = G <= 4 ? 2 : 1;
+  for (int db = 0; db < hp / 8; ++db) {
+    __m256 va[kBanks][G];
+    for (int b = 0; b < kBanks; ++b) {
+      for (int j = 0; j < G; ++j) va[b][j] = _mm256_setzero_ps();
+    }
+    const uint8_t* vcol = t.v + 16 * db;
+    int r = 0;
+    if constexpr (kBanks == 2) {
+      for (; r + 2 <= t.nvalid; r += 2) {
+        const __m256 v0 = LoadHalves(vcol + 2 * r * hp), v1 = LoadHalves(vcol + 2 * (r + 1) * hp);
+        for (int j = 0; j < G; ++j) {
+          va[0][j] = _mm256_fmadd_ps(v0, _mm256_set1_ps(q.hs[j].w[r]), va[0][j]);
+          va[1][j] = _mm256_fmadd_ps(v1, _mm256_set1_ps(q.hs[j].w[r + 1]), va[1][j]);
+        }
+      }
+    }
+    for (; r < t.nvalid; ++r) {
+      const __m256 v0 = LoadHalves(vcol + 2 * r * hp);
+      for (int j = 0; j < G; ++j) va[0][j] = _mm256_fmadd_ps(v0, _mm256_set1_ps(q.hs[j].w[r]), va[0][j]);
+    }
+    for (int j = 0; j < G; ++j) {
+      float* o = q.part + j * q.pf + 8 * db;
+      const __m256 sum = kBanks == 2 ? _mm256_add_ps(va[0][j], va[kBanks - 1][j]) : va[0][j];
+      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), sum));
+    }
+  }
+}
+#endif
+
+template <bool kInt8, int G>
+ELLM_TARGET ELLM_INLINE void RunTile(const TileCtx& t, const HeadsCtx& q) {
+  if constexpr (kInt8) {
+    Int8Tile<G>(t, q);
+  } else {
+#if !ELLM_AVX2_VNNI
+    F16Tile<G>(t, q);
+#endif
+  }
+}
+
+template <bool kInt8>
+ELLM_TARGET void TileForHeads(int g, const TileCtx& t, const HeadsCtx& q) {
+  switch (g) {
+    case 1: RunTile<kInt8, 1>(t, q); break;
+    case 2: RunTile<kInt8, 2>(t, q); break;
+    case 3: RunTile<kInt8, 3>(t, q); break;
+    case 4: RunTile<kInt8, 4>(t, q); break;
+    case 5: RunTile<kInt8, 5>(t, q); break;
+    case 6: RunTile<kInt8, 6>(t, q); break;
+    case 7: RunTile<kInt8, 7>(t, q); break;
+    default: RunTile<kInt8, 8>(t, q); break;
+  }
+}
+
+template <bool kInt8>
+ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
+  const int hp = a.kv.format.padded_dim, pf = PartialFloats(hp);
+  const QueryPrep& prep = *a.q;
+  HeadScratch* scratch = reinterpret_cast<HeadScratch*>(a.scratch);
+  int end = a.pos_begin;
+  for (int i = 0; i < a.n_tokens; ++i) {
+    end = std::max(end, std::min(a.pos_end, a.last_pos[i] + 1));
+    for (int j = 0; j < a.group; ++j) {
+      Partial(a.partials + static_cast<size_t>(i * a.group + j) * pf, hp).Clear();
+      std::memset(&scratch[i * a.group + j], 0, sizeof(HeadScratch));
+    }
+  }
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  TileCtx t;
+  t.hp = hp;
+  for (int pos = a.pos_begin; pos < end; pos += kTile) {
+    t.k = a.kv.KeyTile(pos);
+    t.v = t.k + a.kv.value_offset;
+    if constexpr (kInt8) {
+      for (int x = 0; x < 2; ++x) {
+        t.kscale[x] = LoadHalves(t.k + 16 * hp + 16 * x);
+        t.kmin[x] = LoadHalves(t.k + 16 * hp + 32 + 16 * x);
+        t.vscale[x] = LoadHalves(t.v + 16 * hp + 16 * x);
+        t.vbias[x] = _mm256_fmadd_ps(t.vscale[x], _mm256_set1_ps(128.0f),
+                                     LoadHalves(t.v + 16 * hp + 32 + 16 * x));
+      }
+    }
+    for (int i = 0; i < a.n_tokens; ++i) {
+      const int seen = std::min(a.pos_end, a.last_pos[i] + 1) - pos;
+      if (seen <= 0) continue;
+      t.nvalid = std::min(seen, kTile);
+      for (int x = 0; x < 2; ++x) {
+        t.valid[x] = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(t.nvalid - 8 * x), iota));
+      }
+      for (int j0 = 0; j0 < a.group; j0 += kBlock) {
+        const int row = a.q_row0 + i * a.q_token_stride + j0;
+        HeadsCtx q;
+        q.codes = prep.codes.data() + static_cast<size_t>(row) * hp;
+        q.scaled = prep.scaled.data() + static_cast<size_t>(row) * hp;
+        q.code_scale = prep.code_scale.data() + row;
+        q.code_sum = prep.code_sum.data() + row;
+        q.part = a.partials + static_cast<size_t>(i * a.group + j0) * pf;
+        q.pf = pf;
+        q.hs = scratch + i * a.group + j0;
+        TileForHeads<kInt8>(std::min(kBlock, a.group - j0), t, q);
+      }
+    }
+  }
+  for (int i = 0; i < a.n_tokens; ++i) {
+    for (int j = 0; j < a.group; ++j) {
+      const Partial part(a.partials + static_cast<size_t>(i * a.group + j) * pf, hp);
+      const HeadScratch& h = scratch[i * a.group + j];
+      part.d() = HSum(_mm256_add_ps(_mm256_loadu_ps(h.dvec), _mm256_loadu_ps(h.dvec + 8)));
+      if constexpr (kInt8) {
+        const __m256 b =
+            _mm256_set1_ps(HSum(_mm256_add_ps(_mm256_loadu_ps(h.bvec), _mm256_loadu_ps(h.bvec + 8))));
+        for (int d = 0; d < hp; d += 8) {
+          _mm256_storeu_ps(part.o() + d, _mm256_add_ps(_mm256_loadu_ps(part.o() + d), b));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ELLM_AVX2_NS
+
+#if ELLM_AVX2_VNNI
+void AttendInt8Avx2Vnni(const ChunkArgs& args) { avx2_vnni::AttendChunk<true>(args); }
+#else
+void AttendF16Avx2(const ChunkArgs& args) { avx2_plain::AttendChunk<false>(args); }
+void AttendInt8Avx2(const ChunkArgs& args) { avx2_plain::AttendChunk<true>(args); }
+#endif
+
+}  // namespace ellm::attn::internal

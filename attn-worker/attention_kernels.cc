@@ -1,0 +1,113 @@
+#include "attn-worker/attention_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace ellm::attn {
+namespace {
+
+const AttentionKernel kReference{"reference", 127, 255, internal::AttendChunkReference,
+                                 internal::AttendChunkReference};
+const AttentionKernel kAvx2{"avx2", 63, 127, internal::AttendF16Avx2, internal::AttendInt8Avx2};
+const AttentionKernel kAvx2Vnni{"avx2-vnni", 127, 255, internal::AttendF16Avx2,
+                                internal::AttendInt8Avx2Vnni};
+const AttentionKernel kAvx512{"avx512", 127, 255, internal::AttendF16Avx512,
+                              internal::AttendInt8Avx512};
+
+bool HasAvx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+bool HasAvxVnni() { return HasAvx2() && __builtin_cpu_supports("avxvnni"); }
+bool HasAvx512() {
+  return HasAvx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+}  // namespace
+
+void PrepareQueries(const float* q, int rows, int head_dim, int q_max, QueryPrep* prep) {
+  const int hp = (head_dim + 15) / 16 * 16;
+  prep->rows = rows;
+  prep->head_dim = head_dim;
+  prep->padded_dim = hp;
+  prep->score_scale = static_cast<float>(M_LOG2E / std::sqrt(static_cast<double>(head_dim)));
+  prep->raw.Resize(static_cast<size_t>(rows) * hp);
+  prep->scaled.Resize(static_cast<size_t>(rows) * hp);
+  prep->codes.Resize(static_cast<size_t>(rows) * hp);
+  prep->code_scale.resize(rows);
+  prep->code_sum.resize(rows);
+  for (int r = 0; r < rows; ++r) {
+    const float* x = q + static_cast<size_t>(r) * head_dim;
+    float* raw = prep->raw.data() + static_cast<size_t>(r) * hp;
+    float* scaled = prep->scaled.data() + static_cast<size_t>(r) * hp;
+    int8_t* codes = prep->codes.data() + static_cast<size_t>(r) * hp;
+    float amax = 0;
+    for (int d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const float sq = amax / static_cast<float>(q_max);
+    const float inv = sq > 0 ? 1.0f / sq : 0.0f;
+    int32_t sum = 0;
+    for (int d = 0; d < hp; ++d) {
+      const float v = d < head_dim ? x[d] : 0.0f;
+      raw[d] = v;
+      scaled[d] = v * prep->score_scale;
+      const float c = std::clamp(std::nearbyint(v * inv), static_cast<float>(-q_max),
+                                 static_cast<float>(q_max));
+      codes[d] = static_cast<int8_t>(c);
+      sum += codes[d];
+    }
+    prep->code_scale[r] = sq * prep->score_scale;
+    prep->code_sum[r] = sum;
+  }
+}
+
+size_t ChunkScratchFloats(int n_tokens, int group) {
+  return static_cast<size_t>(n_tokens) * group * 64 + 64;
+}
+
+absl::StatusOr<KernelChoice> ParseKernelChoice(absl::string_view name) {
+  if (name == "auto") return KernelChoice::kAuto;
+  if (name == "reference") return KernelChoice::kReference;
+  if (name == "avx2") return KernelChoice::kAvx2;
+  if (name == "avx2-vnni") return KernelChoice::kAvx2Vnni;
+  if (name == "avx512") return KernelChoice::kAvx512;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown attention kernel '", name, "' (expected auto, reference, avx2, avx2-vnni or avx512)"));
+}
+
+absl::StatusOr<const AttentionKernel*> SelectKernel(KernelChoice choice) {
+  switch (choice) {
+    case KernelChoice::kAuto:
+      if (HasAvx512()) return &kAvx512;
+      if (HasAvxVnni()) return &kAvx2Vnni;
+      if (HasAvx2()) return &kAvx2;
+      return &kReference;
+    case KernelChoice::kReference:
+      return &kReference;
+    case KernelChoice::kAvx2:
+      if (HasAvx2()) return &kAvx2;
+      return absl::UnavailableError("this CPU lacks AVX2, FMA or F16C");
+    case KernelChoice::kAvx2Vnni:
+      if (HasAvxVnni()) return &kAvx2Vnni;
+      return absl::UnavailableError("this CPU lacks AVX2, FMA, F16C or AVX-VNNI");
+    case KernelChoice::kAvx512:
+      if (HasAvx512()) return &kAvx512;
+      return absl::UnavailableError("this CPU lacks AVX-512 F/BW/VL/DQ/VNNI");
+  }
+  return absl::InvalidArgumentError("bad kernel choice");
+}
+
+std::vector<const AttentionKernel*> AvailableKernels() {
+  std::vector<const AttentionKernel*> out = {&kReference};
+  for (KernelChoice c : {KernelChoice::kAvx2, KernelChoice::kAvx2Vnni, KernelChoice::kAvx512}) {
+    absl::StatusOr<const AttentionKernel*> k = SelectKernel(c);
+    if (k.ok()) out.push_back(*k);
+  }
+  return out;
+}
+
+}  // namespace ellm::attn

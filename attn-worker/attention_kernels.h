@@ -1,0 +1,137 @@
+// Attention kernels over the paged KV cache, for f16 and int8 KV (f32 KV
+// keeps core/kernels.h's AttendOneHead: the pipeline's bit-exact path).
+//
+// The unit of work is one chunk: for the n_tokens query tokens of one
+// sequence (a decode token, or a few tokens of a prefill chunk) and the
+// `group` query heads of one KV head, a kernel computes the online-softmax
+// partial (partial.h) of every (token, head) over positions
+// [pos_begin, pos_end), token i seeing only positions <= last_pos[i]. Each K
+// and V tile is read once for all heads of the group and all tokens.
+// Callers split a sequence into chunks across the thread pool and merge the
+// partials with Partial::Merge, always in chunk order.
+//
+// Kernels (chosen once at start-up from what the CPU supports; tests may force
+// any that the CPU can run):
+//   reference  plain loops, fp64 accumulation, exact softmax per chunk, the
+//              unquantised query: the oracle the others are tested against.
+//   avx512     AVX-512 F/BW/VL/VNNI + F16C. int8: scores with VPDPBUSD
+//              (K codes u8 x query codes s8), p·V with VPDPBUSD (weights u8
+//              x V codes s8); f16: VCVTPH2PS + FMA.
+//   avx2-vnni  AVX2 + FMA + F16C + AVX-VNNI (VEX VPDPBUSD), 8 lanes.
+//   avx2       AVX2 + FMA + F16C; int8 products with VPMADDUBSW + VPMADDWD,
+//              whose int16 pair sums need query codes within ±63 and weight
+//              codes within 0..127.
+// Each SIMD file compiles only its own functions for its instruction set
+// (function target attributes); the build baseline stays generic x86-64.
+//
+// Int8 arithmetic (SIMD kernels). The query row q is quantised once per step:
+// codes c = round(q / sq), sq = max|q| / q_max. With K codes kc (k = ks·kc +
+// kmin), the base-2 score is
+//   s = log2(e)/sqrt(hd) · sq · (ks · sum(c·kc) + kmin · sum(c)).
+// Per tile of 16 positions and query head, the weights w_t = p_t · vs_t
+// (p_t = 2^(s_t - m)) are quantised to u8 codes against their maximum, and
+//   o += (max w / p_max) · sum_t code_t · vc_t  +  sum_t p_t · (vmin_t + 128·vs_t)
+// with V codes vc (s8). Both sums over codes run in int32 on VPDPBUSD.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "attn-worker/kv_format.h"
+#include "attn-worker/partial.h"
+#include "core/status.h"
+
+namespace ellm::attn {
+
+// 64-byte aligned storage that keeps its capacity across steps.
+template <typename T>
+class AlignedArray {
+ public:
+  T* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+  // Grows (contents are lost when it reallocates) and sets size().
+  void Resize(size_t n) {
+    if (n > capacity_) {
+      const size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
+      data_.reset(static_cast<T*>(std::aligned_alloc(64, bytes)));
+      capacity_ = n;
+    }
+    size_ = n;
+  }
+  T& operator[](size_t i) const { return data_.get()[i]; }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { std::free(p); }
+  };
+  std::unique_ptr<T, Free> data_;
+  size_t size_ = 0, capacity_ = 0;
+};
+
+// The query rows of one step, prepared once for every kernel: rows are
+// (token, query head) in the request's order, each padded to hp dims.
+struct QueryPrep {
+  int rows = 0;
+  int head_dim = 0;
+  int padded_dim = 0;
+  float score_scale = 0;         // log2(e) / sqrt(head_dim)
+  AlignedArray<float> raw;       // [rows][hp] q as given (reference)
+  AlignedArray<float> scaled;    // [rows][hp] q * score_scale (f16 kernels)
+  AlignedArray<int8_t> codes;    // [rows][hp] int8 query codes
+  std::vector<float> code_scale;  // [rows] sq * score_scale
+  std::vector<int32_t> code_sum;  // [rows] sum of codes
+};
+// Fills `prep` from q [rows][head_dim] f32; int8 codes lie in [-q_max, q_max].
+void PrepareQueries(const float* q, int rows, int head_dim, int q_max, QueryPrep* prep);
+
+struct ChunkArgs {
+  KvSeqView kv;               // the sequence's K and V of one (layer, KV head)
+  int group = 1;              // query heads of the KV head
+  int pos_begin = 0;          // chunk positions [pos_begin, pos_end);
+  int pos_end = 0;            //   pos_begin % kTile == 0, pos_end <= kv.length
+  int n_tokens = 0;           // query tokens, at most kMaxChunkTokens
+  const int32_t* last_pos = nullptr;  // [n_tokens] token i sees positions <= last_pos[i]
+  const QueryPrep* q = nullptr;
+  int q_row0 = 0;             // q row of (token i, head j) = q_row0 + i * q_token_stride + j
+  int q_token_stride = 0;
+  float* partials = nullptr;  // out: [n_tokens][group] partials of PartialFloats(hp) floats, 64-byte aligned
+  float* scratch = nullptr;   // ChunkScratchFloats(n_tokens, group) floats, 64-byte aligned
+};
+inline constexpr int kMaxChunkTokens = 16;
+size_t ChunkScratchFloats(int n_tokens, int group);
+
+using AttendChunkFn = void (*)(const ChunkArgs&);
+
+struct AttentionKernel {
+  std::string_view name;
+  int q_max = 127;  // int8 query codes
+  int p_max = 255;  // int8 attention-weight codes
+  AttendChunkFn f16 = nullptr;
+  AttendChunkFn int8 = nullptr;
+  AttendChunkFn For(KvDType dtype) const { return dtype == KvDType::kF16 ? f16 : int8; }
+};
+
+enum class KernelChoice { kAuto, kReference, kAvx2, kAvx2Vnni, kAvx512 };
+absl::StatusOr<KernelChoice> ParseKernelChoice(absl::string_view name);  // auto, reference, avx2, avx2-vnni, avx512
+// The kernel for `choice` (kAuto: the fastest this CPU runs); Unavailable
+// when the CPU lacks the instructions.
+absl::StatusOr<const AttentionKernel*> SelectKernel(KernelChoice choice = KernelChoice::kAuto);
+// Every kernel this CPU can run, the reference first.
+std::vector<const AttentionKernel*> AvailableKernels();
+
+// Per-ISA entry points (attention_ref.cc, attention_avx2.cc, attention_avx512.cc).
+namespace internal {
+void AttendChunkReference(const ChunkArgs& args);
+void AttendF16Avx2(const ChunkArgs& args);
+void AttendInt8Avx2(const ChunkArgs& args);
+void AttendInt8Avx2Vnni(const ChunkArgs& args);
+void AttendF16Avx512(const ChunkArgs& args);
+void AttendInt8Avx512(const ChunkArgs& args);
+}  // namespace internal
+
+}  // namespace ellm::attn

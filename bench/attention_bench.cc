@@ -1,0 +1,510 @@
+// ellm-bench attention: decode attention of one attention worker's shard
+// against the machine's read bandwidth, measured in the same process with
+// the same threads.
+//
+// A case is (shape, dtype, positions, threads): one sequence holding
+// `positions` positions in the KV cache of a worker's shard, and one decode
+// token per layer through AttentionShard::Process — the worker's own path:
+// append (quantise) the token's k and v, prepare the query, run the chunk
+// items on the pinned thread pool, merge. The cache holds as many layers as
+// it takes to touch at least --footprint-mb (default twice the last-level
+// cache), and a step runs every layer once, so each layer's KV comes from
+// DRAM as it does in real decode (one layer alone at 16K positions would sit
+// in a large LLC).
+//
+// gb_per_s counts the KV bytes the kernels read (K and V codes, scales and
+// mins) per layer at the sequence's length, divided by the time per layer.
+// probe_gb_per_s is a plain streaming read (the widest loads the CPU has) of
+// a buffer of --probe-mb with the same threads, run just before each group
+// of cases (one shape and dtype); ratio = gb_per_s / probe_gb_per_s.
+#include "bench/attention_bench.h"
+
+#include <immintrin.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "attn-worker/attention_kernels.h"
+#include "attn-worker/attention_shard.h"
+#include "attn-worker/kv_cache.h"
+#include "core/thread_pool.h"
+#include "core/topology.h"
+#include "shm/messages.h"
+
+namespace ellm::bench {
+namespace {
+
+using attn::KvDType;
+
+struct Shape {
+  std::string name;
+  int q_heads, kv_heads, head_dim;
+};
+
+// One attention worker's shard of each model: the heads of the whole model on
+// one worker (one NUMA node).
+const Shape kShapes[] = {
+    {"qwen2.5-14b", 40, 8, 128},
+    {"llama-3-8b", 32, 8, 128},
+    {"qwen2.5-0.5b", 14, 2, 64},
+};
+
+struct Options {
+  std::vector<Shape> shapes;
+  std::vector<int> positions;
+  std::vector<KvDType> dtypes;
+  std::vector<int> threads;
+  attn::KernelChoice kernel = attn::KernelChoice::kAuto;
+  double min_time_s = 0.5;
+  int64_t footprint_bytes = 0;
+  int64_t probe_bytes = 0;
+};
+
+const char kHelp[] =
+    "ellm-bench attention: decode attention (one query token per layer) of one\n"
+    "attention worker's shard, against a streaming-read probe in the same run.\n"
+    "\n"
+    "Output: one line per case on stdout,\n"
+    "  shape= dtype= positions= threads= us_per_layer= gb_per_s= probe_gb_per_s= ratio=\n"
+    "progress on stderr.\n"
+    "\n"
+    "Flags (lists are comma-separated):\n"
+    "  --shapes=LIST     qwen2.5-14b (40 query / 8 KV heads, head dim 128), llama-3-8b\n"
+    "                    (32/8, 128), qwen2.5-0.5b (14/2, 64), or NAME:Q/KV/HD for any\n"
+    "                    other shard. Default: the three named ones.\n"
+    "  --positions=LIST  KV lengths; K = 1024 (default 1K,4K,16K,64K,128K).\n"
+    "  --dtypes=LIST     int8, f16, f32 (default int8,f16; f32 runs the fp32 reference path).\n"
+    "  --threads=LIST    thread counts, or 'all' for one per physical core of NUMA node 0\n"
+    "                    (default 1,all). Threads are pinned, one per core.\n"
+    "  --kernel=NAME     auto, reference, avx2, avx2-vnni, avx512 (default auto).\n"
+    "  --min-time=SEC    time spent measuring each case (default 0.5).\n"
+    "  --footprint-mb=N  KV bytes each case cycles through, as whole layers (default:\n"
+    "                    twice the last-level cache, at least 256).\n"
+    "  --probe-mb=N      probe buffer (default: twice the last-level cache, at least 256).\n"
+    "  --quick           a smoke test in seconds: qwen2.5-0.5b, 1K and 4K positions,\n"
+    "                    int8 and f16, all threads, 256 MiB footprint and probe, short\n"
+    "                    timing. Its numbers are indicative only.\n";
+
+int64_t LastLevelCacheBytes() {
+  for (int index = 4; index >= 0; --index) {
+    std::ifstream f("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/size");
+    std::string text;
+    if (f >> text && !text.empty()) {
+      int64_t v = std::atoll(text.c_str());
+      if (text.back() == 'K') v <<= 10;
+      if (text.back() == 'M') v <<= 20;
+      if (v > 0) return v;
+    }
+  }
+  const long v = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  return v > 0 ? v : (int64_t{32} << 20);
+}
+
+absl::StatusOr<std::vector<std::string>> ListFlag(const std::string& text) {
+  std::vector<std::string> out = absl::StrSplit(text, ',', absl::SkipEmpty());
+  if (out.empty()) return absl::InvalidArgumentError("empty list");
+  return out;
+}
+
+absl::StatusOr<Options> Parse(int argc, char** argv, bool* help) {
+  Options o;
+  const int64_t llc = LastLevelCacheBytes();
+  o.footprint_bytes = o.probe_bytes = std::max<int64_t>(2 * llc, int64_t{256} << 20);
+  std::string shapes = "qwen2.5-14b,llama-3-8b,qwen2.5-0.5b", positions = "1K,4K,16K,64K,128K",
+              dtypes = "int8,f16", threads = "1,all", kernel = "auto";
+  for (int i = 0; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const size_t eq = arg.find('=');
+    const std::string name = arg.substr(0, eq), value = eq == std::string::npos ? "" : arg.substr(eq + 1);
+    if (name == "--help" || name == "-h") {
+      *help = true;
+      return o;
+    } else if (name == "--quick") {
+      shapes = "qwen2.5-0.5b";
+      positions = "1K,4K";
+      threads = "all";
+      o.min_time_s = 0.1;
+      o.footprint_bytes = o.probe_bytes = int64_t{256} << 20;
+    } else if (name == "--shapes") {
+      shapes = value;
+    } else if (name == "--positions") {
+      positions = value;
+    } else if (name == "--dtypes") {
+      dtypes = value;
+    } else if (name == "--threads") {
+      threads = value;
+    } else if (name == "--kernel") {
+      kernel = value;
+    } else if (name == "--min-time") {
+      if (!absl::SimpleAtod(value, &o.min_time_s) || o.min_time_s <= 0) {
+        return absl::InvalidArgumentError("--min-time must be a positive number of seconds");
+      }
+    } else if (name == "--footprint-mb" || name == "--probe-mb") {
+      int64_t mb;
+      if (!absl::SimpleAtoi(value, &mb) || mb <= 0) {
+        return absl::InvalidArgumentError(name + " must be a positive number of MiB");
+      }
+      (name == "--probe-mb" ? o.probe_bytes : o.footprint_bytes) = mb << 20;
+    } else {
+      return absl::InvalidArgumentError("unknown flag '" + arg + "' (see --help)");
+    }
+  }
+  ASSIGN_OR_RETURN(auto shape_list, ListFlag(shapes));
+  for (const std::string& s : shape_list) {
+    bool found = false;
+    for (const Shape& k : kShapes) {
+      if (k.name == s) {
+        o.shapes.push_back(k);
+        found = true;
+      }
+    }
+    if (found) continue;
+    // NAME:Q/KV/HD
+    std::vector<std::string> parts = absl::StrSplit(s, absl::ByAnyChar(":/"));
+    Shape custom;
+    if (parts.size() != 4 || !absl::SimpleAtoi(parts[1], &custom.q_heads) ||
+        !absl::SimpleAtoi(parts[2], &custom.kv_heads) || !absl::SimpleAtoi(parts[3], &custom.head_dim) ||
+        custom.kv_heads <= 0 || custom.q_heads % custom.kv_heads != 0 || custom.head_dim <= 0 ||
+        custom.head_dim > attn::kMaxHeadDim) {
+      return absl::InvalidArgumentError("unknown shape '" + s + "' (a known name or NAME:Q/KV/HD)");
+    }
+    custom.name = parts[0];
+    o.shapes.push_back(custom);
+  }
+  ASSIGN_OR_RETURN(auto position_list, ListFlag(positions));
+  for (std::string p : position_list) {
+    int64_t scale = 1;
+    if (!p.empty() && (p.back() == 'K' || p.back() == 'k')) {
+      scale = 1024;
+      p.pop_back();
+    }
+    int64_t v;
+    if (!absl::SimpleAtoi(p, &v) || v <= 0 || v * scale > (int64_t{1} << 24)) {
+      return absl::InvalidArgumentError("bad position count '" + p + "'");
+    }
+    o.positions.push_back(static_cast<int>(v * scale));
+  }
+  ASSIGN_OR_RETURN(auto dtype_list, ListFlag(dtypes));
+  for (const std::string& d : dtype_list) {
+    ASSIGN_OR_RETURN(KvDType t, attn::ParseKvDType(d));
+    o.dtypes.push_back(t);
+  }
+  ASSIGN_OR_RETURN(Topology topo, DiscoverTopology());
+  const int all = static_cast<int>(topo.nodes.at(0).cpus.size());
+  ASSIGN_OR_RETURN(auto thread_list, ListFlag(threads));
+  for (const std::string& t : thread_list) {
+    int n;
+    if (t == "all") {
+      n = all;
+    } else if (!absl::SimpleAtoi(t, &n) || n <= 0) {
+      return absl::InvalidArgumentError("bad thread count '" + t + "'");
+    }
+    o.threads.push_back(n);
+  }
+  ASSIGN_OR_RETURN(o.kernel, attn::ParseKernelChoice(kernel));
+  return o;
+}
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// ---------------------------------------------------------------------------
+// The probe: every thread sums its contiguous share of the buffer with the
+// widest loads the CPU has (four independent accumulators).
+
+__attribute__((target("avx512f"))) uint64_t SumAvx512(const uint8_t* p, size_t n) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  for (size_t i = 0; i + 256 <= n; i += 256) {
+    a0 = _mm512_add_epi64(a0, _mm512_load_si512(p + i));
+    a1 = _mm512_add_epi64(a1, _mm512_load_si512(p + i + 64));
+    a2 = _mm512_add_epi64(a2, _mm512_load_si512(p + i + 128));
+    a3 = _mm512_add_epi64(a3, _mm512_load_si512(p + i + 192));
+  }
+  alignas(64) uint64_t lanes[8];
+  _mm512_store_si512(lanes, _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3)));
+  uint64_t sum = 0;
+  for (uint64_t x : lanes) sum += x;
+  return sum;
+}
+
+__attribute__((target("avx2"))) uint64_t SumAvx2(const uint8_t* p, size_t n) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  for (size_t i = 0; i + 128 <= n; i += 128) {
+    a0 = _mm256_add_epi64(a0, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i)));
+    a1 = _mm256_add_epi64(a1, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
+    a2 = _mm256_add_epi64(a2, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
+    a3 = _mm256_add_epi64(a3, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
+                     _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3)));
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
+uint64_t SumPlain(const uint8_t* p, size_t n) {
+  uint64_t a[4] = {0, 0, 0, 0};
+  for (size_t i = 0; i + 32 <= n; i += 32) {
+    for (int k = 0; k < 4; ++k) {
+      uint64_t v;
+      std::memcpy(&v, p + i + 8 * k, 8);
+      a[k] += v;
+    }
+  }
+  return a[0] + a[1] + a[2] + a[3];
+}
+
+class Probe {
+ public:
+  explicit Probe(int64_t bytes) : bytes_(bytes) {
+    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      std::fprintf(stderr, "cannot allocate the %ld MiB probe buffer\n", static_cast<long>(bytes_ >> 20));
+      std::exit(1);
+    }
+    madvise(p, bytes_, MADV_HUGEPAGE);
+    data_ = static_cast<uint8_t*>(p);
+    std::memset(data_, 1, bytes_);
+    __builtin_cpu_init();
+    sum_ = __builtin_cpu_supports("avx512f") ? SumAvx512
+           : __builtin_cpu_supports("avx2")  ? SumAvx2
+                                             : SumPlain;
+  }
+  ~Probe() { munmap(data_, bytes_); }
+
+  // Median GB/s of 5 reads (after one warm-up) on `pool`'s threads.
+  double Measure(ThreadPool& pool) {
+    std::vector<double> rates;
+    std::vector<uint64_t> sink(pool.size());
+    for (int rep = 0; rep < 6; ++rep) {
+      const int parts = pool.size();
+      const double t0 = Now();
+      pool.ParallelFor(parts, [&](int64_t begin, int64_t end, int thread) {
+        for (int64_t part = begin; part < end; ++part) {
+          const size_t share = static_cast<size_t>(bytes_ / parts) / 256 * 256;
+          sink[thread] += sum_(data_ + part * share, share);
+        }
+      });
+      const double dt = Now() - t0;
+      if (rep > 0) rates.push_back(static_cast<double>(bytes_ / parts / 256 * 256 * parts) / dt / 1e9);
+    }
+    if (sink[0] == 42) std::fprintf(stderr, " ");  // keep the sums alive
+    std::sort(rates.begin(), rates.end());
+    return rates[rates.size() / 2];
+  }
+
+ private:
+  int64_t bytes_;
+  uint8_t* data_ = nullptr;
+  uint64_t (*sum_)(const uint8_t*, size_t) = nullptr;
+};
+
+// ---------------------------------------------------------------------------
+// A case.
+
+struct Result {
+  double us_per_layer = 0;
+  double gb_per_s = 0;
+};
+
+// The cache of one (shape, dtype, positions): as many layers as the footprint
+// needs, every layer a copy of layer 0 (random k and v).
+struct Setup {
+  std::unique_ptr<attn::KvCache> cache;
+  attn::ShardGeometry geometry;
+  int layers = 0;
+  int filled = 0;  // positions stored before timing
+};
+
+constexpr int kMaxSteps = 16;  // timed steps at most; each appends one position
+
+Setup Prepare(const Shape& shape, KvDType dtype, int positions, int runs, int64_t footprint,
+              ThreadPool& pool) {
+  Setup s;
+  const attn::KvFormat format = attn::KvFormat::Make(dtype, shape.head_dim);
+  const double layer_bytes = format.BytesPerPosition() * shape.kv_heads * positions;
+  s.layers = static_cast<int>(std::max(1.0, std::ceil(footprint / layer_bytes)));
+  // Start a little short so that the timed steps straddle `positions`.
+  s.filled = std::max(1, positions - kMaxSteps / 2);
+  attn::KvCacheOptions o;
+  o.layers = s.layers;
+  o.kv_heads = shape.kv_heads;
+  o.head_dim = shape.head_dim;
+  o.block_tokens = 16;
+  const int capacity = s.filled + kMaxSteps * runs + 16;
+  o.blocks = (capacity + 15) / 16;
+  o.dtype = dtype;
+  absl::StatusOr<std::unique_ptr<attn::KvCache>> cache = attn::KvCache::Create(o);
+  if (!cache.ok()) {
+    std::fprintf(stderr, "%s\n", cache.status().ToString().c_str());
+    std::exit(1);
+  }
+  s.cache = *std::move(cache);
+  const uint64_t seq = 1;
+  if (!s.cache->Reserve(seq, 0, s.filled).ok()) std::exit(1);
+  // Layer 0 from random rows, on every thread.
+  pool.ParallelFor(s.filled, [&](int64_t begin, int64_t end, int thread) {
+    std::mt19937 gen(static_cast<uint32_t>(begin * 7919 + thread));
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    std::vector<float> k(shape.head_dim), v(shape.head_dim);
+    for (int64_t p = begin; p < end; ++p) {
+      for (int h = 0; h < shape.kv_heads; ++h) {
+        for (int d = 0; d < shape.head_dim; ++d) {
+          k[d] = dist(gen);
+          v[d] = dist(gen);
+        }
+        s.cache->Store(seq, 0, h, static_cast<int>(p), k.data(), v.data());
+      }
+    }
+  });
+  // Other layers: copies of layer 0's regions.
+  const size_t region_bytes = static_cast<size_t>(o.blocks) * 2 * format.SegmentBytes(o.block_tokens);
+  pool.ParallelFor(static_cast<int64_t>(s.layers - 1) * shape.kv_heads, [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) {
+      const int layer = static_cast<int>(i / shape.kv_heads) + 1, h = static_cast<int>(i % shape.kv_heads);
+      std::memcpy(const_cast<uint8_t*>(s.cache->View(seq, layer, h).base), s.cache->View(seq, 0, h).base,
+                  region_bytes);
+    }
+  });
+  s.geometry.layers = s.layers;
+  s.geometry.kv_head_begin = 0;
+  s.geometry.kv_head_end = shape.kv_heads;
+  s.geometry.gqa_ratio = shape.q_heads / shape.kv_heads;
+  s.geometry.head_dim = shape.head_dim;
+  s.geometry.max_positions = capacity;
+  return s;
+}
+
+// Decode steps on a fresh sequence copy of the setup: returns the median time
+// per layer and the bytes read per layer at the median step.
+Result RunCase(Setup& s, const Shape& shape, ThreadPool& pool, const attn::AttentionKernel* kernel,
+               double min_time) {
+  attn::AttentionShard shard(s.geometry, s.cache.get(), &pool, kernel);
+  std::mt19937 gen(11);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> q(static_cast<size_t>(shape.q_heads) * shape.head_dim);
+  std::vector<float> k(static_cast<size_t>(shape.kv_heads) * shape.head_dim), v(k.size());
+  for (float& x : q) x = dist(gen);
+  for (float& x : k) x = dist(gen);
+  for (float& x : v) x = dist(gen);
+  std::vector<float> out(q.size());
+  const uint64_t seq = 1;
+  std::vector<double> step_s;
+  std::vector<int> step_len;
+  const double start = Now();
+  for (int step = 0; step < kMaxSteps; ++step) {
+    const int pos = s.cache->Length(seq);
+    shm::SeqSlice slice{seq, static_cast<uint32_t>(pos), 1};
+    const shm::AttnRequestView req{&slice, q.data(), k.data(), v.data()};
+    const double t0 = Now();
+    for (int layer = 0; layer < s.layers; ++layer) {
+      const absl::Status st = shard.Process(static_cast<uint32_t>(layer), 1, 1, req, out.data());
+      if (!st.ok()) {
+        std::fprintf(stderr, "%s\n", st.ToString().c_str());
+        std::exit(1);
+      }
+    }
+    const double dt = Now() - t0;
+    if (step > 0) {  // the first step warms up
+      step_s.push_back(dt);
+      step_len.push_back(pos + 1);
+    }
+    if (step >= 3 && Now() - start > min_time) break;
+  }
+  std::vector<size_t> order(step_s.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return step_s[a] < step_s[b]; });
+  const size_t mid = order[order.size() / 2];
+  Result r;
+  const double per_layer = step_s[mid] / s.layers;
+  r.us_per_layer = per_layer * 1e6;
+  const double bytes = s.cache->format().BytesPerPosition() * shape.kv_heads * step_len[mid];
+  r.gb_per_s = bytes / per_layer / 1e9;
+  return r;
+}
+
+}  // namespace
+
+int AttentionMain(int argc, char** argv) {
+  bool help = false;
+  absl::StatusOr<Options> parsed = Parse(argc, argv, &help);
+  if (help) {
+    std::fputs(kHelp, stdout);
+    return 0;
+  }
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "ellm-bench attention: %s\n", std::string(parsed.status().message()).c_str());
+    return 2;
+  }
+  const Options& o = *parsed;
+  absl::StatusOr<const attn::AttentionKernel*> kernel = attn::SelectKernel(o.kernel);
+  if (!kernel.ok()) {
+    std::fprintf(stderr, "ellm-bench attention: %s\n", std::string(kernel.status().message()).c_str());
+    return 2;
+  }
+  absl::StatusOr<Topology> topo = DiscoverTopology();
+  const std::vector<int> cpus = topo.ok() ? topo->nodes.at(0).cpus : std::vector<int>{};
+  std::fprintf(stderr,
+               "attention kernel %s; threads pinned to cpus %s of node 0; footprint %ld MiB per "
+               "case, probe %ld MiB (last-level cache %ld MiB)\n",
+               std::string((*kernel)->name).c_str(), FormatCpuList(cpus).c_str(),
+               static_cast<long>(o.footprint_bytes >> 20), static_cast<long>(o.probe_bytes >> 20),
+               static_cast<long>(LastLevelCacheBytes() >> 20));
+  // One pinned pool per thread count, created once.
+  std::vector<std::unique_ptr<ThreadPool>> pools;
+  for (int t : o.threads) pools.push_back(std::make_unique<ThreadPool>(t, cpus));
+  ThreadPool& fill_pool = *pools[std::max_element(o.threads.begin(), o.threads.end()) - o.threads.begin()];
+  Probe probe(o.probe_bytes);
+
+  const size_t total = o.shapes.size() * o.dtypes.size() * o.positions.size() * o.threads.size();
+  size_t done = 0;
+  for (const Shape& shape : o.shapes) {
+    for (KvDType dtype : o.dtypes) {
+      // The group's probe, for each thread count.
+      std::vector<double> probe_gbs;
+      for (auto& pool : pools) {
+        probe_gbs.push_back(probe.Measure(*pool));
+        std::fprintf(stderr, "probe %s %s, %d threads: %.2f GB/s\n", shape.name.c_str(),
+                     std::string(attn::KvDTypeName(dtype)).c_str(), pool->size(), probe_gbs.back());
+      }
+      for (int positions : o.positions) {
+        const double t0 = Now();
+        Setup setup = Prepare(shape, dtype, positions, static_cast<int>(pools.size()),
+                              o.footprint_bytes, fill_pool);
+        std::fprintf(stderr, "  %s %s %d positions: %d layers filled in %.1f s\n", shape.name.c_str(),
+                     std::string(attn::KvDTypeName(dtype)).c_str(), positions, setup.layers, Now() - t0);
+        for (size_t ti = 0; ti < pools.size(); ++ti) {
+          // Each run appends up to kMaxSteps positions; the lengths stay
+          // within positions - 8 .. positions + 8 * runs (bytes are counted
+          // at the actual length).
+          const Result r = RunCase(setup, shape, *pools[ti], *kernel, o.min_time_s);
+          ++done;
+          std::fprintf(stderr, "  [%zu/%zu] %d threads: %.1f us per layer\n", done, total,
+                       pools[ti]->size(), r.us_per_layer);
+          std::printf(
+              "shape=%s dtype=%s positions=%d threads=%d us_per_layer=%.1f gb_per_s=%.2f "
+              "probe_gb_per_s=%.2f ratio=%.3f\n",
+              shape.name.c_str(), std::string(attn::KvDTypeName(dtype)).c_str(), positions,
+              pools[ti]->size(), r.us_per_layer, r.gb_per_s, probe_gbs[ti], r.gb_per_s / probe_gbs[ti]);
+          std::fflush(stdout);
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace ellm::bench

@@ -1,0 +1,189 @@
+#include "core/model_maker.h"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/sampler.h"
+
+namespace ellm {
+
+absl::StatusOr<DType> ParseWeightType(const std::string& name) {
+  static const struct {
+    const char* name;
+    DType type;
+  } kTypes[] = {{"f32", DType::kF32},   {"f16", DType::kF16},   {"bf16", DType::kBF16},
+                {"q8_0", DType::kQ8_0}, {"q4_0", DType::kQ4_0}, {"q4_k", DType::kQ4_K},
+                {"q5_k", DType::kQ5_K}, {"q6_k", DType::kQ6_K}};
+  for (const auto& t : kTypes) {
+    if (name == t.name) return t.type;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown weight type '", name, "' (one of f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k)"));
+}
+
+namespace {
+
+// Normal draws from the reproducible generator (Box-Muller).
+class Normal {
+ public:
+  explicit Normal(uint64_t seed) : rng_(seed) {}
+  float Next() {
+    if (has_spare_) {
+      has_spare_ = false;
+      return spare_;
+    }
+    double u1 = 0;
+    while (u1 <= 1e-12) u1 = rng_.NextUniform();
+    const double u2 = rng_.NextUniform();
+    const double r = std::sqrt(-2.0 * std::log(u1));
+    spare_ = static_cast<float>(r * std::sin(2 * M_PI * u2));
+    has_spare_ = true;
+    return static_cast<float>(r * std::cos(2 * M_PI * u2));
+  }
+
+ private:
+  SequenceRng rng_;
+  bool has_spare_ = false;
+  float spare_ = 0;
+};
+
+// Encodes [rows, cols] floats (GGUF shape {cols, rows}) as `type`.
+absl::StatusOr<std::string> Encode(const std::vector<float>& values, int64_t cols, DType type) {
+  const DTypeTraits& t = Traits(type);
+  ASSIGN_OR_RETURN(uint64_t bytes, DTypeBytes(type, values.size()));
+  std::string out(bytes, '\0');
+  if (type == DType::kF32) {
+    std::memcpy(out.data(), values.data(), bytes);
+    return out;
+  }
+  if (t.quantize == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot write weight type ", std::string(t.name)));
+  }
+  const int64_t rows = static_cast<int64_t>(values.size()) / cols;
+  const uint64_t row_bytes = bytes / rows;
+  for (int64_t r = 0; r < rows; ++r) {
+    t.quantize(values.data() + r * cols, out.data() + r * row_bytes, cols);
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<GgufWriter> MakeRandomModel(const MakeModelOptions& o,
+                                           const std::function<void(int, int)>& progress) {
+  if (o.arch != "llama" && o.arch != "qwen2") {
+    return absl::InvalidArgumentError(absl::StrCat("--arch must be llama or qwen2, got '", o.arch, "'"));
+  }
+  if (o.layers <= 0 || o.hidden <= 0 || o.heads <= 0 || o.kv_heads <= 0 || o.head_dim <= 0 ||
+      o.ffn <= 0 || o.heads % o.kv_heads != 0 || o.head_dim % 2 != 0) {
+    return absl::InvalidArgumentError(
+        "layers, hidden, heads, kv-heads, head-dim and ffn must be positive; heads a multiple of "
+        "kv-heads; head-dim even");
+  }
+  if (o.vocab_from.empty()) return absl::InvalidArgumentError("--vocab-from is required");
+  ASSIGN_OR_RETURN(auto vocab, GgufFile::Open(o.vocab_from));
+  ASSIGN_OR_RETURN(std::vector<std::string> tokens, vocab->GetStringArray("tokenizer.ggml.tokens"));
+  const int64_t n_vocab = static_cast<int64_t>(tokens.size());
+
+  GgufWriter w;
+  const std::string& a = o.arch;
+  w.SetString("general.architecture", a);
+  w.SetString("general.name", absl::StrCat("ellm-random-", a));
+  int context = o.context;
+  if (context <= 0) {
+    auto from_vocab = vocab->GetInt(a + ".context_length");
+    context = from_vocab.ok() ? static_cast<int>(*from_vocab) : 4096;
+  }
+  w.SetUint32(a + ".context_length", context);
+  w.SetUint32(a + ".embedding_length", o.hidden);
+  w.SetUint32(a + ".feed_forward_length", o.ffn);
+  w.SetUint32(a + ".block_count", o.layers);
+  w.SetUint32(a + ".attention.head_count", o.heads);
+  w.SetUint32(a + ".attention.head_count_kv", o.kv_heads);
+  w.SetUint32(a + ".attention.key_length", o.head_dim);
+  w.SetUint32(a + ".attention.value_length", o.head_dim);
+  w.SetUint32(a + ".rope.dimension_count", o.head_dim);
+  w.SetFloat32(a + ".rope.freq_base", o.rope_base > 0 ? o.rope_base : a == "qwen2" ? 1e6f : 10000.0f);
+  w.SetFloat32(a + ".attention.layer_norm_rms_epsilon", a == "qwen2" ? 1e-6f : 1e-5f);
+  w.CopyMetadata(*vocab, "tokenizer.");
+  // Minimal Jinja templates of each family (ellm recognises a family by its markers).
+  if (o.chat_template == "chatml") {
+    w.SetString("tokenizer.chat_template",
+                "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+                "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+                "{{ '<|im_start|>assistant\\n' }}{% endif %}");
+  } else if (o.chat_template == "llama3") {
+    w.SetString("tokenizer.chat_template",
+                "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] "
+                "+ '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+                "{% endif %}");
+  } else if (o.chat_template == "llama2") {
+    w.SetString("tokenizer.chat_template",
+                "{% for message in messages %}{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' "
+                "+ message['content'] | trim + ' [/INST]' }}{% else %}{{ ' ' + message['content'] | trim "
+                "+ ' ' + eos_token }}{% endif %}{% endfor %}");
+  } else if (o.chat_template == "none") {
+    w.SetString("tokenizer.chat_template", "");
+  } else if (!o.chat_template.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown chat template '", o.chat_template,
+                                                   "' (chatml, llama2, llama3 or none)"));
+  }
+
+  const bool qwen = a == "qwen2";
+  const int64_t q_dim = int64_t{o.heads} * o.head_dim, kv_dim = int64_t{o.kv_heads} * o.head_dim;
+  const int total = 2 + (qwen ? 0 : 1) + o.layers * (qwen ? 12 : 9);
+  int done = 0;
+  Normal normal(o.seed);
+
+  // A matrix [rows, cols] with N(0, scale²) entries, in the weight type (F16
+  // when its rows do not split into whole blocks of that type).
+  auto add_matrix = [&](const std::string& name, int64_t cols, int64_t rows, float scale) -> absl::Status {
+    std::vector<float> v(static_cast<size_t>(rows * cols));
+    for (float& x : v) x = normal.Next() * scale;
+    DType type = o.weight_type;
+    if (cols % Traits(type).block_elements != 0) type = DType::kF16;
+    ASSIGN_OR_RETURN(std::string bytes, Encode(v, cols, type));
+    RETURN_IF_ERROR(w.AddTensor(name, {cols, rows}, type, std::move(bytes)));
+    if (progress) progress(++done, total);
+    return absl::OkStatus();
+  };
+  auto add_vector = [&](const std::string& name, int64_t n, float value, float noise) -> absl::Status {
+    std::vector<float> v(n);
+    for (float& x : v) x = value + (noise > 0 ? normal.Next() * noise : 0);
+    std::string bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+    RETURN_IF_ERROR(w.AddTensor(name, {n}, DType::kF32, std::move(bytes)));
+    if (progress) progress(++done, total);
+    return absl::OkStatus();
+  };
+
+  const float in_hidden = 1.0f / std::sqrt(static_cast<float>(o.hidden));
+  RETURN_IF_ERROR(add_matrix("token_embd.weight", o.hidden, n_vocab, 2.0f * in_hidden));
+  for (int l = 0; l < o.layers; ++l) {
+    const std::string p = absl::StrCat("blk.", l, ".");
+    RETURN_IF_ERROR(add_vector(p + "attn_norm.weight", o.hidden, 1.0f, 0));
+    RETURN_IF_ERROR(add_matrix(p + "attn_q.weight", o.hidden, q_dim, in_hidden));
+    RETURN_IF_ERROR(add_matrix(p + "attn_k.weight", o.hidden, kv_dim, in_hidden));
+    RETURN_IF_ERROR(add_matrix(p + "attn_v.weight", o.hidden, kv_dim, in_hidden));
+    if (qwen) {
+      RETURN_IF_ERROR(add_vector(p + "attn_q.bias", q_dim, 0, 0.1f));
+      RETURN_IF_ERROR(add_vector(p + "attn_k.bias", kv_dim, 0, 0.1f));
+      RETURN_IF_ERROR(add_vector(p + "attn_v.bias", kv_dim, 0, 0.1f));
+    }
+    RETURN_IF_ERROR(add_matrix(p + "attn_output.weight", q_dim, o.hidden,
+                               1.0f / std::sqrt(static_cast<float>(q_dim))));
+    RETURN_IF_ERROR(add_vector(p + "ffn_norm.weight", o.hidden, 1.0f, 0));
+    RETURN_IF_ERROR(add_matrix(p + "ffn_gate.weight", o.hidden, o.ffn, in_hidden));
+    RETURN_IF_ERROR(add_matrix(p + "ffn_up.weight", o.hidden, o.ffn, in_hidden));
+    RETURN_IF_ERROR(add_matrix(p + "ffn_down.weight", o.ffn, o.hidden,
+                               1.0f / std::sqrt(static_cast<float>(o.ffn))));
+  }
+  RETURN_IF_ERROR(add_vector("output_norm.weight", o.hidden, 1.0f, 0));
+  // qwen2 ties the LM head to the embeddings (no output.weight), as Qwen2.5-0.5B does.
+  if (!qwen) RETURN_IF_ERROR(add_matrix("output.weight", o.hidden, n_vocab, 2.0f * in_hidden));
+  return w;
+}
+
+}  // namespace ellm

@@ -1,0 +1,567 @@
+// QuantMatrix repacking (matmul_layout.h), activation quantisation, the
+// dispatcher and the threading of MatMul. Baseline x86-64 code only: the SIMD
+// kernels live in matmul_avx2.cc and matmul_avx512.cc.
+#include "mlp-worker/cpu/matmul.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "core/quants.h"
+#include "mlp-worker/cpu/matmul_layout.h"
+
+namespace ellm::mlp {
+namespace internal {
+namespace {
+
+constexpr GroupLayout kF32Layout{1, 16 * 4, 0};
+constexpr GroupLayout kHalfLayout{1, 16 * 2, 0};
+constexpr GroupLayout kQ8_0Layout{kQK, 512, 32};
+constexpr GroupLayout kQ4_0Layout{kQK, 256, 32};
+constexpr GroupLayout kQ4_KLayout{kQK_K, 2048, 320};
+constexpr GroupLayout kQ5_KLayout{kQK_K, 2560, 320};
+constexpr GroupLayout kQ6_KLayout{kQK_K, 3072, 288};
+
+// Meta offsets within a k-quant block's meta bytes.
+constexpr int kMetaD = 0, kMetaDmin = 32, kMetaSc = 64, kMetaM = 192;  // Q4_K, Q5_K
+constexpr int kMetaSc6 = 32;                                             // Q6_K
+
+// Byte (r, j) of a 64-byte line.
+inline int LineByte(int r, int j) { return 4 * r + j; }
+
+// --- Levels of one original block ------------------------------------------
+
+// Q4_K / Q5_K element e of a super-block: low 4 bits (and the 5th for Q5_K).
+int LevelQ4K(const BlockQ4_K& b, int e) {
+  const int c = e / 64, l = e % 64;
+  return l < 32 ? b.qs[32 * c + l] & 15 : b.qs[32 * c + l - 32] >> 4;
+}
+int LevelQ5K(const BlockQ5_K& b, int e) {
+  const int c = e / 64, l = e % 64;
+  const int low = l < 32 ? b.qs[32 * c + l] & 15 : b.qs[32 * c + l - 32] >> 4;
+  const int high = (b.qh[l % 32] >> (2 * c + (l >= 32))) & 1;
+  return low | high << 4;
+}
+int LevelQ6K(const BlockQ6_K& b, int e) {
+  const int h = e / 128, k = (e % 128) / 32, l = e % 32;
+  const int low = (b.ql[64 * h + (k & 1) * 32 + l] >> ((k >> 1) * 4)) & 15;
+  const int high = (b.qh[32 * h + l] >> (2 * k)) & 3;
+  return low | high << 4;
+}
+
+// Position of element w (0..31) of a 32-element unit in the nibble packing
+// of Q4_0 / Q4_K: line w % 16 / 4, byte j = w % 4, high nibble when w >= 16.
+inline int NibbleLine(int w) { return (w % 16) / 4; }
+
+// --- Repacking: row r of a group --------------------------------------------
+
+void RepackF32(const uint8_t* src, int r, int64_t cols, uint8_t* g) {
+  std::memcpy(g + static_cast<size_t>(r) * cols * 4, src, cols * 4);
+}
+
+void RepackHalf(const uint8_t* src, int r, int64_t cols, uint8_t* g) {
+  auto* dst = reinterpret_cast<uint16_t*>(g);
+  const auto* h = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < cols; ++i) dst[i * 16 + r] = h[i];
+}
+
+void RepackQ8_0(const uint8_t* src, int r, int64_t cols, uint8_t* g) {
+  const int64_t nb = cols / kQK;
+  const auto* b = reinterpret_cast<const BlockQ8_0*>(src);
+  uint8_t* quant = g;
+  auto* d = reinterpret_cast<uint16_t*>(g + nb * 512);
+  for (int64_t ib = 0; ib < nb; ++ib) {
+    d[ib * 16 + r] = b[ib].d;
+    for (int e = 0; e < kQK; ++e) {
+      quant[ib * 512 + (e / 4) * 64 + LineByte(r, e % 4)] =
+          static_cast<uint8_t>(b[ib].qs[e]) ^ 0x80;
+    }
+  }
+}
+
+void RepackQ4_0(const uint8_t* src, int r, int64_t cols, uint8_t* g) {
+  const int64_t nb = cols / kQK;
+  const auto* b = reinterpret_cast<const BlockQ4_0*>(src);
+  uint8_t* quant = g;
+  auto* d = reinterpret_cast<uint16_t*>(g + nb * 256);
+  for (int64_t ib = 0; ib < nb; ++ib) {
+    d[ib * 16 + r] = b[ib].d;
+    // ggml's qs[i] already holds element i (low) and i + 16 (high).
+    for (int i = 0; i < 16; ++i) quant[ib * 256 + NibbleLine(i) * 64 + LineByte(r, i % 4)] = b[ib].qs[i];
+  }
+}
+
+// Low nibbles of a 256-element super-block's levels into Q4_K's [8 s][4 k] lines.
+void PackNibbles256(const int* levels, int r, uint8_t* quant) {
+  for (int s = 0; s < 8; ++s) {
+    for (int w = 0; w < 16; ++w) {
+      const int lo = levels[32 * s + w] & 15, hi = levels[32 * s + 16 + w] & 15;
+      quant[s * 256 + NibbleLine(w) * 64 + LineByte(r, w % 4)] = static_cast<uint8_t>(lo | hi << 4);
+    }
+  }
+}
+
+void PackScalesK4(const uint8_t* scales, int r, uint8_t* meta) {
+  for (int s = 0; s < 8; ++s) {
+    uint8_t sc, m;
+    UnpackScaleMinK4(scales, s, &sc, &m);
+    meta[kMetaSc + s * 16 + r] = sc;
+    meta[kMetaM + (s / 2) * 32 + 2 * r + s % 2] = m;
+  }
+}
+
+void RepackQ4_K(const uint8_t* src, int r, int64_t cols, uint8_t* g) {
+  const int64_t nb = cols / kQK_K;
+  const auto* b = reinterpret_cast<const BlockQ4_K*>(src);
+  int levels[kQK_K];
+  for (int64_t ib = 0; ib < nb; ++ib) {
+    uint8_t* meta = g + nb * 2048 + ib * 320;
+    reinterpret_cast<uint16_t*>(meta + kMetaD)[r] = b[ib].d;
+    reinterpret_cast<uint16_t*>(meta + kMetaDmin)[r] = b[ib].dmin;
+    PackScalesK4(b[ib].scales, r, meta);
+    for (int e = 0; e < kQK_K; ++e) levels[e] = LevelQ4K(b[ib], e);
+    PackNibbles256(levels, r, g + ib * 2048);
+  }
+}
+
+void RepackQ5_K(const uint8_t* src, int r, int64_t cols, uint8_t* g) {
+  const int64_t nb = cols / kQK_K;
+  const auto* b = reinterpret_cast<const BlockQ5_K*>(src);
+  int levels[kQK_K];
+  for (int64_t ib = 0; ib < nb; ++ib) {
+    uint8_t* quant = g + ib * 2560;
+    uint8_t* meta = g + nb * 2560 + ib * 320;
+    reinterpret_cast<uint16_t*>(meta + kMetaD)[r] = b[ib].d;
+    reinterpret_cast<uint16_t*>(meta + kMetaDmin)[r] = b[ib].dmin;
+    PackScalesK4(b[ib].scales, r, meta);
+    for (int e = 0; e < kQK_K; ++e) levels[e] = LevelQ5K(b[ib], e);
+    PackNibbles256(levels, r, quant);
+    for (int s = 0; s < 8; ++s) {
+      for (int j = 0; j < 4; ++j) {
+        uint8_t bits = 0;
+        for (int v = 0; v < 8; ++v) bits |= static_cast<uint8_t>(((levels[32 * s + 4 * v + j] >> 4) & 1) << v);
+        quant[2048 + s * 64 + LineByte(r, j)] = bits;
+      }
+    }
+  }
+}
+
+void RepackQ6_K(const uint8_t* src, int r, int64_t cols, uint8_t* g) {
+  const int64_t nb = cols / kQK_K;
+  const auto* b = reinterpret_cast<const BlockQ6_K*>(src);
+  int levels[kQK_K];
+  for (int64_t ib = 0; ib < nb; ++ib) {
+    uint8_t* quant = g + ib * 3072;
+    uint8_t* meta = g + nb * 3072 + ib * 288;
+    reinterpret_cast<uint16_t*>(meta)[r] = b[ib].d;
+    for (int s = 0; s < 16; ++s) {
+      meta[kMetaSc6 + (s / 2) * 32 + 2 * r + s % 2] = static_cast<uint8_t>(b[ib].scales[s]);
+    }
+    for (int e = 0; e < kQK_K; ++e) levels[e] = LevelQ6K(b[ib], e);
+    for (int k = 0; k < 4; ++k) {
+      for (int j = 0; j < 4; ++j) {
+        for (int P = 0; P < 8; ++P) {
+          const int lo = levels[16 * (2 * P) + 4 * k + j] & 15;
+          const int hi = levels[16 * (2 * P + 1) + 4 * k + j] & 15;
+          quant[P * 256 + k * 64 + LineByte(r, j)] = static_cast<uint8_t>(lo | hi << 4);
+        }
+        for (int Q = 0; Q < 4; ++Q) {
+          uint8_t bits = 0;
+          for (int u = 0; u < 4; ++u) {
+            bits |= static_cast<uint8_t>((levels[16 * (4 * Q + u) + 4 * k + j] >> 4) << (2 * u));
+          }
+          quant[2048 + Q * 256 + k * 64 + LineByte(r, j)] = bits;
+        }
+      }
+    }
+  }
+}
+
+using RepackRowFn = void (*)(const uint8_t* src, int r, int64_t cols, uint8_t* group);
+
+// --- Dequantising row r of a group (the expressions of core/quants.cc) -------
+
+void DequantF32(const uint8_t* g, int r, int64_t cols, float* out) {
+  std::memcpy(out, g + static_cast<size_t>(r) * cols * 4, cols * 4);
+}
+void DequantF16(const uint8_t* g, int r, int64_t cols, float* out) {
+  const auto* h = reinterpret_cast<const uint16_t*>(g);
+  for (int64_t i = 0; i < cols; ++i) out[i] = HalfToFloat(h[i * 16 + r]);
+}
+void DequantBf16(const uint8_t* g, int r, int64_t cols, float* out) {
+  const auto* h = reinterpret_cast<const uint16_t*>(g);
+  for (int64_t i = 0; i < cols; ++i) out[i] = Bf16ToFloat(h[i * 16 + r]);
+}
+void DequantQ8_0(const uint8_t* g, int r, int64_t cols, float* out) {
+  const int64_t nb = cols / kQK;
+  const auto* dh = reinterpret_cast<const uint16_t*>(g + nb * 512);
+  for (int64_t ib = 0; ib < nb; ++ib, out += kQK) {
+    const float d = HalfToFloat(dh[ib * 16 + r]);
+    for (int e = 0; e < kQK; ++e) {
+      const int8_t q = static_cast<int8_t>(g[ib * 512 + (e / 4) * 64 + LineByte(r, e % 4)] ^ 0x80);
+      out[e] = d * q;
+    }
+  }
+}
+void DequantQ4_0(const uint8_t* g, int r, int64_t cols, float* out) {
+  const int64_t nb = cols / kQK;
+  const auto* dh = reinterpret_cast<const uint16_t*>(g + nb * 256);
+  for (int64_t ib = 0; ib < nb; ++ib, out += kQK) {
+    const float d = HalfToFloat(dh[ib * 16 + r]);
+    for (int i = 0; i < 16; ++i) {
+      const uint8_t q = g[ib * 256 + NibbleLine(i) * 64 + LineByte(r, i % 4)];
+      out[i] = d * ((q & 15) - 8);
+      out[i + 16] = d * ((q >> 4) - 8);
+    }
+  }
+}
+// Q4_K and Q5_K: x = (d sc) level - (dmin m), as DequantizeRowQ4_K computes it.
+void DequantK4(const uint8_t* g, int r, int64_t cols, float* out, bool five) {
+  const int64_t nb = cols / kQK_K;
+  const int qb = five ? 2560 : 2048;
+  for (int64_t ib = 0; ib < nb; ++ib) {
+    const uint8_t* quant = g + ib * qb;
+    const uint8_t* meta = g + nb * qb + ib * 320;
+    const float d = HalfToFloat(reinterpret_cast<const uint16_t*>(meta + kMetaD)[r]);
+    const float dmin = HalfToFloat(reinterpret_cast<const uint16_t*>(meta + kMetaDmin)[r]);
+    for (int s = 0; s < 8; ++s) {
+      const uint8_t sc = meta[kMetaSc + s * 16 + r];
+      const uint8_t m = meta[kMetaM + (s / 2) * 32 + 2 * r + s % 2];
+      const float ds = d * sc, ms = dmin * m;
+      for (int w = 0; w < 32; ++w) {
+        const uint8_t byte = quant[s * 256 + NibbleLine(w) * 64 + LineByte(r, w % 4)];
+        int level = w < 16 ? byte & 15 : byte >> 4;
+        if (five) level |= ((quant[2048 + s * 64 + LineByte(r, w % 4)] >> (w / 4)) & 1) << 4;
+        out[32 * s + w] = ds * level - ms;
+      }
+    }
+    out += kQK_K;
+  }
+}
+void DequantQ4_K(const uint8_t* g, int r, int64_t cols, float* out) { DequantK4(g, r, cols, out, false); }
+void DequantQ5_K(const uint8_t* g, int r, int64_t cols, float* out) { DequantK4(g, r, cols, out, true); }
+void DequantQ6_K(const uint8_t* g, int r, int64_t cols, float* out) {
+  const int64_t nb = cols / kQK_K;
+  for (int64_t ib = 0; ib < nb; ++ib) {
+    const uint8_t* quant = g + ib * 3072;
+    const uint8_t* meta = g + nb * 3072 + ib * 288;
+    const float d = HalfToFloat(reinterpret_cast<const uint16_t*>(meta)[r]);
+    for (int e = 0; e < kQK_K; ++e) {
+      const int s = e / 16, k = (e % 16) / 4, j = e % 4;
+      const uint8_t lo = quant[(s / 2) * 256 + k * 64 + LineByte(r, j)];
+      const uint8_t hi = quant[2048 + (s / 4) * 256 + k * 64 + LineByte(r, j)];
+      const int q = ((s % 2 ? lo >> 4 : lo) & 15) | ((hi >> (2 * (s % 4))) & 3) << 4;
+      const int8_t sc = static_cast<int8_t>(meta[kMetaSc6 + (s / 2) * 32 + 2 * r + s % 2]);
+      out[e] = d * sc * (q - 32);
+    }
+    out += kQK_K;
+  }
+}
+
+using DequantRowFn = void (*)(const uint8_t* group, int r, int64_t cols, float* out);
+
+struct MatType {
+  DType type;
+  const GroupLayout* layout;
+  ActFormat act;
+  RepackRowFn repack;
+  DequantRowFn dequant;
+};
+
+// The one table of the types with kernels.
+constexpr MatType kMatTypes[] = {
+    {DType::kF32, &kF32Layout, ActFormat::kF32, RepackF32, DequantF32},
+    {DType::kF16, &kHalfLayout, ActFormat::kF32, RepackHalf, DequantF16},
+    {DType::kBF16, &kHalfLayout, ActFormat::kF32, RepackHalf, DequantBf16},
+    {DType::kQ8_0, &kQ8_0Layout, ActFormat::kQ8x32, RepackQ8_0, DequantQ8_0},
+    {DType::kQ4_0, &kQ4_0Layout, ActFormat::kQ8x32, RepackQ4_0, DequantQ4_0},
+    {DType::kQ4_K, &kQ4_KLayout, ActFormat::kQ8x256, RepackQ4_K, DequantQ4_K},
+    {DType::kQ5_K, &kQ5_KLayout, ActFormat::kQ8x256, RepackQ5_K, DequantQ5_K},
+    {DType::kQ6_K, &kQ6_KLayout, ActFormat::kQ8x256, RepackQ6_K, DequantQ6_K},
+};
+
+const MatType* FindMatType(DType type) {
+  for (const MatType& t : kMatTypes) {
+    if (t.type == type) return &t;
+  }
+  return nullptr;
+}
+
+const MatType& MatTypeOf(DType type) {
+  const MatType* t = FindMatType(type);
+  if (t == nullptr) {
+    std::fprintf(stderr, "ellm: no CPU matrix kernels for type %u\n", static_cast<unsigned>(type));
+    std::abort();
+  }
+  return *t;
+}
+
+}  // namespace
+
+const GroupLayout* FindGroupLayout(DType type) {
+  const MatType* t = FindMatType(type);
+  return t != nullptr ? t->layout : nullptr;
+}
+
+}  // namespace internal
+
+using internal::kGroupRows;
+
+// --- AlignedBytes -------------------------------------------------------------
+
+void AlignedBytes::Resize(size_t n) {
+  if (n > capacity_) {
+    const size_t bytes = std::max<size_t>(64, (n + 63) / 64 * 64);
+    auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, bytes));
+    if (p == nullptr) {
+      std::fprintf(stderr, "ellm: out of memory allocating %zu bytes\n", bytes);
+      std::abort();
+    }
+    std::memset(p, 0, bytes);
+    data_.reset(p);
+    capacity_ = bytes;
+  }
+  size_ = n;
+}
+
+// --- QuantMatrix --------------------------------------------------------------
+
+absl::StatusOr<QuantMatrix> QuantMatrix::FromRaw(DType type, int64_t rows, int64_t cols,
+                                                 const uint8_t* data, size_t bytes) {
+  const internal::MatType* mt = internal::FindMatType(type);
+  const DTypeTraits& traits = Traits(type);
+  if (mt == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "no CPU matrix kernels for type ", absl::string_view(traits.name.data(), traits.name.size())));
+  }
+  if (rows <= 0 || cols <= 0 || cols % mt->layout->block != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("matrix [", rows, ", ", cols, "] is not a whole number of ",
+                                                   absl::string_view(traits.name.data(), traits.name.size()),
+                                                   " blocks per row"));
+  }
+  ASSIGN_OR_RETURN(const uint64_t row_bytes, DTypeBytes(type, static_cast<uint64_t>(cols)));
+  if (row_bytes * static_cast<uint64_t>(rows) != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("matrix [", rows, ", ", cols, "] of ",
+                                                   absl::string_view(traits.name.data(), traits.name.size()),
+                                                   " needs ", row_bytes * rows, " bytes, got ", bytes));
+  }
+  QuantMatrix m;
+  m.type_ = type;
+  m.rows_ = rows;
+  m.cols_ = cols;
+  m.group_bytes_ = internal::GroupBytes(*mt->layout, cols);
+  m.data_.Resize(m.group_bytes_ * static_cast<size_t>(m.groups()));
+  for (int64_t row = 0; row < rows; ++row) {
+    mt->repack(data + row * row_bytes, static_cast<int>(row % kGroupRows), cols,
+               m.data_.data() + (row / kGroupRows) * m.group_bytes_);
+  }
+  return m;
+}
+
+QuantMatrix QuantMatrix::FromF32(const float* w, int64_t rows, int64_t cols) {
+  absl::StatusOr<QuantMatrix> m = FromRaw(DType::kF32, rows, cols, reinterpret_cast<const uint8_t*>(w),
+                                          static_cast<size_t>(rows * cols) * sizeof(float));
+  if (!m.ok()) {
+    std::fprintf(stderr, "ellm: QuantMatrix::FromF32: %s\n", m.status().ToString().c_str());
+    std::abort();
+  }
+  return *std::move(m);
+}
+
+ActFormat QuantMatrix::act_format() const { return internal::MatTypeOf(type_).act; }
+
+void QuantMatrix::DequantizeRow(int64_t r, float* out) const {
+  internal::MatTypeOf(type_).dequant(group(r / kGroupRows), static_cast<int>(r % kGroupRows), cols_, out);
+}
+
+// --- Activations --------------------------------------------------------------
+
+void QuantizeActivationRow(const float* x, int64_t cols, int block, int8_t* codes, float* d) {
+  for (int64_t b = 0; b < cols / block; ++b) {
+    const float* xb = x + b * block;
+    int8_t* qb = codes + b * block;
+    float amax = 0;
+    for (int i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    if (!(amax > 0) || !std::isfinite(amax)) {
+      d[b] = 0;
+      std::memset(qb, 0, block);
+      continue;
+    }
+    d[b] = amax / 127;
+    const float id = 127 / amax;
+    for (int i = 0; i < block; ++i) {
+      float v = std::nearbyint(xb[i] * id);
+      v = v > 127 ? 127 : v < -127 ? -127 : v;
+      qb[i] = static_cast<int8_t>(v == v ? v : 0);
+    }
+  }
+}
+
+void Activations::Set(const float* x, int T, int64_t cols) {
+  x_ = x;
+  T_ = T;
+  cols_ = cols;
+  have32_ = have256_ = false;
+}
+
+namespace {
+
+void PrepareQ8(const float* x, int T, int64_t cols, int block, Activations::Q8* q) {
+  q->cols = cols;
+  q->token_stride = (cols + 63) / 64 * 64;
+  q->qs.Resize(static_cast<size_t>(T) * q->token_stride);
+  const int64_t nb = cols / block;
+  q->d.resize(static_cast<size_t>(T) * nb);
+  if (block == 32) {
+    q->sum.resize(static_cast<size_t>(T) * nb);
+  } else {
+    q->sum16.resize(static_cast<size_t>(T) * cols / 16);
+    q->sum32.resize(static_cast<size_t>(T) * cols / 32);
+  }
+  for (int t = 0; t < T; ++t) {
+    int8_t* codes = reinterpret_cast<int8_t*>(q->qs.data() + t * q->token_stride);
+    QuantizeActivationRow(x + t * cols, cols, block, codes, q->d.data() + t * nb);
+    if (block == 32) {
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t s = 0;
+        for (int i = 0; i < 32; ++i) s += codes[32 * b + i];
+        q->sum[t * nb + b] = s;
+      }
+    } else {
+      for (int64_t b = 0; b < cols / 16; ++b) {
+        int32_t s = 0;
+        for (int i = 0; i < 16; ++i) s += codes[16 * b + i];
+        q->sum16[t * (cols / 16) + b] = static_cast<int16_t>(s);
+      }
+      for (int64_t b = 0; b < cols / 32; ++b) {
+        q->sum32[t * (cols / 32) + b] =
+            static_cast<int16_t>(q->sum16[t * (cols / 16) + 2 * b] + q->sum16[t * (cols / 16) + 2 * b + 1]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+const Activations::Q8& Activations::q8x32() {
+  if (!have32_) {
+    PrepareQ8(x_, T_, cols_, 32, &q32_);
+    have32_ = true;
+  }
+  return q32_;
+}
+
+const Activations::Q8& Activations::q8x256() {
+  if (!have256_) {
+    PrepareQ8(x_, T_, cols_, 256, &q256_);
+    have256_ = true;
+  }
+  return q256_;
+}
+
+// --- Dispatch -------------------------------------------------------------------
+
+namespace {
+
+bool CpuHasAvx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+bool CpuHasAvx512Vnni() {
+  return CpuHasAvx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+internal::MatKernel KernelFor(DType type, MatIsa isa) {
+  switch (isa) {
+    case MatIsa::kRef: return internal::RefKernel(type);
+    case MatIsa::kAvx2: return internal::Avx2Kernel(type);
+    case MatIsa::kAvx512Vnni: return internal::Avx512VnniKernel(type);
+  }
+  return nullptr;
+}
+
+std::string_view ActFormatName(ActFormat f) {
+  switch (f) {
+    case ActFormat::kF32: return "f32";
+    case ActFormat::kQ8x32: return "q8x32";
+    case ActFormat::kQ8x256: return "q8x256";
+  }
+  return "?";
+}
+
+absl::string_view Absl(std::string_view s) { return {s.data(), s.size()}; }
+
+}  // namespace
+
+std::string_view MatIsaName(MatIsa isa) {
+  switch (isa) {
+    case MatIsa::kRef: return "ref";
+    case MatIsa::kAvx2: return "avx2";
+    case MatIsa::kAvx512Vnni: return "avx512vnni";
+  }
+  return "?";
+}
+
+bool MatIsaSupported(MatIsa isa) {
+  switch (isa) {
+    case MatIsa::kRef: return true;
+    case MatIsa::kAvx2: return CpuHasAvx2();
+    case MatIsa::kAvx512Vnni: return CpuHasAvx512Vnni();
+  }
+  return false;
+}
+
+MatIsa BestMatIsa() {
+  static const MatIsa best = CpuHasAvx512Vnni() ? MatIsa::kAvx512Vnni
+                             : CpuHasAvx2()     ? MatIsa::kAvx2
+                                                : MatIsa::kRef;
+  return best;
+}
+
+std::string KernelName(DType type, MatIsa isa) {
+  const internal::MatType* mt = internal::FindMatType(type);
+  if (mt == nullptr) return "none";
+  const std::string_view tname = Traits(type).name;
+  if (type == DType::kF32) return absl::StrCat(Absl(MatIsaName(isa)), "/f32-exact");
+  return absl::StrCat(Absl(MatIsaName(isa)), "/", Absl(tname), "*", Absl(ActFormatName(mt->act)));
+}
+
+void MatMul(const QuantMatrix& w, Activations& x, float* y, ThreadPool* pool, MatIsa isa) {
+  const internal::MatKernel kernel = KernelFor(w.type(), isa);
+  if (kernel == nullptr || !MatIsaSupported(isa) || x.cols() != w.cols() || x.tokens() < 0) {
+    std::fprintf(stderr, "ellm: MatMul: bad call (type %u, isa %d, x cols %lld, w cols %lld)\n",
+                 static_cast<unsigned>(w.type()), static_cast<int>(isa),
+                 static_cast<long long>(x.cols()), static_cast<long long>(w.cols()));
+    std::abort();
+  }
+  if (x.tokens() == 0 || w.empty()) return;
+  internal::KernelArgs args;
+  args.w = &w;
+  args.x = x.f32();
+  args.T = x.tokens();
+  args.y = y;
+  args.ldy = w.rows();
+  switch (w.act_format()) {
+    case ActFormat::kF32: break;
+    case ActFormat::kQ8x32: args.q8 = &x.q8x32(); break;
+    case ActFormat::kQ8x256: args.q8 = &x.q8x256(); break;
+  }
+  const int64_t groups = w.groups();
+  // Waking the workers costs some microseconds: small products stay on the
+  // calling thread.
+  const double work = static_cast<double>(w.bytes()) * (1 + 0.25 * (args.T - 1));
+  if (pool == nullptr || pool->size() == 1 || groups == 1 || work < 256 * 1024) {
+    kernel(args, 0, groups);
+    return;
+  }
+  pool->ParallelFor(groups, [&](int64_t begin, int64_t end, int) { kernel(args, begin, end); });
+}
+
+}  // namespace ellm::mlp

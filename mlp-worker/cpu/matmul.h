@@ -1,0 +1,166 @@
+// CPU matrix products on the GGUF weight types: y[t, r] = W[r, :] · x[t, :]
+// for T tokens at once, W [rows, cols] kept in its own type (F32, F16, BF16,
+// Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) and repacked at load into the layout the
+// kernels stream (matmul_layout.h).
+//
+//   QuantMatrix  one weight matrix, repacked (FromRaw) or fp32 (FromF32).
+//   Activations  x [T, cols] of one step, converted on first use to the form
+//                the matrix type's kernels read, and reused by every matrix
+//                that multiplies the same x (q, k, v; gate, up):
+//                  kF32     the floats themselves (F32, F16, BF16 weights);
+//                  kQ8x32   int8 codes per block of 32 with an fp32 scale and
+//                           the block's code sum (Q8_0, Q4_0 weights);
+//                  kQ8x256  int8 codes per block of 256 with an fp32 scale,
+//                           code sums per 16 and per 32 (the k-quants).
+//   MatMul       splits the matrix's groups of 16 output rows across the
+//                pool's threads; every row is computed by one thread with the
+//                same code, so results do not depend on the thread count.
+//
+// Kernels (MatIsa), picked once at start-up from what the CPU supports; tests
+// and callers may ask for any kernel the CPU can run:
+//   kRef         plain loops: each row dequantised exactly as core/quants.h
+//                does, dotted with the dequantised activations in fp64 (F32:
+//                core/kernels.h Dot). The oracle, and the fallback.
+//   kAvx2        AVX2 + FMA + F16C, 8 rows per vector; int8 products with
+//                VPMADDUBSW + VPMADDWD.
+//   kAvx512Vnni  AVX-512 F/BW/VL/DQ + VNNI + F16C, 16 rows per vector; int8
+//                products with VPDPBUSD (weight codes u8 x activation codes s8
+//                with an embedded 4-byte broadcast).
+// Every kernel computes F32 matrices exactly as core/kernels.h MatVec does (8
+// lanes, no FMA, the same final sum), bit for bit: the fp32 path of the
+// pipeline stays identical to the reference forward.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/status.h"
+#include "core/thread_pool.h"
+
+namespace ellm::mlp {
+
+enum class MatIsa { kRef = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+inline constexpr int kNumMatIsas = 3;
+
+std::string_view MatIsaName(MatIsa isa);  // "ref", "avx2", "avx512vnni"
+// Whether this CPU (and OS) can run the kernel set.
+bool MatIsaSupported(MatIsa isa);
+// The fastest kernel set this CPU supports (decided once).
+MatIsa BestMatIsa();
+
+enum class ActFormat { kF32, kQ8x32, kQ8x256 };
+
+// 64-byte aligned bytes (the repacked weights, quantised activations).
+class AlignedBytes {
+ public:
+  AlignedBytes() = default;
+  explicit AlignedBytes(size_t n) { Resize(n); }
+  // Grows (old contents are lost when it reallocates; new bytes are zero).
+  void Resize(size_t n);
+  uint8_t* data() { return data_.get(); }
+  const uint8_t* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+
+ private:
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, Free> data_;
+  size_t size_ = 0, capacity_ = 0;
+};
+
+// One weight matrix W [rows, cols] in the kernels' layout: groups of 16 rows
+// (the last padded with zero rows), each group's blocks interleaved so that
+// one 64-byte line holds 4 consecutive elements of each of the 16 rows.
+class QuantMatrix {
+ public:
+  QuantMatrix() = default;
+  // Repacks rows stored as the GGUF type `type` (`data`: rows * row bytes).
+  // InvalidArgument when cols is not a whole number of the type's blocks, the
+  // byte count does not match, or the type has no kernels.
+  static absl::StatusOr<QuantMatrix> FromRaw(DType type, int64_t rows, int64_t cols,
+                                             const uint8_t* data, size_t bytes);
+  // An fp32 matrix [rows, cols], row-major (MatMul then equals MatVec exactly).
+  static QuantMatrix FromF32(const float* w, int64_t rows, int64_t cols);
+
+  DType type() const { return type_; }
+  int64_t rows() const { return rows_; }
+  int64_t cols() const { return cols_; }
+  int64_t groups() const { return (rows_ + 15) / 16; }
+  ActFormat act_format() const;
+  // Bytes one pass over the matrix reads (the repacked size).
+  size_t bytes() const { return data_.size(); }
+  bool empty() const { return rows_ == 0; }
+
+  // Row r as floats, exactly as Traits(type).dequantize gives it from the
+  // original row.
+  void DequantizeRow(int64_t r, float* out) const;
+
+  // Group g's bytes (layout in matmul_layout.h).
+  const uint8_t* group(int64_t g) const { return data_.data() + g * group_bytes_; }
+  size_t group_bytes() const { return group_bytes_; }
+
+ private:
+  DType type_ = DType::kF32;
+  int64_t rows_ = 0, cols_ = 0;
+  size_t group_bytes_ = 0;
+  AlignedBytes data_;
+};
+
+// x [T, cols] prepared for the kernels. Not thread-safe: MatMul converts on
+// first use, from the calling thread.
+class Activations {
+ public:
+  // Keeps the pointer: x must stay unchanged while this object is used.
+  void Set(const float* x, int T, int64_t cols);
+  int tokens() const { return T_; }
+  int64_t cols() const { return cols_; }
+  const float* f32() const { return x_; }
+
+  // The int8 forms, converted once per Set (kQ8x32: cols % 32 == 0;
+  // kQ8x256: cols % 256 == 0).
+  struct Q8 {
+    int64_t cols = 0;
+    int64_t token_stride = 0;  // bytes of one token's codes (cols rounded up to 64)
+    AlignedBytes qs;           // [T][token_stride] int8 codes, |code| <= 127
+    std::vector<float> d;      // [T][cols / block] scales: x ≈ d * code
+    std::vector<int32_t> sum;  // kQ8x32: [T][cols / 32] code sums per block
+    std::vector<int16_t> sum16;  // kQ8x256: [T][cols / 16] code sums per 16
+    std::vector<int16_t> sum32;  // kQ8x256: [T][cols / 32] code sums per 32
+    const int8_t* codes(int t) const {
+      return reinterpret_cast<const int8_t*>(qs.data() + t * token_stride);
+    }
+  };
+  const Q8& q8x32();
+  const Q8& q8x256();
+
+ private:
+  const float* x_ = nullptr;
+  int T_ = 0;
+  int64_t cols_ = 0;
+  bool have32_ = false, have256_ = false;
+  Q8 q32_, q256_;
+};
+
+// Quantises one token's row x[cols] to the int8 form (the one rule every
+// kernel shares): per block, d = max|x| / 127, code = round-half-even(x / d)
+// (x * (127 / max|x|)), d = 0 and codes 0 for an all-zero block.
+void QuantizeActivationRow(const float* x, int64_t cols, int block, int8_t* codes, float* d);
+
+// y [T, rows] (row stride `rows`) = x [T, cols] · Wᵀ with the kernel set
+// `isa` (a programmer error, fatal, when the CPU cannot run it or the shapes
+// disagree). `pool` may be null (the calling thread does all rows).
+void MatMul(const QuantMatrix& w, Activations& x, float* y, ThreadPool* pool,
+            MatIsa isa = BestMatIsa());
+
+// The name of the kernel MatMul runs for this type and isa, e.g.
+// "avx512vnni/q4_K x q8x256".
+std::string KernelName(DType type, MatIsa isa);
+
+}  // namespace ellm::mlp

@@ -1,0 +1,422 @@
+// AVX2 matrix kernels (AVX2 + FMA + F16C), and the exact fp32 kernel (AVX
+// only). Every function here carries a target attribute; the dispatcher calls
+// in only when the CPU has the features.
+//
+// The layout is the AVX-512 one (matmul_layout.h): each 64-byte line holds 16
+// rows; these kernels take it as two halves of 8 rows (bytes 0..31 and
+// 32..63), one half at a time. Int8 products use VPMADDUBSW (u8 x s8 -> int16
+// pair sums, saturating) + VPMADDWD:
+//   Q8_0       u8 = code + 128 would overflow the int16 pair sums, so the
+//              signed code is restored (xor 0x80) and multiplied as
+//              |code| x (activation * sign(code)): |pair| <= 2 * 128 * 127.
+//   Q4_0/Q4_K  pair sums <= 2 * 15 * 127, so a block's 8 lines add up in int16
+//              (<= 30480) before one VPMADDWD, which also applies the
+//              sub-block scale (Q4_K) as an int16 pair (sc, sc).
+//   Q5_K       pairs <= 2 * 31 * 127: 4 lines per int16 sum (<= 31496).
+//   Q6_K       pairs <= 2 * 63 * 127: 2 lines per int16 sum (<= 32004).
+// The offsets (-8 for Q4_0, mins for the k-quants, -32 for Q6_K) use the
+// activation code sums, as in the AVX-512 kernels.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "mlp-worker/cpu/matmul_layout.h"
+
+#define ELLM_TARGET __attribute__((target("avx2,fma,f16c")))
+// No FMA here: the exact kernel must round every product and sum as Dot does.
+#define ELLM_TARGET_AVX __attribute__((target("avx")))
+#define ELLM_INLINE inline __attribute__((always_inline))
+
+namespace ellm::mlp::internal {
+namespace {
+
+// --- Exact fp32 (core/kernels.h Dot, bit for bit) ------------------------------
+
+// One row against NT tokens: 8 lanes over whole chunks of 8, a scalar tail,
+// then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) + tail.
+template <int NT>
+ELLM_TARGET_AVX void F32Row(const float* wr, const float* x0, int64_t cols, float* y0, int64_t ldy) {
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  const int64_t n8 = cols / 8 * 8;
+  for (int64_t i = 0; i < n8; i += 8) {
+    const __m256 w = _mm256_loadu_ps(wr + i);
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(w, _mm256_loadu_ps(x0 + t * cols + i)));
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    alignas(32) float l[8];
+    _mm256_store_ps(l, acc[t]);
+    const float* x = x0 + t * cols;
+    float tail = 0;
+    for (int64_t i = n8; i < cols; ++i) tail += wr[i] * x[i];
+    y0[t * ldy] = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])) + tail;
+  }
+}
+
+ELLM_TARGET_AVX void F32Exact(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
+  const QuantMatrix& w = *a.w;
+  const int64_t cols = w.cols();
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    const float* group = reinterpret_cast<const float*>(w.group(g));
+    for (int r = 0; r < ValidRows(w, g); ++r) {
+      const float* wr = group + r * cols;
+      float* y = a.y + g * kGroupRows + r;
+      int t0 = 0;
+      for (; t0 + 4 <= a.T; t0 += 4) F32Row<4>(wr, a.x + t0 * cols, cols, y + t0 * a.ldy, a.ldy);
+      for (; t0 < a.T; ++t0) F32Row<1>(wr, a.x + t0 * cols, cols, y + t0 * a.ldy, a.ldy);
+    }
+  }
+}
+
+}  // namespace
+
+void F32ExactKernelAvx(const KernelArgs& a, int64_t g_begin, int64_t g_end) { F32Exact(a, g_begin, g_end); }
+
+namespace {
+
+// --- AVX2 -------------------------------------------------------------------
+
+constexpr int kMaxTile = 2;  // tokens per register tile (16 ymm registers)
+
+ELLM_TARGET ELLM_INLINE __m256i Bcast4(const void* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+ELLM_TARGET ELLM_INLINE __m256i Load32(const uint8_t* p) {
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+ELLM_TARGET ELLM_INLINE __m128i Load16(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+ELLM_TARGET ELLM_INLINE __m256 LoadHalves8(const void* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+}
+
+ELLM_TARGET ELLM_INLINE __m256 LoadBf16x8(const void* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+
+ELLM_TARGET ELLM_INLINE void Store8(__m256 v, float* y, int valid) {
+  if (valid >= 8) {
+    _mm256_storeu_ps(y, v);
+    return;
+  }
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int i = 0; i < valid; ++i) y[i] = tmp[i];
+}
+
+// Rows of half h of group g that exist.
+inline int ValidHalf(const QuantMatrix& w, int64_t g, int h) {
+  const int v = ValidRows(w, g) - 8 * h;
+  return v < 0 ? 0 : v;
+}
+
+template <int NT>
+struct TileActs {
+  const int8_t* codes[NT];
+  const float* d[NT];
+  const int32_t* sum[NT];
+  const int16_t* sum16[NT];
+  const int16_t* sum32[NT];
+  TileActs(const KernelArgs& a, int t0, int block) {
+    const int64_t cols = a.w->cols(), nb = cols / block;
+    for (int t = 0; t < NT; ++t) {
+      codes[t] = a.q8->codes(t0 + t);
+      d[t] = a.q8->d.data() + (t0 + t) * nb;
+      sum[t] = block == 32 ? a.q8->sum.data() + (t0 + t) * nb : nullptr;
+      sum16[t] = block == 256 ? a.q8->sum16.data() + (t0 + t) * (cols / 16) : nullptr;
+      sum32[t] = block == 256 ? a.q8->sum32.data() + (t0 + t) * (cols / 32) : nullptr;
+    }
+  }
+};
+
+struct Q8_0Tile {
+  template <int NT>
+  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
+    const QuantMatrix& w = *a.w;
+    const int64_t nb = w.cols() / 32;
+    const uint8_t* quant = w.group(g) + 32 * h;
+    const uint16_t* dh = reinterpret_cast<const uint16_t*>(w.group(g) + nb * 512) + 8 * h;
+    const TileActs<NT> act(a, t0, 32);
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i s[NT];
+      for (int t = 0; t < NT; ++t) s[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {
+        const __m256i ws = _mm256_xor_si256(Load32(quant + b * 512 + 64 * k), flip);
+        const __m256i aw = _mm256_sign_epi8(ws, ws);
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; ++t) {
+          const __m256i c = _mm256_sign_epi8(Bcast4(act.codes[t] + 32 * b + 4 * k), ws);
+          s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, c), ones));
+        }
+      }
+      const __m256 dw = LoadHalves8(dh + 16 * b);
+      for (int t = 0; t < NT; ++t) {
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[t]), _mm256_set1_ps(act.d[t][b])), dw,
+                                 acc[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+    }
+  }
+};
+
+struct Q4_0Tile {
+  template <int NT>
+  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
+    const QuantMatrix& w = *a.w;
+    const int64_t nb = w.cols() / 32;
+    const uint8_t* quant = w.group(g) + 32 * h;
+    const uint16_t* dh = reinterpret_cast<const uint16_t*>(w.group(g) + nb * 256) + 8 * h;
+    const TileActs<NT> act(a, t0, 32);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i s16[NT];
+      for (int t = 0; t < NT; ++t) s16[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m256i v = Load32(quant + b * 256 + 64 * i);
+        const __m256i w0 = _mm256_and_si256(v, low);
+        const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* c = act.codes[t] + 32 * b;
+          s16[t] = _mm256_add_epi16(s16[t], _mm256_add_epi16(_mm256_maddubs_epi16(w0, Bcast4(c + 4 * i)),
+                                                             _mm256_maddubs_epi16(w1, Bcast4(c + 16 + 4 * i))));
+        }
+      }
+      const __m256 dw = LoadHalves8(dh + 16 * b);
+      for (int t = 0; t < NT; ++t) {
+        const __m256i s = _mm256_sub_epi32(_mm256_madd_epi16(s16[t], ones), _mm256_set1_epi32(8 * act.sum[t][b]));
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(act.d[t][b])), dw, acc[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+    }
+  }
+};
+
+template <bool kQ5>
+struct K4Tile {
+  template <int NT>
+  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
+    constexpr int kQuant = kQ5 ? 2560 : 2048;
+    const QuantMatrix& w = *a.w;
+    const int64_t nb = w.cols() / 256;
+    const uint8_t* quant = w.group(g) + 32 * h;
+    const uint8_t* meta0 = w.group(g) + nb * kQuant;
+    const TileActs<NT> act(a, t0, 256);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* qb = quant + b * kQuant;
+      const uint8_t* meta = meta0 + b * 320;
+      __m256i si[NT], sm[NT];
+      for (int t = 0; t < NT; ++t) si[t] = sm[t] = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) {
+        // (sc, sc) int16 pairs of this half's 8 rows.
+        __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s + 8 * h)));
+        sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+        __m256i hb = _mm256_setzero_si256();
+        if constexpr (kQ5) hb = Load32(qb + 2048 + 64 * s);
+        __m256i s0[NT], s1[NT];
+        for (int t = 0; t < NT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          const __m256i v = Load32(qb + 256 * s + 64 * i);
+          __m256i w0 = _mm256_and_si256(v, low);
+          __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          if constexpr (kQ5) {
+            w0 = _mm256_or_si256(w0, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - i)), bit4));
+            w1 = _mm256_or_si256(w1, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(i)), bit4));
+          }
+#pragma GCC unroll 2
+          for (int t = 0; t < NT; ++t) {
+            const int8_t* c = act.codes[t] + 256 * b + 32 * s;
+            const __m256i p0 = _mm256_maddubs_epi16(w0, Bcast4(c + 4 * i));
+            const __m256i p1 = _mm256_maddubs_epi16(w1, Bcast4(c + 16 + 4 * i));
+            if constexpr (kQ5) {  // lines 0..3 and 4..7 in separate int16 sums
+              s0[t] = _mm256_add_epi16(s0[t], p0);
+              s1[t] = _mm256_add_epi16(s1[t], p1);
+            } else {
+              s0[t] = _mm256_add_epi16(s0[t], _mm256_add_epi16(p0, p1));
+            }
+          }
+        }
+        for (int t = 0; t < NT; ++t) {
+          __m256i d = _mm256_madd_epi16(s0[t], sc);
+          if constexpr (kQ5) d = _mm256_add_epi32(d, _mm256_madd_epi16(s1[t], sc));
+          si[t] = _mm256_add_epi32(si[t], d);
+        }
+      }
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m256i mp = _mm256_cvtepu8_epi16(Load16(meta + 192 + 32 * p + 16 * h));
+        for (int t = 0; t < NT; ++t) {
+          sm[t] = _mm256_add_epi32(sm[t], _mm256_madd_epi16(mp, Bcast4(act.sum32[t] + 8 * b + 2 * p)));
+        }
+      }
+      const __m256 d = LoadHalves8(meta + 16 * h);
+      const __m256 dmin = LoadHalves8(meta + 32 + 16 * h);
+      for (int t = 0; t < NT; ++t) {
+        const __m256 f = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(si[t]), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(sm[t])));
+        acc[t] = _mm256_fmadd_ps(f, _mm256_set1_ps(act.d[t][b]), acc[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+    }
+  }
+};
+
+struct Q6Tile {
+  template <int NT>
+  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
+    const QuantMatrix& w = *a.w;
+    const int64_t nb = w.cols() / 256;
+    const uint8_t* quant = w.group(g) + 32 * h;
+    const uint8_t* meta0 = w.group(g) + nb * 3072;
+    const TileActs<NT> act(a, t0, 256);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i two = _mm256_set1_epi8(0x30);
+    // Per dword (sc_even, sc_odd) -> (sc_even, sc_even) / (sc_odd, sc_odd).
+    const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                          0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+    const __m256i odd = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
+                                         2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* qb = quant + b * 3072;
+      const uint8_t* meta = meta0 + b * 288;
+      __m256i si[NT], corr[NT];
+      for (int t = 0; t < NT; ++t) si[t] = corr[t] = _mm256_setzero_si256();
+      for (int P = 0; P < 8; ++P) {
+        const __m256i scp = _mm256_cvtepi8_epi16(Load16(meta + 32 + 32 * P + 16 * h));
+        const __m256i sce = _mm256_shuffle_epi8(scp, even);
+        const __m256i sco = _mm256_shuffle_epi8(scp, odd);
+        const __m128i shift = _mm_cvtsi32_si128(P % 2 ? 0 : 4);
+#pragma GCC unroll 2
+        for (int kp = 0; kp < 4; kp += 2) {  // lines kp, kp + 1: one int16 sum each
+          __m256i we[2], wo[2];
+          for (int u = 0; u < 2; ++u) {
+            const int k = kp + u;
+            const __m256i v = Load32(qb + 256 * P + 64 * k);
+            const __m256i hbits = _mm256_sll_epi16(Load32(qb + 2048 + 256 * (P / 2) + 64 * k), shift);
+            we[u] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hbits, two));
+            wo[u] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                    _mm256_and_si256(_mm256_srli_epi16(hbits, 2), two));
+          }
+#pragma GCC unroll 2
+          for (int t = 0; t < NT; ++t) {
+            const int8_t* c = act.codes[t] + 256 * b + 32 * P;
+            const __m256i e = _mm256_add_epi16(_mm256_maddubs_epi16(we[0], Bcast4(c + 4 * kp)),
+                                               _mm256_maddubs_epi16(we[1], Bcast4(c + 4 * kp + 4)));
+            const __m256i o = _mm256_add_epi16(_mm256_maddubs_epi16(wo[0], Bcast4(c + 16 + 4 * kp)),
+                                               _mm256_maddubs_epi16(wo[1], Bcast4(c + 16 + 4 * kp + 4)));
+            si[t] = _mm256_add_epi32(si[t], _mm256_add_epi32(_mm256_madd_epi16(e, sce), _mm256_madd_epi16(o, sco)));
+          }
+        }
+        for (int t = 0; t < NT; ++t) {
+          corr[t] = _mm256_add_epi32(corr[t], _mm256_madd_epi16(scp, Bcast4(act.sum16[t] + 16 * b + 2 * P)));
+        }
+      }
+      const __m256 d = LoadHalves8(meta + 16 * h);
+      for (int t = 0; t < NT; ++t) {
+        const __m256i total = _mm256_sub_epi32(si[t], _mm256_slli_epi32(corr[t], 5));
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(act.d[t][b])), d, acc[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+    }
+  }
+};
+
+template <bool kBf16>
+struct HalfTile {
+  template <int NT>
+  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
+    const QuantMatrix& w = *a.w;
+    const int64_t cols = w.cols();
+    const uint16_t* q = reinterpret_cast<const uint16_t*>(w.group(g)) + 8 * h;
+    const float* x[NT];
+    __m256 acc0[NT], acc1[NT];
+    for (int t = 0; t < NT; ++t) {
+      x[t] = a.x + (t0 + t) * cols;
+      acc0[t] = acc1[t] = _mm256_setzero_ps();
+    }
+    int64_t i = 0;
+    for (; i + 2 <= cols; i += 2) {
+      const __m256 w0 = kBf16 ? LoadBf16x8(q + 16 * i) : LoadHalves8(q + 16 * i);
+      const __m256 w1 = kBf16 ? LoadBf16x8(q + 16 * i + 16) : LoadHalves8(q + 16 * i + 16);
+      for (int t = 0; t < NT; ++t) {
+        acc0[t] = _mm256_fmadd_ps(w0, _mm256_set1_ps(x[t][i]), acc0[t]);
+        acc1[t] = _mm256_fmadd_ps(w1, _mm256_set1_ps(x[t][i + 1]), acc1[t]);
+      }
+    }
+    if (i < cols) {
+      const __m256 w0 = kBf16 ? LoadBf16x8(q + 16 * i) : LoadHalves8(q + 16 * i);
+      for (int t = 0; t < NT; ++t) acc0[t] = _mm256_fmadd_ps(w0, _mm256_set1_ps(x[t][i]), acc0[t]);
+    }
+    for (int t = 0; t < NT; ++t) {
+      Store8(_mm256_add_ps(acc0[t], acc1[t]), a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h,
+             ValidHalf(w, g, h));
+    }
+  }
+};
+
+template <typename Tile>
+ELLM_TARGET void RunTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    for (int h = 0; h < 2; ++h) {
+      if (ValidHalf(*a.w, g, h) == 0) continue;
+      for (int t0 = 0; t0 < a.T; t0 += kMaxTile) {
+        if (a.T - t0 >= 2) {
+          Tile::template Run<2>(a, g, h, t0);
+        } else {
+          Tile::template Run<1>(a, g, h, t0);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+MatKernel Avx2Kernel(DType type) {
+  switch (type) {
+    case DType::kF32: return F32ExactKernelAvx;
+    case DType::kF16: return RunTiles<HalfTile<false>>;
+    case DType::kBF16: return RunTiles<HalfTile<true>>;
+    case DType::kQ8_0: return RunTiles<Q8_0Tile>;
+    case DType::kQ4_0: return RunTiles<Q4_0Tile>;
+    case DType::kQ4_K: return RunTiles<K4Tile<false>>;
+    case DType::kQ5_K: return RunTiles<K4Tile<true>>;
+    case DType::kQ6_K: return RunTiles<Q6Tile>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace ellm::mlp::internal

@@ -1,0 +1,93 @@
+// Internal to the CPU matrix kernels: the byte layout of a repacked
+// QuantMatrix group and the kernel table.
+//
+// A matrix is stored as groups of 16 rows (kGroupRows; the last group padded
+// with zero rows), each group `group_bytes` long (a multiple of 64, so every
+// group starts 64-byte aligned). A group of a block type holds nb = cols /
+// block blocks along the row:
+//
+//   [quant region: nb * quant_bytes][meta region: nb * meta_bytes][pad to 64]
+//
+// The quant region is made of 64-byte "lines": line (.., r, j) is byte
+// 4 * r + j, i.e. 4 consecutive elements of each of the 16 rows, so that
+// VPDPBUSD of one line with a broadcast 4-byte group of activation codes
+// leaves the 16 rows' partial dots in the 16 int32 lanes (no horizontal sums).
+// In each block, line k of a 32-element unit carries elements 4k + j
+// (k = 0..7), whatever the packing below; levels are unsigned.
+//
+//   F32   block 1, no interleave: the group is [16 rows][cols] floats, row
+//         major (the exact fp32 kernels read rows as core Dot does).
+//   F16,  block 1: [cols][16 rows] halves / bfloat16s (one 32-byte line of
+//   BF16  16 rows per element).
+//   Q8_0  block 32. quant 512: [8 k][16 r][4 j] u8 = code ^ 0x80 (code + 128).
+//         meta 32: d[16 r] half.
+//   Q4_0  block 32. quant 256: [4 k][16 r][4 j]: low nibble = level of element
+//         4k + j, high nibble = level of element 16 + 4k + j (x = d (level - 8)).
+//         meta 32: d[16 r] half.
+//   Q4_K  block 256 = 8 sub-blocks s of 32. quant 2048: [8 s][4 k][16 r][4 j],
+//         nibbles as Q4_0 within sub-block s (elements 32s + 4k + j and
+//         32s + 16 + 4k + j). meta 320: d[16 r] half, dmin[16 r] half,
+//         sc[8 s][16 r] u8, m[4 p][16 r][2 h] u8 (min of sub-block 2p + h).
+//   Q5_K  block 256. quant 2560: the 2048 bytes of Q4_K (low 4 bits), then
+//         qh[8 s][16 r][4 j]: bit v of byte (s, r, j) is bit 4 of the element
+//         of line v of sub-block s (element 32s + 4v + j). meta 320 as Q4_K.
+//   Q6_K  block 256 = 16 sub-blocks of 16. quant 3072: ql[8 P][4 k][16 r][4 j]:
+//         low nibble = low 4 bits of element 16(2P) + 4k + j, high nibble =
+//         low 4 bits of element 16(2P + 1) + 4k + j; then qh[4 Q][4 k][16 r][4 j]:
+//         bits 2u, 2u + 1 = high 2 bits of element 16(4Q + u) + 4k + j.
+//         Levels 0..63, x = d sc (level - 32). meta 288: d[16 r] half,
+//         sc[8 p][16 r][2 h] int8 (scale of sub-block 2p + h).
+#pragma once
+
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "mlp-worker/cpu/matmul.h"
+
+namespace ellm::mlp::internal {
+
+inline constexpr int kGroupRows = 16;
+
+struct GroupLayout {
+  int block = 0;        // elements per block along a row
+  int quant_bytes = 0;  // per block, all 16 rows
+  int meta_bytes = 0;   // per block, all 16 rows
+};
+
+// The layout of `type`, or nullptr when it has no kernels.
+const GroupLayout* FindGroupLayout(DType type);
+
+// Bytes of one group of `cols` columns (64-byte multiple).
+inline size_t GroupBytes(const GroupLayout& l, int64_t cols) {
+  const size_t nb = static_cast<size_t>(cols / l.block);
+  return (nb * (l.quant_bytes + l.meta_bytes) + 63) / 64 * 64;
+}
+
+// What a kernel is given. Activations of the matrix's format are ready.
+struct KernelArgs {
+  const QuantMatrix* w = nullptr;
+  const float* x = nullptr;                 // kF32: [T][cols]
+  const Activations::Q8* q8 = nullptr;      // kQ8x32 / kQ8x256
+  int T = 0;
+  float* y = nullptr;                       // [T][ldy], rows [0, w->rows())
+  int64_t ldy = 0;
+};
+
+// Computes the rows of groups [g_begin, g_end) for all T tokens.
+using MatKernel = void (*)(const KernelArgs& args, int64_t g_begin, int64_t g_end);
+
+// Each kernel file's table; nullptr where it has no kernel for the type.
+MatKernel RefKernel(DType type);
+MatKernel Avx2Kernel(DType type);
+MatKernel Avx512VnniKernel(DType type);
+
+// The exact fp32 kernel (core Dot's order) on AVX, shared by the SIMD sets.
+void F32ExactKernelAvx(const KernelArgs& args, int64_t g_begin, int64_t g_end);
+
+// Rows of group g that exist (16 except in the last group).
+inline int ValidRows(const QuantMatrix& w, int64_t g) {
+  const int64_t left = w.rows() - g * kGroupRows;
+  return left < kGroupRows ? static_cast<int>(left) : kGroupRows;
+}
+
+}  // namespace ellm::mlp::internal

@@ -1,0 +1,459 @@
+// attn-worker/kv_cache.h and attn-worker/attention_shard.h.
+//
+// KvCache: block accounting (reserve in order, running out, freeing) and the
+// row layout (no two (sequence, layer, K/V, head, position) rows share memory).
+// AttentionShard: against a plain causal-attention reference written here, in
+// double, over every position the sequence has seen, on random q/k/v with
+// prefill chunks and decodes of several sequences in one batch.
+//
+// Error budget for the attention outputs: 1e-5 x max|v| of the rows attended.
+// The shard computes in fp32 (scores from a 8-lane dot, a max-subtracted
+// softmax, an fp32 weighted sum of up to 129 rows); with q, k, v ~ N(0, 1) the
+// observed error is ~1e-7 of max|v|, so the budget has ample headroom yet
+// catches any wrong row, head mapping, position or scale.
+#include "attn-worker/kv_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <ostream>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "attn-worker/attention_shard.h"
+#include "core/thread_pool.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "shm/messages.h"
+
+namespace ellm::attn {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::unique_ptr<KvCache> MakeCache(const KvCacheOptions& options) {
+  absl::StatusOr<std::unique_ptr<KvCache>> cache = KvCache::Create(options);
+  EXPECT_TRUE(cache.ok()) << cache.status();
+  return cache.ok() ? *std::move(cache) : nullptr;
+}
+
+TEST(KvCache, RejectsBadOptions) {
+  const KvCacheOptions good{.layers = 2, .kv_heads = 2, .head_dim = 4, .block_tokens = 4,
+                            .blocks = 4};
+  EXPECT_TRUE(KvCache::Create(good).ok());
+  for (int field = 0; field < 5; ++field) {
+    KvCacheOptions bad = good;
+    switch (field) {
+      case 0: bad.layers = 0; break;
+      case 1: bad.kv_heads = -1; break;
+      case 2: bad.head_dim = 0; break;
+      case 3: bad.block_tokens = 0; break;
+      case 4: bad.blocks = 0; break;
+    }
+    EXPECT_EQ(KvCache::Create(bad).status().code(), absl::StatusCode::kInvalidArgument) << field;
+  }
+  // layers x 2 x kv_heads x block_tokens x head_dim floats.
+  EXPECT_EQ(KvCache::BlockBytes(good), 2u * 2 * 2 * 4 * 4 * sizeof(float));
+}
+
+TEST(KvCache, ReservesInOrder) {
+  auto cache = MakeCache({.layers = 2, .kv_heads = 3, .head_dim = 4, .block_tokens = 4,
+                          .blocks = 8});
+  ASSERT_NE(cache, nullptr);
+  EXPECT_EQ(cache->blocks_total(), 8);
+  EXPECT_EQ(cache->blocks_free(), 8);
+  EXPECT_EQ(cache->Length(1), 0);
+  ASSERT_TRUE(cache->Reserve(1, 0, 3).ok());
+  EXPECT_EQ(cache->Length(1), 3);
+  EXPECT_EQ(cache->blocks_free(), 7);
+  ASSERT_TRUE(cache->Reserve(1, 3, 1).ok());  // fills block 0 exactly
+  EXPECT_EQ(cache->blocks_free(), 7);
+  ASSERT_TRUE(cache->Reserve(1, 4, 1).ok());  // first row of a new block
+  EXPECT_EQ(cache->Length(1), 5);
+  EXPECT_EQ(cache->blocks_free(), 6);
+  ASSERT_TRUE(cache->Reserve(1, 5, 9).ok());  // to 14: blocks 0..3
+  EXPECT_EQ(cache->Length(1), 14);
+  EXPECT_EQ(cache->blocks_free(), 4);
+}
+
+TEST(KvCache, OutOfOrderAppendIsFailedPrecondition) {
+  auto cache = MakeCache({.layers = 1, .kv_heads = 1, .head_dim = 4, .block_tokens = 4,
+                          .blocks = 8});
+  ASSERT_NE(cache, nullptr);
+  ASSERT_TRUE(cache->Reserve(1, 0, 5).ok());
+  for (int start : {0, 4, 6, 100}) {
+    const absl::Status st = cache->Reserve(1, start, 1);
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << start;
+    EXPECT_EQ(cache->Length(1), 5);
+  }
+  EXPECT_EQ(cache->blocks_free(), 6);
+  // A new sequence must start at 0.
+  EXPECT_EQ(cache->Reserve(2, 1, 1).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache->Length(2), 0);
+  EXPECT_EQ(cache->blocks_free(), 6);
+  EXPECT_TRUE(cache->Reserve(2, 0, 1).ok());
+}
+
+TEST(KvCache, RunningOutIsResourceExhaustedAndLeavesTheSequence) {
+  auto cache = MakeCache({.layers = 1, .kv_heads = 2, .head_dim = 4, .block_tokens = 4,
+                          .blocks = 4});
+  ASSERT_NE(cache, nullptr);
+  ASSERT_TRUE(cache->Reserve(1, 0, 12).ok());  // 3 blocks
+  // A new sequence needing 2 blocks: refused, nothing held for it.
+  absl::Status st = cache->Reserve(2, 0, 8);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("full"));
+  EXPECT_EQ(cache->Length(2), 0);
+  EXPECT_EQ(cache->blocks_free(), 1);
+  // A growing sequence needing 2 more: refused, length and blocks unchanged.
+  st = cache->Reserve(1, 12, 5);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_EQ(cache->Length(1), 12);
+  EXPECT_EQ(cache->blocks_free(), 1);
+  // Its rows keep their contents through the failed call.
+  cache->KeyRow(1, 0, 1, 11)[3] = 42.0f;
+  EXPECT_FALSE(cache->Reserve(1, 12, 100).ok());
+  EXPECT_EQ(cache->KeyRow(1, 0, 1, 11)[3], 42.0f);
+  // Exactly the last block still fits.
+  EXPECT_TRUE(cache->Reserve(1, 12, 4).ok());
+  EXPECT_EQ(cache->blocks_free(), 0);
+  EXPECT_EQ(cache->Reserve(3, 0, 1).code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST(KvCache, FreeReturnsBlocks) {
+  auto cache = MakeCache({.layers = 1, .kv_heads = 1, .head_dim = 2, .block_tokens = 4,
+                          .blocks = 4});
+  ASSERT_NE(cache, nullptr);
+  ASSERT_TRUE(cache->Reserve(1, 0, 9).ok());  // 3 blocks
+  ASSERT_TRUE(cache->Reserve(2, 0, 1).ok());  // 1 block
+  EXPECT_EQ(cache->blocks_free(), 0);
+  cache->Free(1);
+  EXPECT_EQ(cache->blocks_free(), 3);
+  EXPECT_EQ(cache->Length(1), 0);
+  EXPECT_EQ(cache->Length(2), 1);
+  cache->Free(99);  // unknown: nothing happens
+  EXPECT_EQ(cache->blocks_free(), 3);
+  // A freed id starts again from position 0 and can take all freed blocks.
+  EXPECT_EQ(cache->Reserve(1, 9, 1).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(cache->Reserve(1, 0, 12).ok());
+  EXPECT_EQ(cache->blocks_free(), 0);
+  cache->Free(1);
+  cache->Free(2);
+  EXPECT_EQ(cache->blocks_free(), 4);
+}
+
+// A value unique to each (sequence, layer, K/V, head, position, element) of
+// RowsDoNotAlias (mixed radix: layer < 3, head < 2, pos < 32, d < 5), exact in fp32.
+float Pattern(uint64_t seq, int layer, int kv, int head, int pos, int d) {
+  return static_cast<float>(((((seq * 3 + layer) * 2 + kv) * 2 + head) * 32 + pos) * 5 + d);
+}
+
+TEST(KvCache, RowsDoNotAlias) {
+  const KvCacheOptions o{.layers = 3, .kv_heads = 2, .head_dim = 5, .block_tokens = 3,
+                         .blocks = 40};
+  auto cache = MakeCache(o);
+  ASSERT_NE(cache, nullptr);
+  // Three sequences grown in interleaved chunks, so their blocks interleave in the pool.
+  const std::vector<uint64_t> seqs = {10, 20, 30};
+  std::map<uint64_t, int> length;
+  const int chunks[][3] = {{1, 4, 2}, {5, 1, 3}, {3, 3, 7}, {1, 8, 1}};
+  for (const auto& step : chunks) {
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_TRUE(cache->Reserve(seqs[i], length[seqs[i]], step[i]).ok());
+      length[seqs[i]] += step[i];
+    }
+  }
+  // Distinct row pointers, each row head_dim floats apart from any other.
+  std::set<const float*> rows;
+  for (uint64_t s : seqs) {
+    for (int l = 0; l < o.layers; ++l) {
+      for (int h = 0; h < o.kv_heads; ++h) {
+        for (int p = 0; p < length[s]; ++p) {
+          for (int kv = 0; kv < 2; ++kv) {
+            float* row = kv ? cache->ValueRow(s, l, h, p) : cache->KeyRow(s, l, h, p);
+            for (int d = 0; d < o.head_dim; ++d) row[d] = Pattern(s, l, kv, h, p, d);
+            ASSERT_TRUE(rows.insert(row).second) << "row reused";
+          }
+        }
+      }
+    }
+  }
+  const float* prev = nullptr;
+  for (const float* r : rows) {
+    if (prev != nullptr) {
+      ASSERT_GE(r - prev, o.head_dim) << "rows overlap";
+    }
+    prev = r;
+  }
+  for (uint64_t s : seqs) {
+    for (int l = 0; l < o.layers; ++l) {
+      for (int h = 0; h < o.kv_heads; ++h) {
+        for (int p = 0; p < length[s]; ++p) {
+          for (int kv = 0; kv < 2; ++kv) {
+            const float* row = kv ? cache->ValueRow(s, l, h, p) : cache->KeyRow(s, l, h, p);
+            for (int d = 0; d < o.head_dim; ++d) {
+              ASSERT_EQ(row[d], Pattern(s, l, kv, h, p, d))
+                  << "seq " << s << " layer " << l << " kv " << kv << " head " << h << " pos "
+                  << p << " d " << d;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// AttentionShard against a reference.
+
+// One step's request, built by hand in the layout of shm/messages.h.
+struct Request {
+  std::vector<shm::SeqSlice> slices;
+  std::vector<float> q, k, v;  // [T][q_heads][hd], [T][kv_heads][hd] x 2
+  uint32_t n_tokens = 0;
+  shm::AttnRequestView view() const { return {slices.data(), q.data(), k.data(), v.data()}; }
+};
+
+Request MakeRequest(const std::vector<shm::SeqSlice>& slices, const ShardGeometry& g,
+                    std::mt19937& gen) {
+  Request r;
+  r.slices = slices;
+  for (const shm::SeqSlice& s : slices) r.n_tokens += s.n_tokens;
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  r.q.resize(size_t{r.n_tokens} * g.q_heads() * g.head_dim);
+  r.k.resize(size_t{r.n_tokens} * g.kv_heads() * g.head_dim);
+  r.v.resize(r.k.size());
+  for (float& x : r.q) x = dist(gen);
+  for (float& x : r.k) x = dist(gen);
+  for (float& x : r.v) x = dist(gen);
+  return r;
+}
+
+// Everything a sequence has seen: rows[layer][kv_head][position] = (k, v).
+class Reference {
+ public:
+  explicit Reference(const ShardGeometry& g) : g_(g) {}
+
+  void Append(uint32_t layer, const Request& r) {
+    const int hd = g_.head_dim, kvh = g_.kv_heads();
+    uint32_t t = 0;
+    for (const shm::SeqSlice& s : r.slices) {
+      auto& rows = seqs_[s.seq_id];
+      rows.resize(g_.layers, std::vector<std::vector<Row>>(kvh));
+      for (uint32_t j = 0; j < s.n_tokens; ++j, ++t) {
+        for (int h = 0; h < kvh; ++h) {
+          auto& list = rows[layer][h];
+          ASSERT_EQ(list.size(), s.start_pos + j) << "test schedule is not contiguous";
+          const float* k = r.k.data() + (size_t{t} * kvh + h) * hd;
+          const float* v = r.v.data() + (size_t{t} * kvh + h) * hd;
+          list.push_back({std::vector<double>(k, k + hd), std::vector<double>(v, v + hd)});
+        }
+      }
+    }
+  }
+
+  void Free(uint64_t seq) { seqs_.erase(seq); }
+
+  // Checks out[T][q_heads][hd] for every token of `r`.
+  void Check(uint32_t layer, const Request& r, const std::vector<float>& out) const {
+    const int hd = g_.head_dim, qh = g_.q_heads();
+    uint32_t t = 0;
+    for (const shm::SeqSlice& s : r.slices) {
+      const auto& rows = seqs_.at(s.seq_id)[layer];
+      for (uint32_t j = 0; j < s.n_tokens; ++j, ++t) {
+        const int pos = static_cast<int>(s.start_pos + j);
+        for (int h = 0; h < qh; ++h) {
+          const auto& list = rows[h / g_.gqa_ratio];
+          const float* q = r.q.data() + (size_t{t} * qh + h) * hd;
+          // softmax over positions [0, pos] of q.k / sqrt(hd), then sum p v.
+          std::vector<double> score(pos + 1);
+          double max = -INFINITY, max_v = 0;
+          for (int p = 0; p <= pos; ++p) {
+            double dot = 0;
+            for (int d = 0; d < hd; ++d) dot += q[d] * list[p].k[d];
+            score[p] = dot / std::sqrt(static_cast<double>(hd));
+            max = std::max(max, score[p]);
+            for (int d = 0; d < hd; ++d) max_v = std::max(max_v, std::fabs(list[p].v[d]));
+          }
+          double sum = 0;
+          for (double& x : score) sum += (x = std::exp(x - max));
+          for (int d = 0; d < hd; ++d) {
+            double ref = 0;
+            for (int p = 0; p <= pos; ++p) ref += score[p] / sum * list[p].v[d];
+            const float got = out[(size_t{t} * qh + h) * hd + d];
+            ASSERT_NEAR(got, ref, 1e-5 * max_v)
+                << "layer " << layer << " seq " << s.seq_id << " pos " << pos << " q head " << h
+                << " d " << d;
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  struct Row {
+    std::vector<double> k, v;
+  };
+  ShardGeometry g_;
+  std::map<uint64_t, std::vector<std::vector<std::vector<Row>>>> seqs_;
+};
+
+struct GqaCase {
+  int gqa_ratio;
+  int kv_heads;
+  int kv_head_begin;
+};
+
+void PrintTo(const GqaCase& c, std::ostream* os) {
+  *os << "gqa " << c.gqa_ratio << ", kv heads [" << c.kv_head_begin << ", "
+      << c.kv_head_begin + c.kv_heads << ")";
+}
+
+using ShardParam = std::tuple<GqaCase, int /*head_dim*/, int /*threads*/>;
+
+class AttentionShardTest : public ::testing::TestWithParam<ShardParam> {};
+
+TEST_P(AttentionShardTest, MatchesReferenceOverPrefillAndDecodeSteps) {
+  const auto [gqa, head_dim, threads] = GetParam();
+  ShardGeometry g;
+  g.layers = 3;
+  g.kv_head_begin = gqa.kv_head_begin;
+  g.kv_head_end = gqa.kv_head_begin + gqa.kv_heads;
+  g.gqa_ratio = gqa.gqa_ratio;
+  g.head_dim = head_dim;
+  g.max_positions = 256;
+  const int block_tokens = head_dim == 8 ? 5 : 16;  // 5: blocks end at odd places
+  auto cache = MakeCache({.layers = g.layers, .kv_heads = g.kv_heads(), .head_dim = head_dim,
+                          .block_tokens = block_tokens, .blocks = 64});
+  ASSERT_NE(cache, nullptr);
+  ThreadPool pool(threads);
+  AttentionShard shard(g, cache.get(), &pool);
+  Reference ref(g);
+  std::mt19937 gen(head_dim * 100 + gqa.gqa_ratio * 10 + threads);
+
+  // Sequences of 1 (A), 3 (B), 17 (C) and 129 (D) positions over several steps,
+  // in varying order; A is freed after step 1 and E (5 positions) reuses its blocks.
+  const uint64_t A = 1, B = 2, C = 1000, D = 77, E = 1ull << 40;
+  const std::vector<std::vector<shm::SeqSlice>> steps = {
+      {{A, 0, 1}, {B, 0, 2}, {C, 0, 5}, {D, 0, 64}},
+      {{D, 64, 60}, {C, 5, 11}, {B, 2, 1}},
+      {{C, 16, 1}, {E, 0, 3}, {D, 124, 1}},
+      {{D, 125, 1}, {E, 3, 1}},
+      {{E, 4, 1}, {D, 126, 3}},
+  };
+  for (size_t step = 0; step < steps.size(); ++step) {
+    SCOPED_TRACE(testing::Message() << "step " << step);
+    if (step == 2) {
+      cache->Free(A);
+      cache->Free(B);
+      ref.Free(A);
+      ref.Free(B);
+    }
+    for (uint32_t layer = 0; layer < static_cast<uint32_t>(g.layers); ++layer) {
+      const Request r = MakeRequest(steps[step], g, gen);
+      std::vector<float> out(size_t{r.n_tokens} * g.q_heads() * head_dim, NAN);
+      const absl::Status st = shard.Process(layer, static_cast<uint32_t>(r.slices.size()),
+                                            r.n_tokens, r.view(), out.data());
+      ASSERT_TRUE(st.ok()) << st;
+      ref.Append(layer, r);
+      ref.Check(layer, r, out);
+      if (HasFatalFailure()) return;
+    }
+    for (const shm::SeqSlice& s : steps[step]) {
+      EXPECT_EQ(cache->Length(s.seq_id), static_cast<int>(s.start_pos + s.n_tokens));
+    }
+  }
+  EXPECT_EQ(cache->Length(D), 129);
+  EXPECT_EQ(cache->Length(C), 17);
+  EXPECT_EQ(cache->Length(E), 5);
+  EXPECT_EQ(cache->Length(A), 0);
+}
+
+std::string ShardParamName(const ::testing::TestParamInfo<ShardParam>& info) {
+  const auto& [gqa, hd, threads] = info.param;
+  return "gqa" + std::to_string(gqa.gqa_ratio) + "_kv" + std::to_string(gqa.kv_heads) + "_from" +
+         std::to_string(gqa.kv_head_begin) + "_hd" + std::to_string(hd) + "_t" +
+         std::to_string(threads);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Geometries, AttentionShardTest,
+    ::testing::Combine(::testing::Values(GqaCase{1, 2, 0}, GqaCase{2, 2, 1}, GqaCase{4, 1, 3},
+                                         GqaCase{5, 2, 2}),
+                       ::testing::Values(8, 64), ::testing::Values(1, 3)),
+    ShardParamName);
+
+class AttentionShardErrors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    g_.layers = 2;
+    g_.kv_head_begin = 2;
+    g_.kv_head_end = 4;
+    g_.gqa_ratio = 2;
+    g_.head_dim = 8;
+    g_.max_positions = 64;
+    cache_ = MakeCache({.layers = 2, .kv_heads = 2, .head_dim = 8, .block_tokens = 4,
+                        .blocks = 4});
+    ASSERT_NE(cache_, nullptr);
+    shard_ = std::make_unique<AttentionShard>(g_, cache_.get(), &pool_);
+  }
+  absl::Status Run(uint32_t layer, const std::vector<shm::SeqSlice>& slices) {
+    const Request r = MakeRequest(slices, g_, gen_);
+    std::vector<float> out(size_t{r.n_tokens} * g_.q_heads() * g_.head_dim);
+    return shard_->Process(layer, static_cast<uint32_t>(slices.size()), r.n_tokens, r.view(),
+                           out.data());
+  }
+
+  ShardGeometry g_;
+  std::unique_ptr<KvCache> cache_;
+  ThreadPool pool_{2};
+  std::unique_ptr<AttentionShard> shard_;
+  std::mt19937 gen_{5};
+};
+
+TEST_F(AttentionShardErrors, LaterLayerBeyondWhatLayerZeroAppended) {
+  ASSERT_TRUE(Run(0, {{1, 0, 3}}).ok());
+  absl::Status st = Run(1, {{1, 0, 4}});
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("layer 0"));
+  st = Run(1, {{9, 0, 1}});  // a sequence layer 0 never saw
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_EQ(cache_->Length(1), 3);
+  EXPECT_TRUE(Run(1, {{1, 0, 3}}).ok());
+  // Next step: layer 0 extends, then layer 1 follows.
+  EXPECT_EQ(Run(1, {{1, 3, 1}}).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Run(0, {{1, 3, 1}}).ok());
+  EXPECT_TRUE(Run(1, {{1, 3, 1}}).ok());
+}
+
+TEST_F(AttentionShardErrors, LayerOutOfRangeIsInvalidArgument) {
+  for (uint32_t layer : {2u, 3u, 1000u}) {
+    const absl::Status st = Run(layer, {{1, 0, 2}});
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << layer;
+  }
+  EXPECT_EQ(cache_->Length(1), 0);
+  EXPECT_EQ(cache_->blocks_free(), 4);
+}
+
+TEST_F(AttentionShardErrors, OutOfOrderPositionsAtLayerZero) {
+  ASSERT_TRUE(Run(0, {{1, 0, 2}}).ok());
+  EXPECT_EQ(Run(0, {{1, 3, 1}}).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Run(0, {{1, 0, 1}}).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache_->Length(1), 2);
+}
+
+TEST_F(AttentionShardErrors, FullCacheIsResourceExhausted) {
+  ASSERT_TRUE(Run(0, {{1, 0, 12}}).ok());  // 3 of 4 blocks
+  EXPECT_EQ(Run(0, {{2, 0, 5}}).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(cache_->Length(2), 0);
+  EXPECT_EQ(cache_->blocks_free(), 1);
+  EXPECT_TRUE(Run(0, {{2, 0, 4}}).ok());
+}
+
+}  // namespace
+}  // namespace ellm::attn

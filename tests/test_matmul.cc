@@ -1,0 +1,533 @@
+// CPU matrix kernels (mlp-worker/cpu/matmul.h): every weight type x every
+// kernel set the CPU runs, on random matrices quantised by the reference
+// quantisers, at awkward sizes, against an fp64 oracle built from the
+// ORIGINAL blocks (Traits(type).dequantize) and the kernels' own int8
+// activations; repacking exactness; thread-count independence; the exact
+// fp32 path; the CPU backend's native and f32 weight modes on random models.
+//
+// Error budgets (S = sum_i |a_i| (|w_i| + o_i), a the activations the kernel
+// sees, o_i the sub-block offset dmin * m of Q4_K / Q5_K, else 0):
+//   int8 types  (nb + 8) * 2^-23 * S, nb = blocks per row: the integer dots
+//               are exact; each block adds a few float roundings.
+//   F16, BF16   (cols / 2 + 8) * 2^-24 * S: two fp32 FMA chains of cols / 2.
+//   F32         bit-identical to core MatVec.
+// Against the unquantised activations x (int8 types): additionally
+//   sum_i |w_i| * d_b(i) / 2, the activation rounding (half a step per value).
+#include "mlp-worker/cpu/matmul.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/dtype.h"
+#include "core/gguf.h"
+#include "core/kernels.h"
+#include "core/model_maker.h"
+#include "core/quants.h"
+#include "core/reference_forward.h"
+#include "core/thread_pool.h"
+#include "core/weights.h"
+#include "gtest/gtest.h"
+#include "mlp-worker/backend.h"
+#include "tests/tests_util.h"
+
+namespace ellm::mlp {
+namespace {
+
+constexpr DType kTypes[] = {DType::kF32,  DType::kF16,  DType::kBF16, DType::kQ8_0,
+                            DType::kQ4_0, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K};
+constexpr int kOuts[] = {1, 3, 17, 129, 300};
+constexpr int kTokens[] = {1, 2, 5, 16};
+
+std::string Name(DType t) { return std::string(Traits(t).name); }
+
+std::vector<MatIsa> SupportedIsas() {
+  std::vector<MatIsa> out;
+  for (MatIsa isa : {MatIsa::kRef, MatIsa::kAvx2, MatIsa::kAvx512Vnni}) {
+    if (MatIsaSupported(isa)) out.push_back(isa);
+  }
+  return out;
+}
+
+// Awkward row lengths per type: a single block, an odd number of blocks,
+// many blocks (and for the plain types lengths that are no multiple of 8).
+std::vector<int64_t> ColsFor(DType t) {
+  switch (Traits(t).block_elements) {
+    case 1: return {1, 9, 64, 301};
+    case 32: return {32, 160, 1088};
+    default: return {256, 768, 2560};
+  }
+}
+
+// A random matrix quantised row by row with the reference quantiser: the
+// raw bytes, and each row dequantised by the traits table.
+struct TestMatrix {
+  DType type;
+  int64_t rows, cols;
+  std::string raw;
+  std::vector<float> deq;     // [rows, cols] as Traits(type).dequantize reads raw
+  std::vector<float> offset;  // [rows, cols] |dmin * m| (Q4_K, Q5_K), else 0
+};
+
+TestMatrix MakeMatrix(DType type, int64_t rows, int64_t cols, uint64_t seed) {
+  const DTypeTraits& tr = Traits(type);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> scale(0.02f, 2.0f);
+  TestMatrix m{type, rows, cols, {}, {}, {}};
+  const uint64_t row_bytes = *DTypeBytes(type, cols);
+  m.raw.resize(row_bytes * rows);
+  m.deq.resize(rows * cols);
+  m.offset.assign(rows * cols, 0.0f);
+  std::vector<float> x(cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float s = scale(rng);
+    const float shift = 0.3f * normal(rng);  // k-quant sub-blocks with nonzero minimum
+    for (float& v : x) v = s * (normal(rng) + shift);
+    uint8_t* dst = reinterpret_cast<uint8_t*>(m.raw.data()) + r * row_bytes;
+    tr.quantize(x.data(), dst, cols);
+    tr.dequantize(dst, m.deq.data() + r * cols, cols);
+    if (type == DType::kQ4_K || type == DType::kQ5_K) {
+      for (int64_t b = 0; b < cols / kQK_K; ++b) {
+        const uint8_t* blk = dst + b * tr.block_bytes;
+        uint16_t dmin_h;
+        std::memcpy(&dmin_h, blk + 2, 2);  // {d, dmin, scales[12], ...}
+        const uint8_t* scales = blk + 4;
+        for (int j = 0; j < 8; ++j) {
+          uint8_t sc, mn;
+          UnpackScaleMinK4(scales, j, &sc, &mn);
+          for (int i = 0; i < 32; ++i) {
+            m.offset[r * cols + b * kQK_K + 32 * j + i] = std::fabs(HalfToFloat(dmin_h) * mn);
+          }
+        }
+      }
+    }
+  }
+  return m;
+}
+
+std::vector<float> RandomActivations(int T, int64_t cols, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(T * cols);
+  for (float& v : x) v = normal(rng);
+  // A few outliers, as real activations have.
+  for (int64_t i = 0; i < static_cast<int64_t>(x.size()); i += 97) x[i] *= 12;
+  return x;
+}
+
+// The activations a kernel of `type` sees, dequantised: [T, cols].
+std::vector<double> KernelActivations(DType type, Activations& act) {
+  const int T = act.tokens();
+  const int64_t cols = act.cols();
+  std::vector<double> a(T * cols);
+  const int block = Traits(type).block_elements;
+  if (block == 1) {
+    for (int64_t i = 0; i < T * cols; ++i) a[i] = act.f32()[i];
+    return a;
+  }
+  const Activations::Q8& q = block == 32 ? act.q8x32() : act.q8x256();
+  for (int t = 0; t < T; ++t) {
+    for (int64_t i = 0; i < cols; ++i) {
+      a[t * cols + i] = static_cast<double>(q.d[t * (cols / block) + i / block]) * q.codes(t)[i];
+    }
+  }
+  return a;
+}
+
+struct Oracle {
+  std::vector<double> y;       // [T, rows]
+  std::vector<double> budget;  // [T, rows]
+};
+
+Oracle ComputeOracle(const TestMatrix& m, const std::vector<double>& a, int T) {
+  const int block = Traits(m.type).block_elements;
+  const double eps = std::ldexp(1.0, -24);
+  const double factor = block == 1 ? (m.cols / 2.0 + 8) * eps : (m.cols / block + 8) * 2 * eps;
+  Oracle o{std::vector<double>(T * m.rows), std::vector<double>(T * m.rows)};
+  for (int t = 0; t < T; ++t) {
+    const double* at = a.data() + t * m.cols;
+    for (int64_t r = 0; r < m.rows; ++r) {
+      const float* w = m.deq.data() + r * m.cols;
+      const float* off = m.offset.data() + r * m.cols;
+      double sum = 0, s = 0;
+      for (int64_t i = 0; i < m.cols; ++i) {
+        sum += static_cast<double>(w[i]) * at[i];
+        s += std::fabs(at[i]) * (std::fabs(w[i]) + off[i]);
+      }
+      o.y[t * m.rows + r] = sum;
+      o.budget[t * m.rows + r] = factor * s + 1e-30;
+    }
+  }
+  return o;
+}
+
+QuantMatrix Repack(const TestMatrix& m) {
+  auto q = QuantMatrix::FromRaw(m.type, m.rows, m.cols, reinterpret_cast<const uint8_t*>(m.raw.data()),
+                                m.raw.size());
+  EXPECT_TRUE(q.ok()) << q.status();
+  return *std::move(q);
+}
+
+TEST(MatMulDispatch, PicksASimdKernelOnThisCpu) {
+  const MatIsa best = BestMatIsa();
+  std::printf("best kernel set: %s\n", std::string(MatIsaName(best)).c_str());
+  for (DType t : kTypes) std::printf("  %s\n", KernelName(t, best).c_str());
+  EXPECT_TRUE(MatIsaSupported(best));
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    EXPECT_EQ(best, MatIsa::kAvx512Vnni);
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    EXPECT_EQ(best, MatIsa::kAvx2);
+  }
+  EXPECT_EQ(KernelName(DType::kQ4_K, MatIsa::kAvx512Vnni), "avx512vnni/q4_K*q8x256");
+}
+
+TEST(QuantMatrix, RepackedRowsDequantiseExactlyAsTheTraitsTable) {
+  for (DType type : kTypes) {
+    for (int64_t cols : ColsFor(type)) {
+      for (int rows : {1, 17, 35}) {
+        const TestMatrix m = MakeMatrix(type, rows, cols, 100 + rows);
+        const QuantMatrix q = Repack(m);
+        EXPECT_EQ(q.rows(), rows);
+        EXPECT_EQ(q.cols(), cols);
+        std::vector<float> row(cols);
+        for (int r = 0; r < rows; ++r) {
+          q.DequantizeRow(r, row.data());
+          ASSERT_EQ(std::memcmp(row.data(), m.deq.data() + r * cols, cols * sizeof(float)), 0)
+              << Name(type) << " row " << r << " of [" << rows << ", " << cols << "]";
+        }
+      }
+    }
+  }
+}
+
+TEST(QuantMatrix, RejectsBadShapesAndTypes) {
+  std::string bytes(34 * 2, '\0');
+  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  EXPECT_FALSE(QuantMatrix::FromRaw(DType::kQ8_0, 2, 33, p, bytes.size()).ok());  // not whole blocks
+  EXPECT_FALSE(QuantMatrix::FromRaw(DType::kQ8_0, 2, 32, p, bytes.size() - 1).ok());
+  EXPECT_FALSE(QuantMatrix::FromRaw(DType::kQ2_K, 1, 256, p, 84).ok());  // no kernels
+  EXPECT_TRUE(QuantMatrix::FromRaw(DType::kQ8_0, 2, 32, p, bytes.size()).ok());
+}
+
+TEST(Activations, QuantiserRule) {
+  std::vector<float> x = {0.5f, -1.0f, 0.25f, 0.0f};
+  x.resize(32, 0.1f);
+  x.resize(64, 0.0f);  // an all-zero block
+  std::vector<int8_t> codes(64);
+  float d[2];
+  QuantizeActivationRow(x.data(), 64, 32, codes.data(), d);
+  EXPECT_FLOAT_EQ(d[0], 1.0f / 127);
+  EXPECT_EQ(codes[1], -127);
+  EXPECT_EQ(codes[0], 64);  // round-half-even(63.5)
+  EXPECT_EQ(codes[2], 32);  // 31.75
+  EXPECT_EQ(codes[3], 0);
+  EXPECT_EQ(d[1], 0.0f);
+  for (int i = 32; i < 64; ++i) EXPECT_EQ(codes[i], 0);
+}
+
+TEST(MatMul, EveryKernelMatchesTheFp64OracleAtAwkwardSizes) {
+  const std::vector<MatIsa> isas = SupportedIsas();
+  int cases = 0;
+  for (DType type : kTypes) {
+    for (int64_t cols : ColsFor(type)) {
+      for (int rows : kOuts) {
+        const TestMatrix m = MakeMatrix(type, rows, cols, 7 * rows + cols);
+        const QuantMatrix q = Repack(m);
+        for (int T : kTokens) {
+          const std::vector<float> x = RandomActivations(T, cols, 1000 + T);
+          Activations act;
+          act.Set(x.data(), T, cols);
+          const Oracle o = ComputeOracle(m, KernelActivations(type, act), T);
+          std::vector<float> yref;
+          for (MatIsa isa : isas) {
+            std::vector<float> y(T * rows, NAN);
+            MatMul(q, act, y.data(), nullptr, isa);
+            double worst = 0;
+            for (int i = 0; i < T * rows; ++i) {
+              const double err = std::fabs(y[i] - o.y[i]);
+              worst = std::max(worst, err / o.budget[i]);
+              ASSERT_LE(err, o.budget[i])
+                  << KernelName(type, isa) << " [" << rows << ", " << cols << "] T=" << T << " token "
+                  << i / rows << " row " << i % rows << ": " << y[i] << " vs " << o.y[i];
+            }
+            if (type == DType::kF32) {  // exact: core MatVec
+              if (yref.empty()) {
+                yref.resize(T * rows);
+                for (int t = 0; t < T; ++t) MatVec(m.deq.data(), x.data() + t * cols, yref.data() + t * rows, rows, cols);
+              }
+              ASSERT_EQ(std::memcmp(y.data(), yref.data(), y.size() * sizeof(float)), 0)
+                  << KernelName(type, isa) << " [" << rows << ", " << cols << "] T=" << T;
+            }
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  std::printf("%d (type, kernel, shape, T) cases\n", cases);
+}
+
+TEST(MatMul, ActivationQuantisationErrorIsBounded) {
+  for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
+    const int64_t cols = Traits(type).block_elements == 32 ? 1088 : 2560;
+    const int rows = 129, T = 5;
+    const TestMatrix m = MakeMatrix(type, rows, cols, 99);
+    const QuantMatrix q = Repack(m);
+    const std::vector<float> x = RandomActivations(T, cols, 5);
+    Activations act;
+    act.Set(x.data(), T, cols);
+    const Oracle o = ComputeOracle(m, KernelActivations(type, act), T);
+    const int block = Traits(type).block_elements;
+    const Activations::Q8& q8 = block == 32 ? act.q8x32() : act.q8x256();
+    std::vector<float> y(T * rows);
+    MatMul(q, act, y.data(), nullptr);
+    for (int t = 0; t < T; ++t) {
+      for (int r = 0; r < rows; ++r) {
+        double exact = 0, bound = 0;
+        for (int64_t i = 0; i < cols; ++i) {
+          const double w = m.deq[r * cols + i];
+          exact += w * x[t * cols + i];
+          bound += std::fabs(w) * q8.d[t * (cols / block) + i / block] / 2;
+        }
+        EXPECT_LE(std::fabs(y[t * rows + r] - exact), bound + o.budget[t * rows + r]) << Name(type);
+      }
+    }
+  }
+}
+
+TEST(MatMul, ResultsDoNotDependOnTheThreadCount) {
+  ThreadPool one(1), three(3);
+  for (DType type : kTypes) {
+    const int64_t cols = Traits(type).block_elements == 256 ? 1024 : 1056;
+    const int rows = 1000;
+    const TestMatrix m = MakeMatrix(type, rows, cols, 3);
+    const QuantMatrix q = Repack(m);
+    for (int T : {1, 5}) {
+      const std::vector<float> x = RandomActivations(T, cols, 9);
+      Activations act;
+      act.Set(x.data(), T, cols);
+      std::vector<float> a(T * rows), b(T * rows), c(T * rows);
+      MatMul(q, act, a.data(), nullptr);
+      MatMul(q, act, b.data(), &one);
+      MatMul(q, act, c.data(), &three);
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << Name(type);
+      EXPECT_EQ(std::memcmp(a.data(), c.data(), a.size() * sizeof(float)), 0) << Name(type);
+    }
+  }
+}
+
+// --- The CPU backend's weight modes on random models ------------------------
+
+struct Model {
+  std::unique_ptr<GgufFile> file;
+  ModelConfig config;
+};
+
+Model MakeModel(const std::string& arch, DType type) {
+  MakeModelOptions o;
+  o.arch = arch;
+  o.layers = 2;
+  o.hidden = 256;
+  o.heads = 4;
+  o.kv_heads = 2;
+  o.head_dim = 64;
+  o.ffn = 512;
+  o.weight_type = type;
+  o.vocab_from = testing::ModelsDir() + "/stories260K.gguf";
+  o.context = 64;
+  o.seed = 21;
+  auto writer = MakeRandomModel(o);
+  EXPECT_TRUE(writer.ok()) << writer.status();
+  auto file = GgufFile::FromBytes(writer->ToBytes());
+  EXPECT_TRUE(file.ok()) << file.status();
+  auto config = ModelConfig::FromGguf(**file);
+  EXPECT_TRUE(config.ok()) << config.status();
+  return {*std::move(file), *config};
+}
+
+std::unique_ptr<MlpBackend> MakeBackend(const Model& m, bool native, int threads) {
+  LoadOptions load;
+  load.raw_matrices = native;
+  auto weights = LoadWeights(*m.file, m.config, load);
+  EXPECT_TRUE(weights.ok()) << weights.status();
+  auto backend = CreateCpuBackend(*std::move(weights), 16, threads);
+  EXPECT_TRUE(backend.ok()) << backend.status();
+  return *std::move(backend);
+}
+
+// Logits of each token as the first token of its own sequence (position 0,
+// where attention returns v itself), all tokens in one step.
+std::vector<float> FirstTokenLogits(MlpBackend& b, const ModelConfig& c, const std::vector<int32_t>& tokens) {
+  const int T = static_cast<int>(tokens.size());
+  std::vector<int32_t> positions(T, 0), rows(T);
+  for (int i = 0; i < T; ++i) rows[i] = i;
+  std::vector<float> q(T * c.q_dim()), k(T * c.kv_dim()), v(T * c.kv_dim()), attn(T * c.q_dim());
+  EXPECT_TRUE(b.BeginStep(tokens.data(), positions.data(), T).ok());
+  for (int l = 0; l < c.n_layers; ++l) {
+    EXPECT_TRUE(b.ComputeQkv(l, q.data(), k.data(), v.data()).ok());
+    for (int t = 0; t < T; ++t) {
+      for (int h = 0; h < c.n_heads; ++h) {
+        std::copy_n(v.data() + t * c.kv_dim() + (h / c.gqa_ratio()) * c.head_dim, c.head_dim,
+                    attn.data() + t * c.q_dim() + h * c.head_dim);
+      }
+    }
+    EXPECT_TRUE(b.CompleteLayer(l, attn.data()).ok());
+  }
+  std::vector<float> logits(T * c.vocab_size);
+  EXPECT_TRUE(b.ComputeLogits(rows.data(), T, logits.data()).ok());
+  return logits;
+}
+
+TEST(CpuBackend, F32ModeEqualsTheReferenceForwardBitForBit) {
+  for (const auto& [arch, type] : {std::pair<std::string, DType>{"llama", DType::kQ4_K},
+                                   std::pair<std::string, DType>{"qwen2", DType::kQ8_0}}) {
+    const Model m = MakeModel(arch, type);
+    auto backend = MakeBackend(m, /*native=*/false, 2);
+    EXPECT_EQ(backend->name(), "cpu-f32 (2 threads)");
+    const std::vector<int32_t> tokens = {1, 300, 77};
+    const std::vector<float> logits = FirstTokenLogits(*backend, m.config, tokens);
+    auto weights = LoadWeights(*m.file, m.config);
+    ASSERT_TRUE(weights.ok());
+    auto ref = ReferenceModel::Create(*std::move(weights), 8);
+    ASSERT_TRUE(ref.ok());
+    for (size_t t = 0; t < tokens.size(); ++t) {
+      const std::vector<float>& expected = (*ref)->Forward(tokens[t], 0);
+      EXPECT_EQ(std::memcmp(expected.data(), logits.data() + t * m.config.vocab_size,
+                            expected.size() * sizeof(float)),
+                0)
+          << arch << " token " << t;
+    }
+  }
+}
+
+TEST(CpuBackend, NativeModeIsCloseToF32ForEveryWeightType) {
+  const std::vector<int32_t> tokens = {1, 300, 77, 5, 411};
+  for (DType type : {DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K,
+                     DType::kQ6_K}) {
+    for (const std::string arch : {"llama", "qwen2"}) {
+      const Model m = MakeModel(arch, type);
+      auto exact = MakeBackend(m, false, 1);
+      auto native = MakeBackend(m, true, 2);
+      EXPECT_NE(native->name().find("cpu-native"), std::string::npos) << native->name();
+      const std::vector<float> a = FirstTokenLogits(*exact, m.config, tokens);
+      const std::vector<float> b = FirstTokenLogits(*native, m.config, tokens);
+      const int V = m.config.vocab_size;
+      for (size_t t = 0; t < tokens.size(); ++t) {
+        double max_abs = 0, max_err = 0, mean_sq = 0;
+        for (int i = 0; i < V; ++i) {
+          max_abs = std::max(max_abs, std::fabs(double(a[t * V + i])));
+          max_err = std::max(max_err, std::fabs(double(a[t * V + i]) - b[t * V + i]));
+          mean_sq += double(a[t * V + i]) * a[t * V + i] / V;
+        }
+        // int8 activations (1/254 relative steps) through 2 layers: well
+        // under 3% of the logits' rms.
+        EXPECT_LT(max_err, 0.03 * std::sqrt(mean_sq) + 1e-6)
+            << Name(type) << " " << arch << " token " << t << " max |logit| " << max_abs;
+        const float* at = a.data() + t * V;
+        const float* bt = b.data() + t * V;
+        const int top_a = static_cast<int>(std::max_element(at, at + V) - at);
+        const int top_b = static_cast<int>(std::max_element(bt, bt + V) - bt);
+        // Top-1 agrees unless the exact top two are within the error.
+        std::vector<float> sorted(at, at + V);
+        std::nth_element(sorted.begin(), sorted.begin() + 1, sorted.end(), std::greater<float>());
+        if (sorted[0] - sorted[1] > 2 * max_err) {
+          EXPECT_EQ(top_a, top_b) << Name(type) << " " << arch << " token " << t;
+        }
+      }
+    }
+  }
+}
+
+// --- Microbenchmark (run with --gtest_also_run_disabled_tests) ---------------
+
+double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// GB/s of one pass over `bytes` (uint64 sums), on `threads` threads.
+double ReadBandwidth(const std::vector<uint64_t>& buf, ThreadPool& pool) {
+  std::vector<uint64_t> sums(pool.size());
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    pool.ParallelFor(static_cast<int64_t>(buf.size() / 4096), [&](int64_t b, int64_t e, int th) {
+      uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+      for (size_t i = b * 4096; i < static_cast<size_t>(e) * 4096; i += 4) {
+        s0 += buf[i];
+        s1 += buf[i + 1];
+        s2 += buf[i + 2];
+        s3 += buf[i + 3];
+      }
+      sums[th] += s0 + s1 + s2 + s3;
+    });
+    best = std::max(best, buf.size() * 8 / Seconds(t0, std::chrono::steady_clock::now()) / 1e9);
+  }
+  return best;
+}
+
+TEST(MatMulBench, DISABLED_Matvec5120) {
+  constexpr int64_t kN = 5120;
+  constexpr size_t kWorkingSet = size_t{1} << 30;  // beyond the last-level cache
+  std::vector<uint64_t> probe(kWorkingSet / 8, 1);
+  for (int threads : {1, 2}) {
+    ThreadPool pool(threads);
+    std::printf("read probe, %d thread(s): %.1f GB/s\n", threads, ReadBandwidth(probe, pool));
+  }
+  probe = {};
+  for (DType type : {DType::kQ8_0, DType::kQ4_K, DType::kQ6_K, DType::kF16}) {
+    // Random blocks (valid halves for the scales), repacked into enough
+    // copies to stream from DRAM.
+    const uint64_t bytes = *DTypeBytes(type, kN * kN);
+    std::string raw(bytes, '\0');
+    std::mt19937_64 rng(1);
+    for (char& c : raw) c = static_cast<char>(rng());
+    const uint64_t block = Traits(type).block_bytes;
+    for (uint64_t off = 0; off < bytes; off += block) {
+      uint16_t h = 0x2000;  // small positive half
+      if (type == DType::kQ6_K) std::memcpy(&raw[off + 208], &h, 2);
+      if (type == DType::kQ8_0 || type == DType::kQ4_K) std::memcpy(&raw[off], &h, 2);
+      if (type == DType::kQ4_K) std::memcpy(&raw[off + 2], &h, 2);
+      if (type == DType::kF16) std::memcpy(&raw[off], &h, 2);
+    }
+    auto one = QuantMatrix::FromRaw(type, kN, kN, reinterpret_cast<const uint8_t*>(raw.data()), raw.size());
+    ASSERT_TRUE(one.ok());
+    const int copies = static_cast<int>(kWorkingSet / one->bytes()) + 1;
+    std::vector<QuantMatrix> ms;
+    for (int i = 0; i < copies; ++i) {
+      ms.push_back(*QuantMatrix::FromRaw(type, kN, kN, reinterpret_cast<const uint8_t*>(raw.data()), raw.size()));
+    }
+    const std::vector<float> x = RandomActivations(16, kN, 2);
+    std::vector<float> y(16 * kN);
+    for (int threads : {1, 2}) {
+      ThreadPool pool(threads);
+      for (int T : {1, 4, 16}) {
+        Activations act;
+        act.Set(x.data(), T, kN);
+        MatMul(ms[0], act, y.data(), &pool);  // converts the activations
+        double best = 0;
+        for (int rep = 0; rep < 2; ++rep) {
+          const auto t0 = std::chrono::steady_clock::now();
+          for (const QuantMatrix& m : ms) MatMul(m, act, y.data(), &pool);
+          const double s = Seconds(t0, std::chrono::steady_clock::now());
+          best = std::max(best, copies * static_cast<double>(one->bytes()) / s / 1e9);
+        }
+        std::printf("%s, %d thread(s), T=%2d: %.1f GB/s of weights (%.2f ms per %lldx%lld matmul)\n",
+                    KernelName(type, BestMatIsa()).c_str(), threads, T, best,
+                    one->bytes() / best / 1e6, static_cast<long long>(kN), static_cast<long long>(kN));
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ellm::mlp

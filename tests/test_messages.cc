@@ -1,0 +1,341 @@
+// shm/messages.h: payload encoders and validating decoders of the data-plane
+// frames. Each corruption a decoder guards against is fed on its own and must
+// give a DataLoss error whose message says what is wrong.
+#include "shm/messages.h"
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "shm/frame.h"
+
+namespace ellm::shm {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint32_t kMaxPositions = 1024;
+constexpr int kVocab = 512;
+
+// An 8-byte-aligned copy of some bytes (ring slots are aligned; the decoders
+// read SeqSlice / float arrays in place).
+class Payload {
+ public:
+  explicit Payload(const std::string& bytes) : words_((bytes.size() + 7) / 8 + 1, 0) {
+    std::memcpy(words_.data(), bytes.data(), bytes.size());
+  }
+  const uint8_t* data() const { return reinterpret_cast<const uint8_t*>(words_.data()); }
+
+ private:
+  std::vector<uint64_t> words_;
+};
+
+PlanSeq MakePlanSeq(uint64_t id, uint32_t start, uint32_t n, uint32_t sample = 1) {
+  PlanSeq p;
+  p.slice = {id, start, n};
+  p.sample = sample;
+  p.temperature = 0.25f * static_cast<float>(id);
+  p.top_k = static_cast<int32_t>(id) + 3;
+  p.top_p = 0.5f + 0.01f * static_cast<float>(id);
+  p.u = 0.125f * static_cast<float>(n % 8);
+  return p;
+}
+
+// Three sequences: a prefill chunk, a decode, and a chunk not yet sampled.
+StepPlan ThreeSeqPlan() {
+  StepPlan plan;
+  plan.seqs = {MakePlanSeq(7, 0, 5), MakePlanSeq(42, 99, 1), MakePlanSeq(3, 16, 3, 0)};
+  plan.tokens = {1, 400, 401, 402, 403, 17, 511, 0, 9};
+  return plan;
+}
+
+absl::StatusOr<StepPlan> RoundTrip(const StepPlan& plan, FrameHeader* header_out = nullptr) {
+  const FrameHeader header = StepPlanHeader(9, plan);
+  if (header_out != nullptr) *header_out = header;
+  const Payload payload(EncodeStepPlan(plan));
+  return DecodeStepPlan(header, payload.data(), kMaxPositions, kVocab);
+}
+
+void ExpectDataLoss(const absl::Status& status, const std::string& substring) {
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr(substring));
+}
+
+TEST(StepPlan, RoundTrips) {
+  const StepPlan plan = ThreeSeqPlan();
+  FrameHeader header;
+  absl::StatusOr<StepPlan> decoded = RoundTrip(plan, &header);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(header.kind, static_cast<uint16_t>(FrameKind::kStepPlan));
+  EXPECT_EQ(header.step, 9u);
+  EXPECT_EQ(header.n_seqs, 3u);
+  EXPECT_EQ(header.n_tokens, 9u);
+  EXPECT_EQ(header.payload_bytes, 3 * sizeof(PlanSeq) + 9 * sizeof(int32_t));
+  EXPECT_TRUE(ValidateFrameHeader(header, header.payload_bytes).ok());
+  ASSERT_EQ(decoded->seqs.size(), plan.seqs.size());
+  for (size_t i = 0; i < plan.seqs.size(); ++i) {
+    const PlanSeq& a = plan.seqs[i];
+    const PlanSeq& b = decoded->seqs[i];
+    EXPECT_EQ(b.slice.seq_id, a.slice.seq_id);
+    EXPECT_EQ(b.slice.start_pos, a.slice.start_pos);
+    EXPECT_EQ(b.slice.n_tokens, a.slice.n_tokens);
+    EXPECT_EQ(b.sample, a.sample);
+    EXPECT_EQ(b.temperature, a.temperature);
+    EXPECT_EQ(b.top_k, a.top_k);
+    EXPECT_EQ(b.top_p, a.top_p);
+    EXPECT_EQ(b.u, a.u);
+  }
+  EXPECT_EQ(decoded->tokens, plan.tokens);
+}
+
+TEST(StepPlan, RoundTripsAtTheEdges) {
+  // One sequence filling the context exactly, tokens 0 and vocab - 1.
+  StepPlan plan;
+  plan.seqs = {MakePlanSeq(~0ull, kMaxPositions - 2, 2)};
+  plan.tokens = {0, kVocab - 1};
+  absl::StatusOr<StepPlan> decoded = RoundTrip(plan);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->seqs[0].slice.seq_id, ~0ull);
+  EXPECT_EQ(decoded->tokens, plan.tokens);
+}
+
+TEST(StepPlan, PayloadSizeMismatchIsAnError) {
+  const StepPlan plan = ThreeSeqPlan();
+  const Payload payload(EncodeStepPlan(plan) + std::string(16, '\0'));
+  for (int64_t delta : {-4, -1, 1, 4, 40}) {
+    FrameHeader header = StepPlanHeader(1, plan);
+    header.payload_bytes += delta;
+    ExpectDataLoss(DecodeStepPlan(header, payload.data(), kMaxPositions, kVocab).status(),
+                   "payload");
+  }
+  // The header's counts disagree with the bytes: one sequence fewer.
+  FrameHeader header = StepPlanHeader(1, plan);
+  header.n_seqs -= 1;
+  ExpectDataLoss(DecodeStepPlan(header, payload.data(), kMaxPositions, kVocab).status(), "payload");
+}
+
+TEST(StepPlan, TokenCountNotTheSumOfSlicesIsAnError) {
+  // Bytes and header agree (10 tokens) but the slices hold 9.
+  StepPlan plan = ThreeSeqPlan();
+  plan.tokens.push_back(5);
+  ExpectDataLoss(RoundTrip(plan).status(), "tokens");
+  // And the other way: the slices hold more than the header's tokens.
+  plan = ThreeSeqPlan();
+  plan.tokens.pop_back();
+  ExpectDataLoss(RoundTrip(plan).status(), "tokens");
+}
+
+TEST(StepPlan, EmptySliceIsAnError) {
+  StepPlan plan = ThreeSeqPlan();
+  plan.seqs.push_back(MakePlanSeq(77, 0, 0));
+  ExpectDataLoss(RoundTrip(plan).status(), "0 tokens");
+}
+
+TEST(StepPlan, EmptyBatchIsAnError) {
+  StepPlan plan;
+  EXPECT_EQ(RoundTrip(plan).status().code(), absl::StatusCode::kDataLoss);
+}
+
+TEST(StepPlan, PositionsBeyondContextAreAnError) {
+  StepPlan plan = ThreeSeqPlan();
+  plan.seqs[1].slice.start_pos = kMaxPositions;  // one past the end
+  ExpectDataLoss(RoundTrip(plan).status(), "exceed");
+  plan = ThreeSeqPlan();
+  plan.seqs[0].slice.start_pos = kMaxPositions - 4;  // 5 tokens: one past
+  ExpectDataLoss(RoundTrip(plan).status(), "exceed");
+  // start + n overflowing 32 bits must not wrap around into range.
+  plan = ThreeSeqPlan();
+  plan.seqs[0].slice.start_pos = UINT32_MAX - 1;
+  ExpectDataLoss(RoundTrip(plan).status(), "exceed");
+}
+
+TEST(StepPlan, DuplicateSequenceIsAnError) {
+  StepPlan plan = ThreeSeqPlan();
+  plan.seqs[2].slice.seq_id = plan.seqs[0].slice.seq_id;
+  ExpectDataLoss(RoundTrip(plan).status(), "twice");
+}
+
+TEST(StepPlan, TokenOutsideVocabIsAnError) {
+  for (int32_t bad : {-1, kVocab, kVocab + 1000, INT32_MIN}) {
+    StepPlan plan = ThreeSeqPlan();
+    plan.tokens[4] = bad;
+    ExpectDataLoss(RoundTrip(plan).status(), "vocabulary");
+  }
+}
+
+TEST(StepPlan, WrongKindIsAnError) {
+  const StepPlan plan = ThreeSeqPlan();
+  const Payload payload(EncodeStepPlan(plan));
+  for (FrameKind kind : {FrameKind::kStepResult, FrameKind::kAttnRequest, FrameKind::kError}) {
+    FrameHeader header = StepPlanHeader(1, plan);
+    header.kind = static_cast<uint16_t>(kind);
+    ExpectDataLoss(DecodeStepPlan(header, payload.data(), kMaxPositions, kVocab).status(), "kind");
+  }
+}
+
+TEST(StepResult, RoundTrips) {
+  const std::vector<SampledSeq> seqs = {{5, 17, -0.25f}, {~0ull, 0, -7.5f}, {9, 511, 0.0f}};
+  FrameHeader header;
+  header.kind = static_cast<uint16_t>(FrameKind::kStepResult);
+  header.n_seqs = 3;
+  header.payload_bytes = 3 * sizeof(SampledSeq);
+  const Payload payload(std::string(reinterpret_cast<const char*>(seqs.data()),
+                                    seqs.size() * sizeof(SampledSeq)));
+  absl::StatusOr<std::vector<SampledSeq>> decoded = DecodeStepResult(header, payload.data());
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  ASSERT_EQ(decoded->size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ((*decoded)[i].seq_id, seqs[i].seq_id);
+    EXPECT_EQ((*decoded)[i].token, seqs[i].token);
+    EXPECT_EQ((*decoded)[i].logprob, seqs[i].logprob);
+  }
+  header.payload_bytes -= 1;
+  ExpectDataLoss(DecodeStepResult(header, payload.data()).status(), "payload");
+  header.payload_bytes += 1;
+  header.kind = static_cast<uint16_t>(FrameKind::kStepPlan);
+  ExpectDataLoss(DecodeStepResult(header, payload.data()).status(), "kind");
+}
+
+TEST(ErrorFrame, RoundTripsCodeAndMessage) {
+  const std::vector<absl::Status> statuses = {
+      absl::NotFoundError("no such sequence 12"),
+      absl::ResourceExhaustedError("KV cache full: sequence 3 needs 2 more blocks, 0 free"),
+      absl::UnavailableError("worker 1 exited"),
+      absl::DataLossError(""),
+      absl::UnauthenticatedError("code 16, the highest"),
+      absl::CancelledError("code 1, the lowest"),
+  };
+  for (const absl::Status& st : statuses) {
+    const std::string msg(st.message());
+    const FrameHeader header = ErrorHeader(33, st, msg.size());
+    EXPECT_EQ(header.kind, static_cast<uint16_t>(FrameKind::kError));
+    EXPECT_EQ(header.step, 33u);
+    EXPECT_EQ(header.payload_bytes, msg.size());
+    const Payload payload(msg);
+    EXPECT_EQ(DecodeError(header, payload.data()), st);
+    // A step result that turns out to be an error frame is that error.
+    EXPECT_EQ(DecodeStepResult(header, payload.data()).status(), st);
+  }
+}
+
+TEST(ErrorFrame, UnknownOrOkCodeBecomesInternal) {
+  // An error frame must never decode as OK, nor as a code absl does not know.
+  const std::string msg = "odd";
+  const Payload payload(msg);
+  for (uint32_t code : {0u, 17u, 1000u}) {
+    FrameHeader header = ErrorHeader(1, absl::InternalError(msg), msg.size());
+    header.status = code;
+    const absl::Status st = DecodeError(header, payload.data());
+    EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << code;
+    EXPECT_EQ(st.message(), msg);
+    EXPECT_FALSE(DecodeStepResult(header, payload.data()).ok());
+  }
+}
+
+// An attention request built by hand: slices | q | k | v, every float distinct.
+struct AttnFixture {
+  AttnShape shape{6, 2, 4};  // 6 query heads on 2 KV heads, head_dim 4
+  std::vector<SeqSlice> slices = {{11, 0, 3}, {12, 40, 1}, {13, 7, 2}};
+  uint32_t n_tokens = 6;
+  std::string bytes;
+
+  AttnFixture() {
+    bytes.assign(reinterpret_cast<const char*>(slices.data()), slices.size() * sizeof(SeqSlice));
+    const size_t floats = n_tokens * (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim;
+    for (size_t i = 0; i < floats; ++i) {
+      const float f = static_cast<float>(i) + 0.5f;
+      bytes.append(reinterpret_cast<const char*>(&f), sizeof(f));
+    }
+  }
+  FrameHeader Header() const {
+    FrameHeader h;
+    h.kind = static_cast<uint16_t>(FrameKind::kAttnRequest);
+    h.layer = 3;
+    h.n_seqs = static_cast<uint32_t>(slices.size());
+    h.n_tokens = n_tokens;
+    h.payload_bytes = bytes.size();
+    return h;
+  }
+};
+
+TEST(AttnRequest, ShapeByteCounts) {
+  const AttnShape shape{6, 2, 4};
+  EXPECT_EQ(shape.RequestBytes(3, 6), 3 * 16 + 6 * (6 + 2 * 2) * 4 * 4u);
+  EXPECT_EQ(shape.ResultBytes(6), 6 * 6 * 4 * 4u);
+  // No 32-bit overflow for a large step.
+  const AttnShape big{64, 8, 128};
+  EXPECT_EQ(big.RequestBytes(1, 100000), 16 + uint64_t{100000} * (64 + 16) * 128 * 4);
+}
+
+TEST(AttnRequest, DecodeGivesViewsAtTheRightOffsets) {
+  AttnFixture f;
+  ASSERT_EQ(f.bytes.size(), f.shape.RequestBytes(3, f.n_tokens));
+  const Payload payload(f.bytes);
+  absl::StatusOr<AttnRequestView> view =
+      DecodeAttnRequest(f.Header(), payload.data(), f.shape, kMaxPositions);
+  ASSERT_TRUE(view.ok()) << view.status();
+  const uint8_t* base = payload.data();
+  EXPECT_EQ(reinterpret_cast<const uint8_t*>(view->slices), base);
+  EXPECT_EQ(reinterpret_cast<const uint8_t*>(view->q), base + 3 * sizeof(SeqSlice));
+  EXPECT_EQ(view->k, view->q + 6 * 6 * 4);
+  EXPECT_EQ(view->v, view->k + 6 * 2 * 4);
+  EXPECT_EQ(view->slices[1].seq_id, 12u);
+  EXPECT_EQ(view->slices[1].start_pos, 40u);
+  EXPECT_EQ(view->slices[2].n_tokens, 2u);
+  // The floats were numbered i + 0.5 in order: q, then k, then v.
+  EXPECT_EQ(view->q[0], 0.5f);
+  EXPECT_EQ(view->k[0], 144.5f);  // after 6 tokens x 6 heads x 4
+  EXPECT_EQ(view->v[0], 192.5f);  // after 6 x 2 x 4 more
+  EXPECT_EQ(view->v[6 * 2 * 4 - 1], 239.5f);  // the last float of the payload
+}
+
+TEST(AttnRequest, WrongPayloadSizeIsAnError) {
+  AttnFixture f;
+  const Payload payload(f.bytes + std::string(64, '\0'));
+  for (int64_t delta : {-4, 4, 16}) {
+    FrameHeader h = f.Header();
+    h.payload_bytes += delta;
+    ExpectDataLoss(DecodeAttnRequest(h, payload.data(), f.shape, kMaxPositions).status(),
+                   "payload");
+  }
+  // A shard that expects another geometry sees the wrong size too.
+  ExpectDataLoss(
+      DecodeAttnRequest(f.Header(), payload.data(), AttnShape{4, 2, 4}, kMaxPositions).status(),
+      "payload");
+}
+
+TEST(AttnRequest, BadBatchDescriptorIsAnError) {
+  AttnFixture f;
+  {
+    // Slice 2 repeats sequence 11.
+    std::string bytes = f.bytes;
+    const SeqSlice dup{11, 7, 2};
+    bytes.replace(2 * sizeof(SeqSlice), sizeof(SeqSlice),
+                  std::string(reinterpret_cast<const char*>(&dup), sizeof(dup)));
+    const Payload payload(bytes);
+    ExpectDataLoss(DecodeAttnRequest(f.Header(), payload.data(), f.shape, kMaxPositions).status(),
+                   "twice");
+  }
+  const Payload payload(f.bytes);
+  // Positions of slice 1 ([40, 41)) beyond a 40-position context.
+  ExpectDataLoss(DecodeAttnRequest(f.Header(), payload.data(), f.shape, 40).status(), "exceed");
+  // The header's token count disagrees with the slices (bytes sized to match).
+  {
+    std::string bytes(reinterpret_cast<const char*>(f.slices.data()), 3 * sizeof(SeqSlice));
+    bytes.append(7 * (6 + 2 * 2) * 4 * sizeof(float), '\0');
+    FrameHeader h = f.Header();
+    h.n_tokens = 7;
+    h.payload_bytes = bytes.size();
+    const Payload p7(bytes);
+    ExpectDataLoss(DecodeAttnRequest(h, p7.data(), f.shape, kMaxPositions).status(), "tokens");
+  }
+  FrameHeader h = f.Header();
+  h.kind = static_cast<uint16_t>(FrameKind::kAttnResult);
+  ExpectDataLoss(DecodeAttnRequest(h, payload.data(), f.shape, kMaxPositions).status(), "kind");
+}
+
+}  // namespace
+}  // namespace ellm::shm

@@ -1,0 +1,845 @@
+// coordinator/scheduler.h with a fake StepExecutor: admission, continuous
+// batching, prompt chunking, stop conditions, KV budget, queue limit, worker
+// failure, cancellation. The fake records every plan and every free, answers
+// each sampled sequence with a deterministic token, and can be held inside a
+// Run so that a test controls what the scheduler sees between two steps.
+// Synchronisation is by RequestStream::Pop and condition variables with
+// timeouts (a few seconds), never by sleeping.
+#include "coordinator/scheduler.h"
+
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/gguf.h"
+#include "core/tokenizer.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace ellm::coord {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr auto kWait = std::chrono::seconds(5);
+const absl::Duration kPopTimeout = absl::Seconds(5);
+constexpr int32_t kEos = 2;
+// Ids 3..258 of stories260K are byte tokens; from 259 on they are text pieces.
+constexpr int32_t kFirstPiece = 259;
+
+const Tokenizer& Tok() {
+  static const Tokenizer* tokenizer = [] {
+    absl::StatusOr<std::unique_ptr<GgufFile>> file =
+        GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
+    if (!file.ok()) {
+      ADD_FAILURE() << file.status();
+      std::abort();
+    }
+    absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
+    if (!tok.ok()) {
+      ADD_FAILURE() << tok.status();
+      std::abort();
+    }
+    return tok->release();
+  }();
+  return *tokenizer;
+}
+
+// The fake's default answer: a text piece chosen from the sequence id and the
+// position of the step's last token of that sequence. Never EOS.
+int32_t DefaultToken(uint64_t seq, uint32_t last_pos, int /*nth*/) {
+  return kFirstPiece + static_cast<int32_t>((seq * 7 + last_pos) % (512 - kFirstPiece));
+}
+
+class FakeExecutor : public StepExecutor {
+ public:
+  // The token sampled for a sequence: its id, the position of its last token
+  // in the step, and how many tokens it sampled before.
+  using TokenFn = std::function<int32_t(uint64_t seq, uint32_t last_pos, int nth)>;
+
+  struct Event {
+    bool is_free = false;
+    uint64_t step = 0;
+    shm::StepPlan plan;         // a Run
+    std::vector<uint64_t> ids;  // a FreeSequences
+  };
+
+  absl::StatusOr<std::vector<shm::SampledSeq>> Run(uint64_t step,
+                                                   const shm::StepPlan& plan) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    log_.push_back({false, step, plan, {}});
+    ++runs_;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return !hold_; });
+    if (runs_ == fail_at_run_) return fail_status_;
+    std::vector<shm::SampledSeq> out;
+    for (const shm::PlanSeq& p : plan.seqs) {
+      if (!p.sample) continue;
+      const uint64_t id = p.slice.seq_id;
+      const int nth = sampled_[id]++;
+      const uint32_t last = p.slice.start_pos + p.slice.n_tokens - 1;
+      out.push_back({id, token_fn_ ? token_fn_(id, last, nth) : DefaultToken(id, last, nth),
+                     -0.5f - 0.001f * nth});
+    }
+    return out;
+  }
+
+  absl::Status FreeSequences(const std::vector<uint64_t>& ids) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    log_.push_back({true, 0, {}, ids});
+    for (uint64_t id : ids) freed_.insert(id);
+    cv_.notify_all();
+    return absl::OkStatus();
+  }
+
+  void SetTokenFn(TokenFn fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    token_fn_ = std::move(fn);
+  }
+  // Run number `n` (1-based) returns `status` instead of tokens.
+  void FailAtRun(int n, absl::Status status) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fail_at_run_ = n;
+    fail_status_ = std::move(status);
+  }
+  // While held, a Run waits inside the executor.
+  void Hold() {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_ = true;
+  }
+  void Release() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      hold_ = false;
+    }
+    cv_.notify_all();
+  }
+  bool WaitForRuns(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, kWait, [&] { return runs_ >= n; });
+  }
+  bool WaitForFree(uint64_t id) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, kWait, [&] { return freed_.count(id) > 0; });
+  }
+  int runs() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return runs_;
+  }
+  bool freed(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return freed_.count(id) > 0;
+  }
+  std::vector<Event> log() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return log_;
+  }
+  std::vector<shm::StepPlan> plans() {
+    std::vector<shm::StepPlan> out;
+    for (const Event& e : log()) {
+      if (!e.is_free) out.push_back(e.plan);
+    }
+    return out;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Event> log_;
+  std::map<uint64_t, int> sampled_;
+  std::set<uint64_t> freed_;
+  TokenFn token_fn_;
+  int runs_ = 0;
+  int fail_at_run_ = -1;
+  absl::Status fail_status_;
+  bool hold_ = false;
+};
+
+// Everything a request's stream delivered.
+struct Outcome {
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs;
+  std::string text;
+  int events = 0;
+  bool finished = false;
+  FinishInfo finish;
+  absl::Status error;
+};
+
+Outcome Collect(RequestStream& stream) {
+  Outcome o;
+  while (!o.finished) {
+    std::optional<StreamEvent> e = stream.Pop(kPopTimeout);
+    if (!e) {
+      ADD_FAILURE() << "no event within the timeout";
+      return o;
+    }
+    ++o.events;
+    o.tokens.insert(o.tokens.end(), e->token_ids.begin(), e->token_ids.end());
+    o.logprobs.insert(o.logprobs.end(), e->logprobs.begin(), e->logprobs.end());
+    o.text += e->text;
+    o.finished = e->finished;
+    o.finish = e->finish;
+    o.error = e->error;
+  }
+  return o;
+}
+
+// The id the scheduler gave the request whose prompt starts with `first`
+// (every test gives its requests distinct first tokens): the sequence whose
+// slice at position 0 starts with that token.
+std::optional<uint64_t> SeqIdOf(const std::vector<shm::StepPlan>& plans, int32_t first) {
+  for (const shm::StepPlan& plan : plans) {
+    size_t offset = 0;
+    for (const shm::PlanSeq& p : plan.seqs) {
+      if (p.slice.start_pos == 0 && plan.tokens[offset] == first) return p.slice.seq_id;
+      offset += p.slice.n_tokens;
+    }
+  }
+  return std::nullopt;
+}
+
+// What one sequence's slices looked like across all plans, in order.
+struct SeqTrace {
+  std::vector<shm::PlanSeq> slices;
+  std::vector<int32_t> fed;  // tokens of its slices, concatenated
+  std::vector<size_t> plan_index;
+};
+
+std::map<uint64_t, SeqTrace> Traces(const std::vector<shm::StepPlan>& plans) {
+  std::map<uint64_t, SeqTrace> out;
+  for (size_t i = 0; i < plans.size(); ++i) {
+    size_t offset = 0;
+    for (const shm::PlanSeq& p : plans[i].seqs) {
+      SeqTrace& t = out[p.slice.seq_id];
+      t.slices.push_back(p);
+      t.fed.insert(t.fed.end(), plans[i].tokens.begin() + offset,
+                   plans[i].tokens.begin() + offset + p.slice.n_tokens);
+      t.plan_index.push_back(i);
+      offset += p.slice.n_tokens;
+    }
+  }
+  return out;
+}
+
+// Checks the plans' invariants: the step budget, batch size, no sequence
+// twice in a step, contiguous positions from 0 per sequence, the tokens fed are
+// the prompt then the generated tokens, and only the chunk that finishes the
+// prompt (and each decode) samples.
+void CheckPlans(const std::vector<shm::StepPlan>& plans, const SchedulerOptions& options,
+                const std::map<uint64_t, std::pair<std::vector<int32_t>, std::vector<int32_t>>>&
+                    prompt_and_generated) {
+  for (const shm::StepPlan& plan : plans) {
+    ASSERT_FALSE(plan.seqs.empty());
+    ASSERT_LE(static_cast<int>(plan.seqs.size()), options.max_batch);
+    ASSERT_LE(static_cast<int>(plan.tokens.size()), options.max_step_tokens);
+    uint32_t total = 0;
+    std::set<uint64_t> ids;
+    for (const shm::PlanSeq& p : plan.seqs) {
+      ASSERT_GT(p.slice.n_tokens, 0u);
+      total += p.slice.n_tokens;
+      ASSERT_TRUE(ids.insert(p.slice.seq_id).second) << "sequence twice in a step";
+    }
+    ASSERT_EQ(total, plan.tokens.size());
+  }
+  const std::map<uint64_t, SeqTrace> traces = Traces(plans);
+  for (const auto& [id, pg] : prompt_and_generated) {
+    const auto& [prompt, generated] = pg;
+    ASSERT_TRUE(traces.count(id)) << "sequence " << id << " never ran";
+    const SeqTrace& t = traces.at(id);
+    uint32_t pos = 0;
+    int samples = 0;
+    for (const shm::PlanSeq& p : t.slices) {
+      EXPECT_EQ(p.slice.start_pos, pos) << "sequence " << id << ": positions not contiguous";
+      pos += p.slice.n_tokens;
+      const bool ends_prompt_or_decodes = pos >= prompt.size();
+      EXPECT_EQ(p.sample, ends_prompt_or_decodes ? 1u : 0u) << "sequence " << id << " at " << pos;
+      if (p.slice.start_pos >= prompt.size()) {
+        EXPECT_EQ(p.slice.n_tokens, 1u) << "a decode feeds one token";
+      }
+      samples += p.sample;
+    }
+    EXPECT_EQ(samples, static_cast<int>(generated.size())) << "sequence " << id;
+    // Fed: the prompt, then every generated token but the last.
+    std::vector<int32_t> expected_fed = prompt;
+    expected_fed.insert(expected_fed.end(), generated.begin(), generated.end() - 1);
+    EXPECT_EQ(t.fed, expected_fed) << "sequence " << id;
+  }
+}
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    options_.max_batch = 8;
+    options_.max_step_tokens = 64;
+    options_.kv_blocks = 64;
+    options_.kv_block_tokens = 16;
+    options_.max_queue = 8;
+    options_.context_length = 2048;
+  }
+  void TearDown() override {
+    exec_.Release();  // never leave the step thread stuck in Run
+    scheduler_.reset();
+  }
+  void Start() { scheduler_ = std::make_unique<Scheduler>(options_, Tok(), &exec_); }
+
+  // A prompt of `n` tokens whose first token is `first` (distinct per request).
+  static std::vector<int32_t> Prompt(int32_t first, int n) {
+    std::vector<int32_t> p = {first};
+    for (int i = 1; i < n; ++i) p.push_back(kFirstPiece + (first * 13 + i * 5) % 200);
+    return p;
+  }
+  std::shared_ptr<RequestStream> Submit(std::vector<int32_t> prompt, int max_tokens,
+                                        std::vector<std::string> stop = {}) {
+    GenerateOptions o;
+    o.prompt = std::move(prompt);
+    o.max_tokens = max_tokens;
+    o.sampling = {.temperature = 0.7f, .top_k = 40, .top_p = 0.95f};
+    o.seed = 1234;
+    o.stop = std::move(stop);
+    absl::StatusOr<std::shared_ptr<RequestStream>> s = scheduler_->Submit(std::move(o));
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? *s : nullptr;
+  }
+  // Polls Stats until `pred` holds (or the timeout).
+  bool WaitForStats(const std::function<bool(const SchedulerStats&)>& pred) {
+    const auto deadline = std::chrono::steady_clock::now() + kWait;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (pred(scheduler_->Stats())) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    return false;
+  }
+
+  SchedulerOptions options_;
+  FakeExecutor exec_;
+  std::unique_ptr<Scheduler> scheduler_;
+};
+
+TEST_F(SchedulerTest, YieldsExactlyMaxTokens) {
+  Start();
+  const std::vector<int32_t> prompt = Tok().Encode("Once upon a time", true);
+  ASSERT_GT(prompt.size(), 2u);
+  GenerateOptions o;
+  o.prompt = prompt;
+  o.max_tokens = 7;
+  o.sampling = {.temperature = 0.8f, .top_k = 40, .top_p = 0.9f};
+  o.seed = 99;
+  absl::StatusOr<std::shared_ptr<RequestStream>> stream = scheduler_->Submit(o);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  const Outcome out = Collect(**stream);
+  ASSERT_TRUE(out.finished);
+  EXPECT_TRUE(out.error.ok()) << out.error;
+  EXPECT_EQ(out.finish.reason, FinishReason::kMaxTokens);
+  EXPECT_EQ(out.finish.completion_tokens, 7);
+  EXPECT_EQ(out.finish.prompt_tokens, static_cast<int>(prompt.size()));
+  ASSERT_EQ(out.tokens.size(), 7u);
+  ASSERT_EQ(out.logprobs.size(), 7u);
+
+  const std::vector<shm::StepPlan> plans = exec_.plans();
+  const std::optional<uint64_t> id = SeqIdOf(plans, prompt[0]);
+  ASSERT_TRUE(id.has_value());
+  // The tokens are the executor's answers, in order, with their logprobs.
+  for (int n = 0; n < 7; ++n) {
+    const uint32_t last_pos = static_cast<uint32_t>(prompt.size()) - 1 + n;
+    EXPECT_EQ(out.tokens[n], DefaultToken(*id, last_pos, n)) << n;
+    EXPECT_FLOAT_EQ(out.logprobs[n], -0.5f - 0.001f * n);
+  }
+  EXPECT_EQ(out.text, Tok().Decode(out.tokens));
+  CheckPlans(plans, options_, {{*id, {prompt, out.tokens}}});
+  // Every sampling slice carries the request's parameters and the next draw
+  // of SequenceRng(seed); slices that do not sample carry u = 0.
+  SequenceRng rng(99);
+  const SeqTrace trace = Traces(plans)[*id];
+  for (const shm::PlanSeq& p : trace.slices) {
+    EXPECT_FLOAT_EQ(p.temperature, 0.8f);
+    EXPECT_EQ(p.top_k, 40);
+    EXPECT_FLOAT_EQ(p.top_p, 0.9f);
+    if (p.sample) {
+      EXPECT_EQ(p.u, rng.NextUniform());
+    } else {
+      EXPECT_EQ(p.u, 0.0f);
+    }
+  }
+  // The finished sequence's KV is freed and its blocks return.
+  EXPECT_TRUE(exec_.WaitForFree(*id));
+  EXPECT_TRUE(WaitForStats([&](const SchedulerStats& s) {
+    return s.running == 0 && s.waiting == 0 && s.kv_blocks_free == options_.kv_blocks;
+  }));
+}
+
+TEST_F(SchedulerTest, InvalidRequestsAreRefused) {
+  Start();
+  GenerateOptions o;
+  o.max_tokens = 5;
+  EXPECT_EQ(scheduler_->Submit(o).status().code(), absl::StatusCode::kInvalidArgument);  // empty
+  o.prompt = {1, 300};
+  o.max_tokens = 0;
+  EXPECT_EQ(scheduler_->Submit(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.max_tokens = options_.context_length - 1;  // 2 + 2047 > 2048
+  EXPECT_EQ(scheduler_->Submit(o).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(exec_.runs(), 0);
+}
+
+TEST_F(SchedulerTest, LongPromptIsChunkedToTheStepBudget) {
+  options_.max_step_tokens = 8;
+  Start();
+  const std::vector<int32_t> prompt = Prompt(300, 30);
+  std::shared_ptr<RequestStream> stream = Submit(prompt, 3);
+  ASSERT_NE(stream, nullptr);
+  const Outcome out = Collect(*stream);
+  ASSERT_TRUE(out.error.ok()) << out.error;
+  ASSERT_EQ(out.tokens.size(), 3u);
+  const std::vector<shm::StepPlan> plans = exec_.plans();
+  const std::optional<uint64_t> id = SeqIdOf(plans, 300);
+  ASSERT_TRUE(id.has_value());
+  CheckPlans(plans, options_, {{*id, {prompt, out.tokens}}});
+  std::vector<uint32_t> sizes;
+  const SeqTrace trace = Traces(plans)[*id];
+  for (const shm::PlanSeq& p : trace.slices) sizes.push_back(p.slice.n_tokens);
+  EXPECT_EQ(sizes, (std::vector<uint32_t>{8, 8, 8, 6, 1, 1}));
+}
+
+TEST_F(SchedulerTest, ManyRequestsRespectTheBudgetAndEachOthersPositions) {
+  options_.max_step_tokens = 10;
+  options_.max_batch = 3;
+  Start();
+  const std::vector<int> prompt_lengths = {7, 13, 1, 25, 10};
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (size_t i = 0; i < prompt_lengths.size(); ++i) {
+    prompts.push_back(Prompt(400 + static_cast<int32_t>(i), prompt_lengths[i]));
+    streams.push_back(Submit(prompts.back(), 4 + static_cast<int>(i)));
+    ASSERT_NE(streams.back(), nullptr);
+  }
+  std::map<uint64_t, std::pair<std::vector<int32_t>, std::vector<int32_t>>> expected;
+  for (size_t i = 0; i < streams.size(); ++i) {
+    const Outcome out = Collect(*streams[i]);
+    ASSERT_TRUE(out.error.ok()) << out.error;
+    EXPECT_EQ(out.finish.reason, FinishReason::kMaxTokens);
+    EXPECT_EQ(out.tokens.size(), 4 + i);
+    const std::optional<uint64_t> id = SeqIdOf(exec_.plans(), prompts[i][0]);
+    ASSERT_TRUE(id.has_value());
+    expected[*id] = {prompts[i], out.tokens};
+  }
+  CheckPlans(exec_.plans(), options_, expected);
+}
+
+TEST_F(SchedulerTest, ConcurrentRequestsShareSteps) {
+  Start();
+  exec_.Hold();
+  std::shared_ptr<RequestStream> a = Submit(Prompt(300, 5), 6);
+  ASSERT_TRUE(exec_.WaitForRuns(1));  // A's prompt is inside Run
+  std::shared_ptr<RequestStream> b = Submit(Prompt(301, 4), 6);
+  exec_.Release();
+  const Outcome oa = Collect(*a), ob = Collect(*b);
+  ASSERT_TRUE(oa.error.ok() && ob.error.ok());
+  ASSERT_EQ(oa.tokens.size(), 6u);
+  ASSERT_EQ(ob.tokens.size(), 6u);
+  const std::vector<shm::StepPlan> plans = exec_.plans();
+  const uint64_t ida = SeqIdOf(plans, 300).value(), idb = SeqIdOf(plans, 301).value();
+  // Step 1: A's prompt. Steps 2..6: A decodes while B prefills then decodes,
+  // both in the same plans. Step 7: B's last decode.
+  ASSERT_EQ(plans.size(), 7u);
+  int both = 0;
+  for (const shm::StepPlan& p : plans) {
+    std::set<uint64_t> ids;
+    for (const shm::PlanSeq& s : p.seqs) ids.insert(s.slice.seq_id);
+    both += ids.count(ida) && ids.count(idb);
+  }
+  EXPECT_EQ(both, 5);
+  // Decodes go first in a plan, prompt chunks after.
+  ASSERT_EQ(plans[1].seqs.size(), 2u);
+  EXPECT_EQ(plans[1].seqs[0].slice.seq_id, ida);
+  EXPECT_EQ(plans[1].seqs[1].slice.seq_id, idb);
+  CheckPlans(plans, options_,
+             {{ida, {Prompt(300, 5), oa.tokens}}, {idb, {Prompt(301, 4), ob.tokens}}});
+}
+
+TEST_F(SchedulerTest, EndOfSequenceTokenStops) {
+  exec_.SetTokenFn([](uint64_t seq, uint32_t pos, int nth) {
+    return nth == 2 ? kEos : DefaultToken(seq, pos, nth);
+  });
+  Start();
+  std::shared_ptr<RequestStream> stream = Submit(Prompt(300, 4), 10);
+  const Outcome out = Collect(*stream);
+  ASSERT_TRUE(out.error.ok()) << out.error;
+  EXPECT_EQ(out.finish.reason, FinishReason::kStopToken);
+  ASSERT_EQ(out.tokens.size(), 3u);
+  EXPECT_EQ(out.tokens.back(), kEos);
+  EXPECT_EQ(out.finish.completion_tokens, 3);
+  // EOS adds no text.
+  EXPECT_EQ(out.text, Tok().Decode({out.tokens[0], out.tokens[1]}));
+  const uint64_t id = SeqIdOf(exec_.plans(), 300).value();
+  EXPECT_TRUE(exec_.WaitForFree(id));
+}
+
+class SchedulerStopStrings : public SchedulerTest {
+ protected:
+  // Runs a request whose tokens are `script` (then EOS) with `stop` strings.
+  Outcome RunScript(const std::vector<int32_t>& script, const std::vector<std::string>& stop,
+                    int max_tokens) {
+    exec_.SetTokenFn([script](uint64_t, uint32_t, int nth) {
+      return nth < static_cast<int>(script.size()) ? script[nth] : kEos;
+    });
+    Start();
+    std::shared_ptr<RequestStream> stream = Submit(Prompt(300, 3), max_tokens, stop);
+    return stream ? Collect(*stream) : Outcome{};
+  }
+  const std::vector<int32_t> script_ =
+      Tok().Encode("the big cat sat on the mat and the dog ran away", false);
+};
+
+// The request's text and token count when stop strings end it: the shortest
+// prefix of `script` whose text holds a stop string, cut at the earliest one.
+std::pair<std::string, size_t> ExpectedStop(const std::vector<int32_t>& script,
+                                            const std::vector<std::string>& stop) {
+  for (size_t m = 1; m <= script.size(); ++m) {
+    const std::string text = Tok().Decode({script.begin(), script.begin() + m});
+    size_t cut = std::string::npos;
+    for (const std::string& s : stop) cut = std::min(cut, text.find(s));
+    if (cut != std::string::npos) return {text.substr(0, cut), m};
+  }
+  return {"", 0};
+}
+
+TEST_F(SchedulerStopStrings, StopStringEndsTheRequestAndIsNotSent) {
+  ASSERT_GT(script_.size(), 8u);
+  const std::vector<std::string> stop = {"sat on"};
+  const auto [text, count] = ExpectedStop(script_, stop);
+  ASSERT_GT(count, 0u);
+  ASSERT_FALSE(text.empty());
+  const Outcome out = RunScript(script_, stop, 40);
+  ASSERT_TRUE(out.error.ok()) << out.error;
+  EXPECT_EQ(out.finish.reason, FinishReason::kStopString);
+  EXPECT_EQ(out.text, text);
+  EXPECT_EQ(out.text.find("sat"), std::string::npos);
+  EXPECT_EQ(out.tokens.size(), count);
+}
+
+TEST_F(SchedulerStopStrings, EarliestOfSeveralStopStringsAcrossTokens) {
+  // "t sat" spans the tokens of "cat" and "sat"; "mat" comes later.
+  const std::vector<std::string> stop = {"mat", "t sat"};
+  const auto [text, count] = ExpectedStop(script_, stop);
+  ASSERT_GT(count, 0u);
+  const Outcome out = RunScript(script_, stop, 40);
+  EXPECT_EQ(out.finish.reason, FinishReason::kStopString);
+  EXPECT_EQ(out.text, text);
+  EXPECT_THAT(text, ::testing::EndsWith("ca"));
+  EXPECT_EQ(out.tokens.size(), count);
+}
+
+TEST_F(SchedulerStopStrings, HeldBackPrefixIsFlushedWhenNoStopCompletes) {
+  // The text ends in "... the mat and the", a prefix of the stop string: it
+  // is held back while it could still complete, then sent at the end.
+  const std::vector<int32_t> script =
+      Tok().Encode("the big cat sat on the mat and the", false);
+  const Outcome out =
+      RunScript(script, {"mat and the cow", "zzz"}, static_cast<int>(script.size()));
+  ASSERT_TRUE(out.error.ok()) << out.error;
+  EXPECT_EQ(out.finish.reason, FinishReason::kMaxTokens);
+  EXPECT_EQ(out.tokens, script);
+  EXPECT_EQ(out.text, Tok().Decode(script));
+}
+
+TEST_F(SchedulerTest, RequestLargerThanTheKvCacheIsRefusedAtSubmit) {
+  options_.kv_blocks = 4;  // 64 positions
+  Start();
+  GenerateOptions o;
+  o.prompt = Prompt(300, 10);
+  o.max_tokens = 55;  // 65 positions: 5 blocks
+  absl::StatusOr<std::shared_ptr<RequestStream>> s = scheduler_->Submit(o);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("KV"));
+  o.max_tokens = 54;  // exactly 64 positions
+  s = scheduler_->Submit(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const Outcome out = Collect(**s);
+  EXPECT_TRUE(out.error.ok());
+  EXPECT_EQ(out.tokens.size(), 54u);
+}
+
+TEST_F(SchedulerTest, SecondRequestWaitsForKvAndRunsAfterTheFirstIsFreed) {
+  options_.kv_blocks = 2;  // one request of <= 32 positions at a time
+  Start();
+  exec_.Hold();
+  std::shared_ptr<RequestStream> a = Submit(Prompt(300, 5), 20);  // 25 positions: 2 blocks
+  ASSERT_TRUE(exec_.WaitForRuns(1));
+  std::shared_ptr<RequestStream> b = Submit(Prompt(301, 5), 20);
+  SchedulerStats stats = scheduler_->Stats();
+  EXPECT_EQ(stats.running, 1);
+  EXPECT_EQ(stats.waiting, 1);
+  EXPECT_EQ(stats.kv_blocks_free, 0);
+  exec_.Release();
+  const Outcome oa = Collect(*a), ob = Collect(*b);
+  ASSERT_TRUE(oa.error.ok() && ob.error.ok());
+  EXPECT_EQ(oa.finish.reason, FinishReason::kMaxTokens);
+  EXPECT_EQ(ob.finish.reason, FinishReason::kMaxTokens);
+  EXPECT_EQ(oa.tokens.size(), 20u);
+  EXPECT_EQ(ob.tokens.size(), 20u);
+
+  const std::vector<FakeExecutor::Event> log = exec_.log();
+  std::vector<shm::StepPlan> plans;
+  for (const auto& e : log) {
+    if (!e.is_free) plans.push_back(e.plan);
+  }
+  const uint64_t ida = SeqIdOf(plans, 300).value(), idb = SeqIdOf(plans, 301).value();
+  // In log order: every run of A, then A's free, then every run of B.
+  int phase = 0;  // 0: A running, 1: A freed, 2: B running
+  for (const auto& e : log) {
+    if (e.is_free) {
+      if (std::count(e.ids.begin(), e.ids.end(), ida)) {
+        EXPECT_EQ(phase, 0);
+        phase = 1;
+      }
+      continue;
+    }
+    for (const shm::PlanSeq& p : e.plan.seqs) {
+      if (p.slice.seq_id == ida) {
+        EXPECT_EQ(phase, 0) << "A ran after it was freed";
+      }
+      if (p.slice.seq_id == idb) {
+        EXPECT_GE(phase, 1) << "B ran before A's KV was freed";
+        phase = 2;
+      }
+    }
+  }
+  EXPECT_EQ(phase, 2);
+  CheckPlans(plans, options_,
+             {{ida, {Prompt(300, 5), oa.tokens}}, {idb, {Prompt(301, 5), ob.tokens}}});
+}
+
+TEST_F(SchedulerTest, FullQueueIsResourceExhausted) {
+  options_.kv_blocks = 2;
+  options_.max_queue = 2;
+  Start();
+  exec_.Hold();
+  std::shared_ptr<RequestStream> a = Submit(Prompt(300, 5), 20);
+  ASSERT_TRUE(exec_.WaitForRuns(1));  // A admitted; B and C will wait
+  std::shared_ptr<RequestStream> b = Submit(Prompt(301, 5), 20);
+  std::shared_ptr<RequestStream> c = Submit(Prompt(302, 5), 20);
+  GenerateOptions o;
+  o.prompt = Prompt(303, 5);
+  o.max_tokens = 20;
+  const absl::Status st = scheduler_->Submit(o).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("queue"));
+  EXPECT_EQ(scheduler_->Stats().waiting, 2);
+  exec_.Release();
+  for (auto* s : {a.get(), b.get(), c.get()}) {
+    const Outcome out = Collect(*s);
+    EXPECT_TRUE(out.error.ok()) << out.error;
+    EXPECT_EQ(out.tokens.size(), 20u);
+  }
+  // The queue drained: a new request is accepted.
+  absl::StatusOr<std::shared_ptr<RequestStream>> d = scheduler_->Submit(o);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE(Collect(**d).error.ok());
+}
+
+class SchedulerWorkerFailure : public SchedulerTest,
+                               public ::testing::WithParamInterface<absl::StatusCode> {};
+
+TEST_P(SchedulerWorkerFailure, FailsEveryRequestAndLaterSubmits) {
+  Start();
+  std::vector<absl::Status> broken_calls;
+  std::mutex mu;
+  scheduler_->on_broken = [&](const absl::Status& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    broken_calls.push_back(s);
+  };
+  exec_.Hold();
+  std::shared_ptr<RequestStream> a = Submit(Prompt(300, 5), 50);
+  ASSERT_TRUE(exec_.WaitForRuns(1));
+  std::shared_ptr<RequestStream> b = Submit(Prompt(301, 5), 50);
+  exec_.FailAtRun(3, absl::Status(GetParam(), "ring to attn-worker 1 timed out"));
+  exec_.Release();
+  for (auto* s : {a.get(), b.get()}) {
+    const Outcome out = Collect(*s);
+    ASSERT_TRUE(out.finished);
+    EXPECT_EQ(out.error.code(), absl::StatusCode::kUnavailable) << out.error;
+    EXPECT_THAT(std::string(out.error.message()), HasSubstr("attn-worker 1"));
+    EXPECT_LT(out.tokens.size(), 3u);  // at most the tokens of steps 1 and 2
+  }
+  EXPECT_TRUE(scheduler_->broken());
+  GenerateOptions o;
+  o.prompt = Prompt(302, 5);
+  o.max_tokens = 5;
+  EXPECT_EQ(scheduler_->Submit(o).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(exec_.runs(), 3);  // nothing ran after the failure
+  std::lock_guard<std::mutex> lock(mu);
+  ASSERT_EQ(broken_calls.size(), 1u);
+  EXPECT_EQ(broken_calls[0].code(), absl::StatusCode::kUnavailable);
+}
+
+INSTANTIATE_TEST_SUITE_P(Codes, SchedulerWorkerFailure,
+                         ::testing::Values(absl::StatusCode::kUnavailable,
+                                           absl::StatusCode::kDeadlineExceeded));
+
+double ProcessCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+TEST_F(SchedulerTest, BrokenSchedulerDoesNotSpin) {
+  // Once broken, the step thread must sleep like an idle one, not poll in a
+  // tight loop. Measured over 400 ms of wall time (the sleep here measures;
+  // it synchronises nothing): an idle scheduler uses well under 100 ms of CPU.
+  Start();
+  std::shared_ptr<RequestStream> a = Submit(Prompt(300, 5), 5);
+  ASSERT_TRUE(Collect(*a).error.ok());
+  scheduler_->MarkBroken(absl::UnavailableError("mlp-worker died"));
+  ASSERT_TRUE(scheduler_->broken());
+  const double cpu0 = ProcessCpuSeconds();
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  const double cpu = ProcessCpuSeconds() - cpu0;
+  EXPECT_LT(cpu, 0.1) << "the step thread burned " << cpu << " s of CPU in 0.4 s while broken";
+}
+
+TEST_F(SchedulerTest, FailedStepFailsOnlyItsRequests) {
+  // A non-transport error (the workers are alive) ends the step's requests
+  // with Internal, frees their KV, and the scheduler goes on.
+  Start();
+  exec_.FailAtRun(2, absl::InvalidArgumentError("bad token in plan"));
+  std::shared_ptr<RequestStream> a = Submit(Prompt(300, 5), 10);
+  const Outcome oa = Collect(*a);
+  EXPECT_EQ(oa.error.code(), absl::StatusCode::kInternal) << oa.error;
+  EXPECT_THAT(std::string(oa.error.message()), HasSubstr("bad token in plan"));
+  const uint64_t ida = SeqIdOf(exec_.plans(), 300).value();
+  EXPECT_TRUE(exec_.WaitForFree(ida));
+  EXPECT_FALSE(scheduler_->broken());
+  std::shared_ptr<RequestStream> b = Submit(Prompt(301, 5), 10);
+  ASSERT_NE(b, nullptr);
+  const Outcome ob = Collect(*b);
+  EXPECT_TRUE(ob.error.ok()) << ob.error;
+  EXPECT_EQ(ob.tokens.size(), 10u);
+  EXPECT_TRUE(WaitForStats([&](const SchedulerStats& s) {
+    return s.running == 0 && s.kv_blocks_free == options_.kv_blocks;
+  }));
+}
+
+TEST_F(SchedulerTest, CancelledRunningRequestIsDroppedAndFreed) {
+  Start();
+  exec_.Hold();
+  std::shared_ptr<RequestStream> a = Submit(Prompt(300, 5), 1000);
+  ASSERT_TRUE(exec_.WaitForRuns(1));  // A's prompt is inside Run
+  a->Cancel();
+  exec_.Release();
+  const uint64_t id = SeqIdOf(exec_.plans(), 300).value();
+  ASSERT_TRUE(exec_.WaitForFree(id));
+  EXPECT_TRUE(WaitForStats([&](const SchedulerStats& s) {
+    return s.running == 0 && s.waiting == 0 && s.kv_blocks_free == options_.kv_blocks;
+  }));
+  // A ran in step 1 only; nothing after its free mentions it.
+  int runs_with_a = 0;
+  bool freed = false;
+  for (const auto& e : exec_.log()) {
+    if (e.is_free) {
+      freed = freed || std::count(e.ids.begin(), e.ids.end(), id);
+      continue;
+    }
+    for (const shm::PlanSeq& p : e.plan.seqs) {
+      if (p.slice.seq_id == id) {
+        ++runs_with_a;
+        EXPECT_FALSE(freed) << "a freed sequence ran";
+      }
+    }
+  }
+  EXPECT_EQ(runs_with_a, 1);
+  // The stream got at most the token of step 1, never 1000.
+  int tokens = 0;
+  while (std::optional<StreamEvent> e = a->Pop(absl::ZeroDuration())) {
+    tokens += static_cast<int>(e->token_ids.size());
+  }
+  EXPECT_LE(tokens, 1);
+}
+
+TEST_F(SchedulerTest, CancelledWaitingRequestNeverRuns) {
+  options_.kv_blocks = 2;
+  Start();
+  exec_.Hold();
+  std::shared_ptr<RequestStream> a = Submit(Prompt(300, 5), 20);
+  ASSERT_TRUE(exec_.WaitForRuns(1));
+  std::shared_ptr<RequestStream> b = Submit(Prompt(301, 5), 20);
+  b->Cancel();
+  exec_.Release();
+  EXPECT_TRUE(Collect(*a).error.ok());
+  EXPECT_TRUE(WaitForStats([&](const SchedulerStats& s) {
+    return s.running == 0 && s.waiting == 0 && s.kv_blocks_free == options_.kv_blocks;
+  }));
+  EXPECT_FALSE(SeqIdOf(exec_.plans(), 301).has_value()) << "a cancelled waiting request ran";
+}
+
+TEST_F(SchedulerTest, MarkBrokenFailsRunningAndWaitingRequests) {
+  options_.kv_blocks = 2;
+  Start();
+  exec_.Hold();
+  std::shared_ptr<RequestStream> a = Submit(Prompt(300, 5), 20);  // running, inside Run
+  ASSERT_TRUE(exec_.WaitForRuns(1));
+  std::shared_ptr<RequestStream> b = Submit(Prompt(301, 5), 20);  // waiting for KV
+  const absl::Status dead = absl::UnavailableError("attn-worker 0 exited with signal 9");
+  scheduler_->MarkBroken(dead);
+  EXPECT_TRUE(scheduler_->broken());
+  exec_.Release();
+  for (auto* s : {a.get(), b.get()}) {
+    const Outcome out = Collect(*s);
+    ASSERT_TRUE(out.finished);
+    EXPECT_EQ(out.error, dead);
+  }
+  EXPECT_EQ(exec_.runs(), 1);
+  GenerateOptions o;
+  o.prompt = Prompt(302, 5);
+  o.max_tokens = 5;
+  EXPECT_EQ(scheduler_->Submit(o).status(), dead);
+}
+
+TEST_F(SchedulerTest, StopEndsQueuedAndRunningRequests) {
+  options_.kv_blocks = 2;
+  options_.max_queue = 1 << 20;  // room for the probes below however slow Stop is
+  Start();
+  exec_.Hold();
+  std::shared_ptr<RequestStream> a = Submit(Prompt(300, 5), 20);
+  ASSERT_TRUE(exec_.WaitForRuns(1));
+  std::shared_ptr<RequestStream> b = Submit(Prompt(301, 5), 20);
+  std::thread stopper([&] { scheduler_->Stop(); });
+  // Stop is in effect once Submit refuses; probes queued before that wait
+  // behind B (the KV is full) and end with the others.
+  std::vector<std::shared_ptr<RequestStream>> streams = {a, b};
+  GenerateOptions o;
+  o.prompt = Prompt(302, 5);
+  o.max_tokens = 5;
+  const auto deadline = std::chrono::steady_clock::now() + kWait;
+  for (;;) {
+    absl::StatusOr<std::shared_ptr<RequestStream>> probe = scheduler_->Submit(o);
+    if (!probe.ok()) {
+      EXPECT_EQ(probe.status().code(), absl::StatusCode::kUnavailable) << probe.status();
+      break;
+    }
+    streams.push_back(*probe);
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "Stop never took effect";
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  exec_.Release();
+  stopper.join();
+  for (const auto& s : streams) {
+    const Outcome out = Collect(*s);
+    ASSERT_TRUE(out.finished);
+    EXPECT_EQ(out.error.code(), absl::StatusCode::kUnavailable) << out.error;
+  }
+  EXPECT_EQ(exec_.runs(), 1);
+}
+
+}  // namespace
+}  // namespace ellm::coord
