@@ -50,7 +50,20 @@ struct TileCtx {
   int nvalid;
   __m256 valid[2];  // lane masks of positions 0-7, 8-15
   __m256 kscale[2], kmin[2], vscale[2], vbias[2];
+  const char* pk;  // a later tile's K and V to prefetch (nullptr: none)
+  const char* pv;
 };
+
+// Software prefetch, as in attention_avx512.cc: one line of the tile about
+// kPrefetchBytes ahead in each of the K and V streams per step of the score loop.
+constexpr int64_t kPrefetchBytes = 2048;
+
+ELLM_TARGET ELLM_INLINE void PrefetchLine(const TileCtx& t, int i) {
+  if (t.pk != nullptr) {
+    _mm_prefetch(t.pk + 64 * i, _MM_HINT_T0);
+    _mm_prefetch(t.pv + 64 * i, _MM_HINT_T0);
+  }
+}
 
 struct HeadsCtx {
   const int8_t* codes;
@@ -118,10 +131,13 @@ ELLM_TARGET ELLM_INLINE __m256 Exp2(__m256 x) {
 ELLM_TARGET ELLM_INLINE void SoftmaxStep(const __m256* s, const __m256* valid, float* part, int hp,
                                          HeadScratch* h, bool int8, __m256* p) {
   float& m = part[hp];
-  const float tmax = HMax(_mm256_max_ps(s[0], s[1]));
-  if (tmax > m) {
+  const __m256 m_old = _mm256_set1_ps(m);
+  const int over = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(s[0], m_old, _CMP_GT_OQ),
+                                                   _mm256_cmp_ps(s[1], m_old, _CMP_GT_OQ)));
+  if (over != 0) {  // rare once a sequence's leading scores have been seen
+    const float tmax = HMax(_mm256_max_ps(s[0], s[1]));
     if (m != -INFINITY) {
-      const __m256 alpha = _mm256_set1_ps(std::exp2(m - tmax));
+      const __m256 alpha = Exp2(_mm256_set1_ps(m - tmax));
       for (int i = 0; i < hp; i += 8) {
         _mm256_storeu_ps(part + i, _mm256_mul_ps(_mm256_loadu_ps(part + i), alpha));
       }
@@ -148,6 +164,7 @@ ELLM_TARGET ELLM_INLINE void Int8Scores(const TileCtx& t, const HeadsCtx& q, __m
       for (int j = 0; j < G; ++j) acc[x][j] = _mm256_setzero_si256();
     }
     for (int dq = 0; dq < n_dq; ++dq) {
+      PrefetchLine(t, dq);
       const __m256i k0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.k + 64 * dq));
       const __m256i k1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.k + 64 * dq + 32));
       for (int j = 0; j < G; ++j) {
@@ -160,6 +177,7 @@ ELLM_TARGET ELLM_INLINE void Int8Scores(const TileCtx& t, const HeadsCtx& q, __m
     for (int x = 0; x < 2; ++x) {
       for (int j = 0; j < G; ++j) acc[x][j] = _mm256_setzero_si256();
       for (int dq = 0; dq < n_dq; ++dq) {
+        if (x == 0) PrefetchLine(t, dq);
         const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.k + 64 * dq + 32 * x));
         for (int j = 0; j < G; ++j) {
           acc[x][j] = Dpbusd(acc[x][j], k, _mm256_set1_epi32(Load32(q.codes + j * t.hp + 4 * dq)));
@@ -174,6 +192,7 @@ ELLM_TARGET void Int8Tile(const TileCtx& t, const HeadsCtx& q) {
   const int hp = t.hp;
   __m256i acc[2][G];
   Int8Scores<G>(t, q, acc);
+  PrefetchLine(t, hp / 4);  // the tile's last line (scales come first)
   float wscale[G];
   for (int j = 0; j < G; ++j) {
     const __m256 qsum = _mm256_set1_ps(static_cast<float>(q.code_sum[j]));
@@ -230,6 +249,7 @@ ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
       for (int j = 0; j < G; ++j) acc[x][j] = _mm256_setzero_ps();
     }
     for (int d = 0; d < hp; ++d) {
+      if (d % 2 == 0) PrefetchLine(t, d / 2);  // hp / 2 lines per tile
       const __m256 k0 = LoadHalves(t.k + 32 * d), k1 = LoadHalves(t.k + 32 * d + 16);
       for (int j = 0; j < G; ++j) {
         const __m256 c = _mm256_set1_ps(q.scaled[j * hp + d]);
@@ -241,6 +261,7 @@ ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
     for (int x = 0; x < 2; ++x) {
       for (int j = 0; j < G; ++j) acc[x][j] = _mm256_setzero_ps();
       for (int d = 0; d < hp; ++d) {
+        if (x == 0 && d % 2 == 0) PrefetchLine(t, d / 2);
         const __m256 k = LoadHalves(t.k + 32 * d + 16 * x);
         for (int j = 0; j < G; ++j) {
           acc[x][j] = _mm256_fmadd_ps(k, _mm256_set1_ps(q.scaled[j * hp + d]), acc[x][j]);
@@ -327,17 +348,25 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   TileCtx t;
   t.hp = hp;
+  const int dist = std::max<int>(
+      1, static_cast<int>((kPrefetchBytes + a.kv.format.tile_bytes / 2) / a.kv.format.tile_bytes));
   for (int pos = a.pos_begin; pos < end; pos += kTile) {
     t.k = a.kv.KeyTile(pos);
     t.v = t.k + a.kv.value_offset;
+    t.pk = t.pv = nullptr;
+    if (pos + dist * kTile < end) {
+      t.pk = reinterpret_cast<const char*>(a.kv.KeyTile(pos + dist * kTile));
+      t.pv = t.pk + a.kv.value_offset;
+    }
     if constexpr (kInt8) {
       for (int x = 0; x < 2; ++x) {
-        t.kscale[x] = LoadHalves(t.k + 16 * hp + 16 * x);
-        t.kmin[x] = LoadHalves(t.k + 16 * hp + 32 + 16 * x);
-        t.vscale[x] = LoadHalves(t.v + 16 * hp + 16 * x);
-        t.vbias[x] = _mm256_fmadd_ps(t.vscale[x], _mm256_set1_ps(128.0f),
-                                     LoadHalves(t.v + 16 * hp + 32 + 16 * x));
+        t.kscale[x] = LoadHalves(t.k + 16 * x);
+        t.kmin[x] = LoadHalves(t.k + 32 + 16 * x);
+        t.vscale[x] = LoadHalves(t.v + 16 * x);
+        t.vbias[x] = _mm256_fmadd_ps(t.vscale[x], _mm256_set1_ps(128.0f), LoadHalves(t.v + 32 + 16 * x));
       }
+      t.k += 64;  // codes after the scale and min line
+      t.v += 64;
     }
     for (int i = 0; i < a.n_tokens; ++i) {
       const int seen = std::min(a.pos_end, a.last_pos[i] + 1) - pos;

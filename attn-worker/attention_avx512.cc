@@ -35,6 +35,15 @@ namespace {
 
 constexpr int kBlock = 8;  // query heads per register block
 
+// Software prefetch. The kernels consume a tile right after loading it, so
+// out-of-order execution alone cannot keep enough misses in flight, and the
+// hardware streamer runs too short a distance ahead at this consumption rate
+// (measured: 55-60% of the read probe without, 80-88% with). One line of the
+// tile about kPrefetchBytes ahead in each of the K and V streams is prefetched
+// per step of the score loop, spread out so the fill buffers stay busy
+// without a burst that stalls the pipeline.
+constexpr int64_t kPrefetchBytes = 2048;
+
 // Per (token, query head) scratch of a chunk (64 floats, see ChunkScratchFloats).
 struct HeadScratch {
   float dvec[16];  // lanes of d (summed at the end of the chunk)
@@ -52,7 +61,17 @@ struct TileCtx {
   int nvalid;  // positions of the tile this token sees (a prefix)
   __mmask16 valid;
   __m512 kscale, kmin, vscale, vbias;  // int8 only
+  const char* pk;  // a later tile's K and V, prefetched line by line while
+  const char* pv;  // this one computes (nullptr: none)
 };
+
+// Prefetches line i of the later tile's K and V.
+ELLM_TARGET ELLM_INLINE void PrefetchLine(const TileCtx& t, int i) {
+  if (t.pk != nullptr) {
+    _mm_prefetch(t.pk + 64 * i, _MM_HINT_T0);
+    _mm_prefetch(t.pv + 64 * i, _MM_HINT_T0);
+  }
+}
 
 // Query heads j0.. of one token: their rows, partials and scratch.
 struct HeadsCtx {
@@ -69,6 +88,14 @@ ELLM_TARGET ELLM_INLINE int32_t Load32(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
+}
+
+// acc += u8 x s8 products of `a` and the 4 bytes at `b4` broadcast to every
+// lane, as one instruction with an embedded broadcast (GCC 12 does not fold
+// the broadcast into VPDPBUSD by itself).
+ELLM_TARGET ELLM_INLINE __m512i DpbusdBcast(__m512i acc, __m512i a, const void* b4) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*static_cast<const int32_t*>(b4)));
+  return acc;
 }
 
 ELLM_TARGET ELLM_INLINE __m512 LoadHalves(const uint8_t* p) {
@@ -91,27 +118,90 @@ ELLM_TARGET ELLM_INLINE __m512 Exp2(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// The online-softmax step of one head over a tile's scores `s` (invalid lanes
-// -inf): raises the running max m (rescaling o and the lane sums), adds the
-// weights to d's lanes and returns them (0 in invalid lanes).
-ELLM_TARGET ELLM_INLINE __m512 SoftmaxStep(__m512 s, __mmask16 valid, float* part, int hp,
-                                           HeadScratch* h, bool int8) {
-  float& m = part[hp];
-  const float tmax = _mm512_reduce_max_ps(s);
-  if (tmax > m) {
-    if (m != -INFINITY) {
-      const __m512 alpha = _mm512_set1_ps(std::exp2(m - tmax));
-      for (int i = 0; i < hp; i += 16) {
-        _mm512_storeu_ps(part + i, _mm512_mul_ps(_mm512_loadu_ps(part + i), alpha));
-      }
-      _mm512_storeu_ps(h->dvec, _mm512_mul_ps(_mm512_loadu_ps(h->dvec), alpha));
-      if (int8) _mm512_storeu_ps(h->bvec, _mm512_mul_ps(_mm512_loadu_ps(h->bvec), alpha));
+// Raises the running max of the heads whose tile scores s[j] exceed it:
+// m_j = max(m_j, max s[j]), rescaling o, the lane sums of d and (int8) of
+// the V offsets by 2^(m_old - m_new). Off the hot path: once a sequence's
+// leading scores have been seen, a tile rarely holds a new maximum.
+template <int G>
+ELLM_TARGET __attribute__((noinline)) void RaiseMax(const __m512* s, float* part, int pf, int hp,
+                                                    HeadScratch* hs, bool int8) {
+  for (int j = 0; j < G; ++j) {
+    float* pj = part + j * pf;
+    const float m = pj[hp], tmax = _mm512_reduce_max_ps(s[j]);
+    if (!(tmax > m)) continue;
+    pj[hp] = tmax;
+    if (m == -INFINITY) continue;  // nothing accumulated yet
+    const __m512 alpha = Exp2(_mm512_set1_ps(m - tmax));
+    for (int i = 0; i < hp; i += 16) {
+      _mm512_storeu_ps(pj + i, _mm512_mul_ps(_mm512_loadu_ps(pj + i), alpha));
     }
-    m = tmax;
+    _mm512_storeu_ps(hs[j].dvec, _mm512_mul_ps(_mm512_loadu_ps(hs[j].dvec), alpha));
+    if (int8) _mm512_storeu_ps(hs[j].bvec, _mm512_mul_ps(_mm512_loadu_ps(hs[j].bvec), alpha));
   }
-  const __m512 p = _mm512_maskz_mov_ps(valid, Exp2(_mm512_sub_ps(s, _mm512_set1_ps(m))));
-  _mm512_storeu_ps(h->dvec, _mm512_add_ps(_mm512_loadu_ps(h->dvec), p));
-  return p;
+}
+
+// The online-softmax step of G heads over a tile's scores s[j] (invalid
+// lanes -inf): raises the running maxima where needed, then turns s[j] into
+// the weights p = 2^(s - m) (0 in invalid lanes) and adds them to d's lanes.
+template <int G>
+ELLM_TARGET ELLM_INLINE void SoftmaxStep(__m512* s, __mmask16 valid, float* part, int pf, int hp,
+                                         HeadScratch* hs, bool int8) {
+  __mmask16 over = 0;
+  for (int j = 0; j < G; ++j) {
+    over |= _mm512_cmp_ps_mask(s[j], _mm512_set1_ps(part[j * pf + hp]), _CMP_GT_OQ);
+  }
+  if (over) RaiseMax<G>(s, part, pf, hp, hs, int8);
+  for (int j = 0; j < G; ++j) {
+    s[j] = _mm512_maskz_mov_ps(valid, Exp2(_mm512_sub_ps(s[j], _mm512_set1_ps(part[j * pf + hp]))));
+    _mm512_storeu_ps(hs[j].dvec, _mm512_add_ps(_mm512_loadu_ps(hs[j].dvec), s[j]));
+  }
+}
+
+// The maxima of G <= 8 vectors at once (a transposing tree: 23 instructions
+// for 8 vectors instead of 8 separate reductions): head j's maximum lands in
+// lane MaxLane(j) of the result.
+constexpr int MaxLane(int j) { return j < 4 ? 4 * j : 4 * (j - 4) + 2; }
+
+template <int G>
+ELLM_TARGET ELLM_INLINE __m512 MaxEach(const __m512* x) {
+  __m512 in[8];
+  for (int j = 0; j < 8; ++j) in[j] = j < G ? x[j] : _mm512_setzero_ps();
+  __m512 t[4];
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_max_ps(_mm512_shuffle_f32x4(in[2 * i], in[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(in[2 * i], in[2 * i + 1], 0xEE));
+  }
+  const __m512 u0 = _mm512_max_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88),
+                                  _mm512_shuffle_f32x4(t[0], t[1], 0xDD));
+  const __m512 u1 = _mm512_max_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x88),
+                                  _mm512_shuffle_f32x4(t[2], t[3], 0xDD));
+  const __m512 v = _mm512_max_ps(_mm512_shuffle_ps(u0, u1, 0x44), _mm512_shuffle_ps(u0, u1, 0xEE));
+  return _mm512_max_ps(v, _mm512_permute_ps(v, 0xB1));
+}
+
+// o[16 dg .. 16 (dg + D)) of G heads += wscale * sum over the tile's 16
+// positions of weight code x V code.
+template <int G, int D>
+ELLM_TARGET ELLM_INLINE void VTile(const uint8_t* v, int dg, const HeadsCtx& q, const float* wscale) {
+  __m512i va[D][G];
+  for (int b = 0; b < D; ++b) {
+    for (int j = 0; j < G; ++j) va[b][j] = _mm512_setzero_si512();
+  }
+  for (int quad = 0; quad < 4; ++quad) {
+    for (int j = 0; j < G; ++j) {
+      const __m512i w = _mm512_set1_epi32(Load32(reinterpret_cast<const uint8_t*>(q.hs[j].w) + 4 * quad));
+      for (int b = 0; b < D; ++b) {
+        va[b][j] = _mm512_dpbusd_epi32(va[b][j], w, _mm512_loadu_si512(v + 64 * (4 * (dg + b) + quad)));
+      }
+    }
+  }
+  for (int b = 0; b < D; ++b) {
+    for (int j = 0; j < G; ++j) {
+      float* o = q.part + j * q.pf + 16 * (dg + b);
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(va[b][j]), _mm512_set1_ps(wscale[MaxLane(j)]),
+                                          _mm512_loadu_ps(o)));
+    }
+  }
 }
 
 template <int G>
@@ -119,61 +209,62 @@ ELLM_TARGET void Int8Tile(const TileCtx& t, const HeadsCtx& q) {
   const int hp = t.hp, n_dq = hp / 4;
   __m512i acc[G];
   for (int j = 0; j < G; ++j) acc[j] = _mm512_setzero_si512();
-  if constexpr (G <= 4) {
+  if constexpr (G <= 8) {
     // Few heads: two accumulator banks hide VPDPBUSD's latency.
     __m512i acc2[G];
     for (int j = 0; j < G; ++j) acc2[j] = _mm512_setzero_si512();
     for (int dq = 0; dq < n_dq; dq += 2) {
+      PrefetchLine(t, dq);
+      PrefetchLine(t, dq + 1);
       const __m512i k0 = _mm512_loadu_si512(t.k + 64 * dq);
       const __m512i k1 = _mm512_loadu_si512(t.k + 64 * dq + 64);
       for (int j = 0; j < G; ++j) {
         const int8_t* c = q.codes + j * hp + 4 * dq;
-        acc[j] = _mm512_dpbusd_epi32(acc[j], k0, _mm512_set1_epi32(Load32(c)));
-        acc2[j] = _mm512_dpbusd_epi32(acc2[j], k1, _mm512_set1_epi32(Load32(c + 4)));
+        acc[j] = DpbusdBcast(acc[j], k0, c);
+        acc2[j] = DpbusdBcast(acc2[j], k1, c + 4);
       }
     }
     for (int j = 0; j < G; ++j) acc[j] = _mm512_add_epi32(acc[j], acc2[j]);
   } else {
     for (int dq = 0; dq < n_dq; ++dq) {
+      PrefetchLine(t, dq);
       const __m512i k0 = _mm512_loadu_si512(t.k + 64 * dq);
-      for (int j = 0; j < G; ++j) {
-        acc[j] = _mm512_dpbusd_epi32(acc[j], k0,
-                                     _mm512_set1_epi32(Load32(q.codes + j * hp + 4 * dq)));
-      }
+      for (int j = 0; j < G; ++j) acc[j] = DpbusdBcast(acc[j], k0, q.codes + j * hp + 4 * dq);
     }
   }
-  float wscale[G];
+  PrefetchLine(t, n_dq);
+  // Scores: s = code_scale * (kscale * dot + kmin * code_sum).
+  __m512 s[G];
   for (int j = 0; j < G; ++j) {
-    __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[j]), t.kscale,
-                               _mm512_mul_ps(t.kmin, _mm512_set1_ps(static_cast<float>(q.code_sum[j]))));
-    s = _mm512_mul_ps(s, _mm512_set1_ps(q.code_scale[j]));
-    s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), t.valid, s);
+    s[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[j]), t.kscale,
+                           _mm512_mul_ps(t.kmin, _mm512_set1_ps(static_cast<float>(q.code_sum[j]))));
+    s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), t.valid, s[j],
+                              _mm512_set1_ps(q.code_scale[j]));
+  }
+  SoftmaxStep<G>(s, t.valid, q.part, q.pf, hp, q.hs, true);
+  // Weights w = p * vscale, as u8 codes against each head's tile maximum.
+  for (int j = 0; j < G; ++j) {
     HeadScratch* h = q.hs + j;
-    const __m512 p = SoftmaxStep(s, t.valid, q.part + j * q.pf, hp, h, true);
-    _mm512_storeu_ps(h->bvec, _mm512_mask3_fmadd_ps(p, t.vbias, _mm512_loadu_ps(h->bvec), t.valid));
-    const __m512 w = _mm512_maskz_mul_ps(t.valid, p, t.vscale);
-    const float wmax = _mm512_reduce_max_ps(w);
-    const float inv = wmax > 0 ? 255.0f / wmax : 0.0f;
-    const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(inv)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(h->w), _mm512_cvtepi32_epi8(codes));
-    wscale[j] = wmax * (1.0f / 255.0f);
+    _mm512_storeu_ps(h->bvec, _mm512_mask3_fmadd_ps(s[j], t.vbias, _mm512_loadu_ps(h->bvec), t.valid));
+    s[j] = _mm512_maskz_mul_ps(t.valid, s[j], t.vscale);
   }
-  for (int dg = 0; dg < hp / 16; ++dg) {
-    __m512i va[G];
-    for (int j = 0; j < G; ++j) va[j] = _mm512_setzero_si512();
-    for (int quad = 0; quad < 4; ++quad) {
-      const __m512i v = _mm512_loadu_si512(t.v + 64 * (4 * dg + quad));
-      for (int j = 0; j < G; ++j) {
-        const uint8_t* w = reinterpret_cast<const uint8_t*>(q.hs[j].w) + 4 * quad;
-        va[j] = _mm512_dpbusd_epi32(va[j], _mm512_set1_epi32(Load32(w)), v);
-      }
-    }
-    for (int j = 0; j < G; ++j) {
-      float* o = q.part + j * q.pf + 16 * dg;
-      _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(va[j]), _mm512_set1_ps(wscale[j]),
-                                          _mm512_loadu_ps(o)));
-    }
+  const __m512 wmax = MaxEach<G>(s);
+  alignas(64) float inv[16], wscale[16];
+  _mm512_store_ps(inv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(wmax, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                           _mm512_set1_ps(255.0f), wmax));
+  _mm512_store_ps(wscale, _mm512_mul_ps(wmax, _mm512_set1_ps(1.0f / 255.0f)));
+  for (int j = 0; j < G; ++j) {
+    const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(s[j], _mm512_set1_ps(inv[MaxLane(j)])));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.hs[j].w), _mm512_cvtepi32_epi8(codes));
   }
+  // p·V: kDg groups of 16 dims at a time, so that each head's broadcast
+  // weight codes serve kDg VPDPBUSDs (V lines come from L1 as memory operands).
+  constexpr int kDg = G <= 4 ? 4 : 2;
+  const int n_dg = hp / 16;
+  int dg = 0;
+
+  for (; dg + kDg <= n_dg; dg += kDg) VTile<G, kDg>(t.v, dg, q, wscale);
+  for (; dg < n_dg; ++dg) VTile<G, 1>(t.v, dg, q, wscale);
 }
 
 template <int G>
@@ -181,12 +272,13 @@ ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
   const int hp = t.hp;
   // Scores: lane = position; two banks when the heads alone cannot cover the
   // FMA latency.
-  constexpr int kBanks = G <= 4 ? 2 : 1;
+  constexpr int kBanks = 2;  // 2G independent FMA chains cover the latency (4) at 2 per cycle
   __m512 acc[kBanks][G];
   for (int b = 0; b < kBanks; ++b) {
     for (int j = 0; j < G; ++j) acc[b][j] = _mm512_setzero_ps();
   }
   for (int d = 0; d < hp; d += kBanks) {
+    if (kBanks == 2 || d % 2 == 0) PrefetchLine(t, d / 2);  // hp / 2 lines per tile
     for (int b = 0; b < kBanks; ++b) {
       const __m512 k = LoadHalves(t.k + 32 * (d + b));
       for (int j = 0; j < G; ++j) {
@@ -194,12 +286,13 @@ ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
       }
     }
   }
+  __m512 s[G];
   for (int j = 0; j < G; ++j) {
-    __m512 s = kBanks == 2 ? _mm512_add_ps(acc[0][j], acc[kBanks - 1][j]) : acc[0][j];
-    s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), t.valid, s);
-    HeadScratch* h = q.hs + j;
-    _mm512_storeu_ps(h->w, SoftmaxStep(s, t.valid, q.part + j * q.pf, hp, h, false));
+    s[j] = kBanks == 2 ? _mm512_add_ps(acc[0][j], acc[kBanks - 1][j]) : acc[0][j];
+    s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), t.valid, s[j]);
   }
+  SoftmaxStep<G>(s, t.valid, q.part, q.pf, hp, q.hs, false);
+  for (int j = 0; j < G; ++j) _mm512_storeu_ps(q.hs[j].w, s[j]);
   // p·V over the rows this token sees.
   for (int db = 0; db < hp / 16; ++db) {
     __m512 va[kBanks][G];
@@ -268,14 +361,26 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
   }
   TileCtx t;
   t.hp = hp;
+  // Prefetch distance: the tile about kPrefetchBytes ahead in each stream.
+  const int dist = std::max<int>(
+      1, static_cast<int>((kPrefetchBytes + a.kv.format.tile_bytes / 2) / a.kv.format.tile_bytes));
   for (int pos = a.pos_begin; pos < end; pos += kTile) {
     t.k = a.kv.KeyTile(pos);
     t.v = t.k + a.kv.value_offset;
     if constexpr (kInt8) {
-      t.kscale = LoadHalves(t.k + 16 * hp);
-      t.kmin = LoadHalves(t.k + 16 * hp + 32);
-      t.vscale = LoadHalves(t.v + 16 * hp);
-      t.vbias = _mm512_fmadd_ps(t.vscale, _mm512_set1_ps(128.0f), LoadHalves(t.v + 16 * hp + 32));
+      t.k += 64;  // codes after the scale and min line
+      t.v += 64;
+    }
+    t.pk = t.pv = nullptr;
+    if (pos + dist * kTile < end) {
+      t.pk = reinterpret_cast<const char*>(a.kv.KeyTile(pos + dist * kTile));
+      t.pv = t.pk + a.kv.value_offset;
+    }
+    if constexpr (kInt8) {
+      t.kscale = LoadHalves(t.k - 64);
+      t.kmin = LoadHalves(t.k - 32);
+      t.vscale = LoadHalves(t.v - 64);
+      t.vbias = _mm512_fmadd_ps(t.vscale, _mm512_set1_ps(128.0f), LoadHalves(t.v - 32));
     }
     for (int i = 0; i < a.n_tokens; ++i) {
       const int seen = std::min(a.pos_end, a.last_pos[i] + 1) - pos;

@@ -55,9 +55,10 @@ void PrepareQueries(const float* q, int rows, int head_dim, int q_max, QueryPrep
       const float v = d < head_dim ? x[d] : 0.0f;
       raw[d] = v;
       scaled[d] = v * prep->score_scale;
-      const float c = std::clamp(std::nearbyint(v * inv), static_cast<float>(-q_max),
-                                 static_cast<float>(q_max));
-      codes[d] = static_cast<int8_t>(c);
+      // Round half away from zero (no libm call), within ±q_max.
+      const float x = v * inv;
+      const int c = static_cast<int>(x + (x >= 0 ? 0.5f : -0.5f));
+      codes[d] = static_cast<int8_t>(std::clamp(c, -q_max, q_max));
       sum += codes[d];
     }
     prep->code_scale[r] = sq * prep->score_scale;

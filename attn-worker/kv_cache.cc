@@ -96,7 +96,7 @@ absl::Status KvCache::Reserve(uint64_t seq, int start, int n) {
 uint8_t* KvCache::BlockBase(int layer, int kv_head, int32_t block) const {
   const size_t region = static_cast<size_t>(layer) * options_.kv_heads + kv_head;
   return memory_->bytes_data() +
-         (region * options_.blocks + block) * static_cast<size_t>(2 * segment_bytes_);
+         (region * 2 * options_.blocks + block) * static_cast<size_t>(segment_bytes_);
 }
 
 float* KvCache::KeyRow(uint64_t seq, int layer, int kv_head, int pos) {
@@ -109,7 +109,7 @@ float* KvCache::KeyRow(uint64_t seq, int layer, int kv_head, int pos) {
 float* KvCache::ValueRow(uint64_t seq, int layer, int kv_head, int pos) {
   if (options_.dtype != KvDType::kF32) return nullptr;
   return reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(KeyRow(seq, layer, kv_head, pos)) +
-                                  segment_bytes_);
+                                  ValueOffset());
 }
 
 void KvCache::Store(uint64_t seq, int layer, int kv_head, int pos, const float* k, const float* v) {
@@ -125,8 +125,8 @@ KvSeqView KvCache::View(uint64_t seq, int layer, int kv_head) const {
   v.format = format_;
   v.base = BlockBase(layer, kv_head, 0);
   v.blocks = s.blocks.data();
-  v.block_stride = 2 * segment_bytes_;
-  v.value_offset = segment_bytes_;
+  v.block_stride = segment_bytes_;
+  v.value_offset = ValueOffset();
   v.block_tokens = options_.block_tokens;
   v.length = s.length;
   return v;

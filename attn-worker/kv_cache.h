@@ -1,12 +1,14 @@
 // The KV cache of one attention shard: KV heads [a, b) of every layer, in
 // paged blocks from one pool allocated on the shard's NUMA node.
 //
-// Pool layout: [layers][kv_heads] regions, each [blocks] × {K segment, V
-// segment} (kv_format.h gives a segment's bytes for each dtype). A sequence
-// owns a list of block ids (its block table), the same ids in every region;
+// Pool layout: [layers][kv_heads] regions, each [K, V][blocks] segments
+// (kv_format.h gives a segment's bytes for each dtype). A sequence owns a
+// list of block ids (its block table), the same ids in every region;
 // position p lives in block table[p / block_tokens], row p % block_tokens.
-// One (layer, KV head) of a sequence whose blocks are consecutive ids is
-// therefore one contiguous run of memory, which the decode kernels stream.
+// The K (and the V) of one (layer, KV head) of a sequence whose blocks are
+// consecutive ids is therefore one contiguous run of memory: the decode
+// kernels read two sequential streams, which the hardware prefetchers follow
+// further ahead than one.
 // Positions are appended in order and quantised once, when stored; a
 // sequence's blocks return to the pool when it is freed.
 #pragma once
@@ -81,8 +83,10 @@ class KvCache {
     int length = 0;
   };
   explicit KvCache(const KvCacheOptions& options) : options_(options) {}
-  // Start of block `block` of the (layer, kv head) region.
+  // Start of K block `block` of the (layer, kv head) region; its V block is
+  // ValueOffset() bytes further.
   uint8_t* BlockBase(int layer, int kv_head, int32_t block) const;
+  int64_t ValueOffset() const { return options_.blocks * segment_bytes_; }
 
   KvCacheOptions options_;
   KvFormat format_;

@@ -15,21 +15,21 @@ constexpr float kHalfMax = 65504.0f;
 
 int RoundUp16(int n) { return (n + 15) / 16 * 16; }
 
-// Offsets inside an int8 tile.
-int64_t Int8KeyIndex(int d, int t) { return (16 * (d / 4) + t) * 4 + d % 4; }
-int64_t Int8ValueIndex(int d, int t) { return ((4 * (d / 16) + t / 4) * 16 + d % 16) * 4 + t % 4; }
+// Offsets inside an int8 tile: scales, mins, then the codes.
+int64_t Int8KeyIndex(int d, int t) { return 64 + (16 * (d / 4) + t) * 4 + d % 4; }
+int64_t Int8ValueIndex(int d, int t) {
+  return 64 + ((4 * (d / 16) + t / 4) * 16 + d % 16) * 4 + t % 4;
+}
 
-uint16_t* ScaleAt(uint8_t* tile, int hp, int row) {
-  return reinterpret_cast<uint16_t*>(tile + 16 * hp) + row;
+uint16_t* ScaleAt(uint8_t* tile, int /*hp*/, int row) { return reinterpret_cast<uint16_t*>(tile) + row; }
+uint16_t* MinAt(uint8_t* tile, int /*hp*/, int row) {
+  return reinterpret_cast<uint16_t*>(tile + 32) + row;
 }
-uint16_t* MinAt(uint8_t* tile, int hp, int row) {
-  return reinterpret_cast<uint16_t*>(tile + 16 * hp + 32) + row;
+const uint16_t* ScaleAt(const uint8_t* tile, int /*hp*/, int row) {
+  return reinterpret_cast<const uint16_t*>(tile) + row;
 }
-const uint16_t* ScaleAt(const uint8_t* tile, int hp, int row) {
-  return reinterpret_cast<const uint16_t*>(tile + 16 * hp) + row;
-}
-const uint16_t* MinAt(const uint8_t* tile, int hp, int row) {
-  return reinterpret_cast<const uint16_t*>(tile + 16 * hp + 32) + row;
+const uint16_t* MinAt(const uint8_t* tile, int /*hp*/, int row) {
+  return reinterpret_cast<const uint16_t*>(tile + 32) + row;
 }
 
 uint16_t* Half(uint8_t* p, int64_t index) { return reinterpret_cast<uint16_t*>(p) + index; }
@@ -107,8 +107,9 @@ Int8Row QuantizeInt8Row(const float* x, int n, uint8_t* codes) {
   const float scale = HalfToFloat(r.scale_f16);
   const float inv = scale > 0 ? 1.0f / scale : 0.0f;
   for (int i = 0; i < n; ++i) {
-    const float c = std::nearbyint((x[i] - min) * inv);
-    codes[i] = static_cast<uint8_t>(std::clamp(c, 0.0f, 255.0f));
+    // Round half up (the argument is >= 0 up to the f16 rounding of min).
+    const float c = std::clamp((x[i] - min) * inv + 0.5f, 0.0f, 255.0f);
+    codes[i] = static_cast<uint8_t>(c);
   }
   return r;
 }

@@ -33,11 +33,19 @@ void Scheduler::Stop() {
 }
 
 absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Submit(GenerateOptions options) {
-  const int total = static_cast<int>(options.prompt.size()) + options.max_tokens;
+  if (options.synthetic_context < 0) {
+    return absl::InvalidArgumentError("synthetic_context must not be negative");
+  }
+  const int total = options.synthetic_context + static_cast<int>(options.prompt.size()) +
+                    options.max_tokens;
   if (options.prompt.empty() || options.max_tokens <= 0 || total > options_.context_length) {
     return absl::InvalidArgumentError(
         absl::StrCat("prompt of ", options.prompt.size(), " tokens + max_tokens ",
-                     options.max_tokens, " must fit the context of ", options_.context_length));
+                     options.max_tokens,
+                     options.synthetic_context
+                         ? absl::StrCat(" + synthetic context ", options.synthetic_context)
+                         : "",
+                     " must fit the context of ", options_.context_length));
   }
   const int64_t blocks = (total + options_.kv_block_tokens - 1) / options_.kv_block_tokens;
   if (blocks > options_.kv_blocks) {
@@ -51,6 +59,8 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Submit(GenerateOptions
   seq->text = std::make_unique<TextOutput>(tokenizer_, seq->options.stop);
   seq->rng = SequenceRng(seq->options.seed);
   seq->blocks = blocks;
+  seq->base = seq->fed = seq->options.synthetic_context;
+  seq->needs_fill = seq->base > 0;
   seq->submitted = absl::Now();
   std::shared_ptr<RequestStream> stream = seq->stream;
   {
@@ -104,7 +114,8 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
   for (int pass = 0; pass < 2; ++pass) {
     for (auto& s : running_) {
       const int prompt = static_cast<int>(s->options.prompt.size());
-      const bool decoding = s->fed >= prompt;
+      const int done = s->fed - s->base;  // prompt tokens (then generated ones) fed
+      const bool decoding = done >= prompt;
       if ((pass == 0) != decoding || budget == 0) continue;
       shm::PlanSeq p;
       p.slice.seq_id = s->id;
@@ -114,11 +125,11 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
         plan.tokens.push_back(s->generated.back());
         p.sample = 1;
       } else {
-        const int n = std::min(budget, prompt - s->fed);
+        const int n = std::min(budget, prompt - done);
         p.slice.n_tokens = static_cast<uint32_t>(n);
-        plan.tokens.insert(plan.tokens.end(), s->options.prompt.begin() + s->fed,
-                           s->options.prompt.begin() + s->fed + n);
-        p.sample = s->fed + n == prompt ? 1 : 0;
+        plan.tokens.insert(plan.tokens.end(), s->options.prompt.begin() + done,
+                           s->options.prompt.begin() + done + n);
+        p.sample = done + n == prompt ? 1 : 0;
       }
       budget -= static_cast<int>(p.slice.n_tokens);
       p.temperature = s->options.sampling.temperature;
@@ -191,10 +202,36 @@ void Scheduler::Loop() {
       }
     }
     ReleaseFinished();
+    std::vector<Sequence*> to_fill;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (broken_ || stop_) continue;
       Admit();
+      for (auto& s : running_) {
+        if (s->needs_fill) to_fill.push_back(s.get());
+      }
+    }
+    // Benchmarks: synthetic context goes straight into the attention caches.
+    // Only this thread removes running sequences, so the pointers stay valid.
+    for (Sequence* s : to_fill) {
+      absl::Status st = executor_->FillSynthetic(s->id, s->base);
+      std::lock_guard<std::mutex> lock(mu_);
+      s->needs_fill = false;
+      s->in_kv = true;
+      if (!st.ok()) {
+        Fail(s, st);
+        for (auto it = running_.begin(); it != running_.end(); ++it) {
+          if (it->get() == s) {
+            done_.push_back(std::move(*it));
+            running_.erase(it);
+            break;
+          }
+        }
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (broken_ || stop_) continue;
       plan = PlanStep(&in_step);
       step = ++step_;
     }
@@ -272,7 +309,8 @@ void Scheduler::Loop() {
       if (reason == FinishReason::kNone) {
         if (static_cast<int>(s->generated.size()) >= s->options.max_tokens) {
           reason = FinishReason::kMaxTokens;
-        } else if (prompt + static_cast<int>(s->generated.size()) >= options_.context_length) {
+        } else if (s->base + prompt + static_cast<int>(s->generated.size()) >=
+                   options_.context_length) {
           reason = FinishReason::kContext;
         }
       }

@@ -32,6 +32,10 @@ class StepExecutor {
                                                            const shm::StepPlan& plan) = 0;
   // Releases the KV blocks of finished sequences on every attention worker.
   virtual absl::Status FreeSequences(const std::vector<uint64_t>& ids) = 0;
+  // Benchmarks: gives a new sequence `positions` positions of random K/V.
+  virtual absl::Status FillSynthetic(uint64_t id, int positions) {
+    return absl::UnimplementedError("synthetic context is not supported by this executor");
+  }
 };
 
 struct SchedulerOptions {
@@ -49,6 +53,7 @@ struct GenerateOptions {
   SamplingParams sampling;
   uint64_t seed = 0;
   std::vector<std::string> stop;
+  int synthetic_context = 0;  // benchmarks: random K/V positions before the prompt
 };
 
 struct SchedulerStats {
@@ -85,7 +90,9 @@ class Scheduler {
     std::unique_ptr<TextOutput> text;
     SequenceRng rng{0};
     int64_t blocks = 0;     // KV blocks reserved
-    int fed = 0;            // tokens written to the KV cache
+    int fed = 0;            // positions written to the KV cache (incl. synthetic ones)
+    int base = 0;           // synthetic positions before the prompt
+    bool needs_fill = false;
     std::vector<int32_t> generated;
     absl::Time submitted, admitted, first_token, last_token;
     bool in_kv = false;     // some of it reached the workers

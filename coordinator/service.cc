@@ -91,6 +91,23 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
   o.sampling.top_p = s.has_top_p() ? s.top_p() : 1.0f;
   RETURN_IF_ERROR(ValidateSamplingParams(o.sampling, config_.vocab_size));
   o.seed = s.has_seed() ? s.seed() : std::random_device{}() * 0x100000001ULL;
+  if (r.synthetic_context() < 0) {
+    return absl::InvalidArgumentError("synthetic_context must not be negative");
+  }
+  if (r.synthetic_context() > 0) {
+    o.synthetic_context = r.synthetic_context();
+    if (n + o.max_tokens + o.synthetic_context > ctx) {
+      if (r.has_max_tokens()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "synthetic_context ", o.synthetic_context, " + prompt ", n, " + max_tokens ",
+            o.max_tokens, " exceed the context of ", ctx));
+      }
+      o.max_tokens = ctx - n - o.synthetic_context;
+      if (o.max_tokens <= 0) {
+        return absl::InvalidArgumentError("synthetic_context leaves no room in the context");
+      }
+    }
+  }
   for (const std::string& stop : r.stop()) {
     if (stop.empty()) return absl::InvalidArgumentError("a stop string is empty");
     if (!ValidUtf8(stop)) return absl::InvalidArgumentError("a stop string is not valid UTF-8");

@@ -105,6 +105,25 @@ absl::Status WorkerLink::FreeSequences(const std::vector<uint64_t>& ids) {
   return absl::OkStatus();
 }
 
+absl::Status WorkerLink::FillSynthetic(uint64_t id, int positions) {
+  ellm::v1::FillSyntheticRequest req;
+  req.set_sequence_id(id);
+  req.set_positions(positions);
+  req.set_seed(id * 0x9e3779b97f4a7c15ULL + 1);
+  for (WorkerHandle& w : workers_) {
+    if (w.info.role() != "attn-worker") continue;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));
+    ellm::v1::FillSyntheticResponse resp;
+    grpc::Status st = w.stub->FillSynthetic(&ctx, req, &resp);
+    if (!st.ok()) {
+      return absl::Status(static_cast<absl::StatusCode>(st.error_code()),
+                          absl::StrCat("attn-worker ", w.info.shard(), ": ", st.error_message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WorkerLink::CheckWorkers() {
   if (!channel_->PeerAlive()) {
     return absl::UnavailableError(

@@ -31,6 +31,7 @@ class WorkerLink final : public StepExecutor {
 
   absl::StatusOr<std::vector<shm::SampledSeq>> Run(uint64_t step, const shm::StepPlan& plan) override;
   absl::Status FreeSequences(const std::vector<uint64_t>& ids) override;
+  absl::Status FillSynthetic(uint64_t id, int positions) override;
   // Checks every worker: the mlp-worker's process and each control endpoint.
   // Unavailable naming the first that does not answer.
   absl::Status CheckWorkers();

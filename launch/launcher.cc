@@ -50,6 +50,9 @@ struct LaunchConfig {
   int max_batch = 16;
   int max_step_tokens = 256;
   int mlp_threads = 0;
+  std::string kv_dtype = "int8";   // int8, f16 or f32
+  std::string backend = "auto";    // auto, cpu or cuda
+  std::string cpu_weights = "native";
   std::string topology_spec;
   std::string bin_dir;
   std::string log_level;
@@ -161,6 +164,23 @@ absl::Status Launch::Start() {
     }
   }
   const bool numactl = c_.use_numactl && system("command -v numactl >/dev/null 2>&1") == 0;
+  // The MLP backend: cuda when asked, or when auto finds a GPU; cpu otherwise.
+  std::string backend = c_.backend;
+  if (backend == "auto" || backend == "cuda") {
+    const std::string probe = c_.bin_dir + "/ellm-mlp-worker --probe_cuda 2>/dev/null";
+    std::string answer;
+    if (FILE* f = popen(probe.c_str(), "r")) {
+      char buf[512];
+      while (fgets(buf, sizeof(buf), f) != nullptr) answer += buf;
+      const int rc = pclose(f);
+      if (!answer.empty() && answer.back() == '\n') answer.pop_back();
+      if (backend == "auto") backend = rc == 0 ? "cuda" : "cpu";
+      else if (rc != 0) return absl::UnavailableError(absl::StrCat("--backend cuda: ", answer));
+    } else if (backend == "auto") {
+      backend = "cpu";
+    }
+    LogInfo("MLP backend %s (%s)", backend, answer.empty() ? "no CUDA probe" : answer);
+  }
   LogInfo("model %s: %s", c_.model_path, model.DebugString());
   LogInfo("topology %s; %d attention workers with %d KV heads each%s", topo.DebugString(), n,
           heads_each, numactl ? " (bound with numactl)" : "");
@@ -175,7 +195,12 @@ absl::Status Launch::Start() {
   // KV budget per worker: what the batch can use at full context, at most 1/4 of RAM shared.
   int kv_mb = c_.kv_cache_mb;
   if (kv_mb <= 0) {
-    const double per_token = 2.0 * model.n_layers * heads_each * model.head_dim * sizeof(float);
+    // K and V per position and KV head: f32 4 bytes, f16 2, int8 1 per
+    // element (dims padded to 16) plus its f16 scale and min.
+    const int padded = c_.kv_dtype == "f32" ? model.head_dim : (model.head_dim + 15) / 16 * 16;
+    const double element = c_.kv_dtype == "f32" ? 4 : c_.kv_dtype == "f16" ? 2 : 1;
+    const double per_head = padded * element + (c_.kv_dtype == "int8" ? 4 : 0);
+    const double per_token = 2.0 * model.n_layers * heads_each * per_head;
     const double want = per_token * model.context_length * c_.max_batch / 1048576.0;
     const double ram_mb = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE) / 1048576.0;
     kv_mb = static_cast<int>(std::max(1.0, std::min(want, ram_mb / 4 / n)) + 1);
@@ -205,7 +230,8 @@ absl::Status Launch::Start() {
         c_.bin_dir + "/ellm-attn-worker", "--model=" + c_.model_path,
         absl::StrCat("--shard=", i), absl::StrCat("--kv_heads=", i * heads_each, ":", (i + 1) * heads_each),
         "--channel=" + channel, "--listen=" + address, absl::StrCat("--numa_node=", node.id),
-        "--cpus=" + FormatCpuList(cpus), absl::StrCat("--kv_cache_mb=", kv_mb), common_limits,
+        "--cpus=" + FormatCpuList(cpus), absl::StrCat("--kv_cache_mb=", kv_mb),
+        "--kv_dtype=" + c_.kv_dtype, common_limits,
         step_limit, "--log_level=" + c_.log_level};
     argv.insert(argv.end(), rest.begin(), rest.end());
     children_.push_back({absl::StrCat("attn-worker ", i), Spawn(argv), address});
@@ -223,7 +249,8 @@ absl::Status Launch::Start() {
     std::vector<std::string> rest = {
         c_.bin_dir + "/ellm-mlp-worker", "--model=" + c_.model_path, "--channel=" + mlp_channel,
         "--attn_shards=" + absl::StrJoin(shard_specs, ","), "--listen=" + mlp_address,
-        absl::StrCat("--threads=", mlp_threads), common_limits, step_limit,
+        absl::StrCat("--threads=", mlp_threads), "--backend=" + backend,
+        "--cpu_weights=" + c_.cpu_weights, common_limits, step_limit,
         "--log_level=" + c_.log_level};
     argv.insert(argv.end(), rest.begin(), rest.end());
     children_.push_back({"mlp-worker", Spawn(argv), mlp_address});
@@ -258,6 +285,8 @@ absl::Status Launch::Start() {
   }
   LogInfo("ellm is ready: listening on %s (model %s, %d attention workers, %d MiB KV cache each)",
           public_address, fs::path(c_.model_path).filename().string(), n, kv_mb);
+  LogInfo("KV cache %s; MLP backend %s%s", c_.kv_dtype, backend,
+          backend == "cpu" ? absl::StrCat(" (", c_.cpu_weights, " weights, ", mlp_threads, " threads)") : "");
   std::printf("ellm listening on %s\n", public_address.c_str());
   std::fflush(stdout);
   return absl::OkStatus();
@@ -359,6 +388,10 @@ int Main(int argc, char** argv) {
   args.Flag("max-step-tokens", "256", "most tokens in one step (prompt chunks + decodes)");
   args.Flag("mlp-threads", "0", "threads of the CPU MLP backend (0: the cores of node 0)");
   args.Flag("topology", "", "NUMA topology to use instead of the machine's, e.g. 0:0-7;1:8-15");
+  args.Flag("kv-dtype", "int8", "KV cache element type: int8, f16 or f32 ($ELLM_KV_DTYPE sets the default)");
+  args.Flag("backend", "auto", "MLP backend: auto (cuda when a GPU is visible, else cpu), cpu or cuda");
+  args.Flag("cpu-weights", "native", "cpu backend: native (quantised kernels on the GGUF types) or f32 "
+            "(dequantised at load; bit-exact with the reference forward)");
   args.Flag("bin-dir", "", "folder holding ellm-attn-worker, ellm-mlp-worker, ellm-coordinator");
   args.Flag("log-level", "info", "debug, info, warning or error");
   args.Flag("no-numactl", "", "do not wrap the attention workers in numactl", true);
@@ -388,6 +421,24 @@ int Main(int argc, char** argv) {
   c.bin_dir = FindBinDir(args.Get("bin-dir"), argv[0]);
   c.log_level = args.Get("log-level");
   c.use_numactl = !args.GetBool("no-numactl");
+  c.kv_dtype = args.Get("kv-dtype");
+  if (!args.IsSet("kv-dtype")) {
+    if (const char* env = std::getenv("ELLM_KV_DTYPE"); env != nullptr && *env) c.kv_dtype = env;
+  }
+  c.backend = args.Get("backend");
+  c.cpu_weights = args.Get("cpu-weights");
+  if (c.kv_dtype != "int8" && c.kv_dtype != "f16" && c.kv_dtype != "f32") {
+    LogError("--kv-dtype must be int8, f16 or f32, got '%s'", c.kv_dtype);
+    return 2;
+  }
+  if (c.backend != "auto" && c.backend != "cpu" && c.backend != "cuda") {
+    LogError("--backend must be auto, cpu or cuda, got '%s'", c.backend);
+    return 2;
+  }
+  if (c.cpu_weights != "native" && c.cpu_weights != "f32") {
+    LogError("--cpu-weights must be native or f32, got '%s'", c.cpu_weights);
+    return 2;
+  }
   for (auto [name, field] : std::vector<std::pair<const char*, int*>>{
            {"port", &c.port}, {"attn-workers", &c.attn_workers}, {"kv-cache-mb", &c.kv_cache_mb},
            {"max-batch", &c.max_batch}, {"max-step-tokens", &c.max_step_tokens},

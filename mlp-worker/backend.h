@@ -66,7 +66,10 @@ class MlpBackend {
   }
 };
 
-// The CPU backend: fp32 weights, the core kernels, threads split by tokens.
+// The CPU backend. With weights loaded natively (LoadOptions::raw_matrices)
+// each matrix keeps its GGUF type and runs on the int8/half kernels of
+// cpu/matmul.h; with fp32 weights it uses kernels bit-identical to the
+// reference forward. Threads split every product by output rows.
 absl::StatusOr<std::unique_ptr<MlpBackend>> CreateCpuBackend(ModelWeights weights,
                                                              int max_step_tokens, int threads);
 

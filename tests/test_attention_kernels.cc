@@ -269,13 +269,13 @@ TEST(KvFormat, Int8BytesSitWhereTheHeaderSays) {
   std::vector<float> x(hd, 0.0f);
   x[13] = 255.0f;  // codes: 255 at dim 13, 0 elsewhere (min 0, scale 1)
   f.StoreKey(tile.data(), 6, x.data());
-  EXPECT_EQ(tile[(16 * (13 / 4) + 6) * 4 + 13 % 4], 255);
-  EXPECT_EQ(HalfToFloat(reinterpret_cast<uint16_t*>(tile.data() + 16 * hd)[6]), 1.0f);
-  EXPECT_EQ(HalfToFloat(reinterpret_cast<uint16_t*>(tile.data() + 16 * hd + 32)[6]), 0.0f);
+  EXPECT_EQ(tile[64 + (16 * (13 / 4) + 6) * 4 + 13 % 4], 255);
+  EXPECT_EQ(HalfToFloat(reinterpret_cast<uint16_t*>(tile.data())[6]), 1.0f);
+  EXPECT_EQ(HalfToFloat(reinterpret_cast<uint16_t*>(tile.data() + 32)[6]), 0.0f);
   std::fill(tile.begin(), tile.end(), 0);
   f.StoreValue(tile.data(), 6, x.data());
-  EXPECT_EQ(tile[((4 * (13 / 16) + 6 / 4) * 16 + 13 % 16) * 4 + 6 % 4], 127);  // 255 - 128
-  EXPECT_EQ(tile[((4 * (12 / 16) + 6 / 4) * 16 + 12 % 16) * 4 + 6 % 4], 0x80);  // 0 - 128
+  EXPECT_EQ(tile[64 + ((4 * (13 / 16) + 6 / 4) * 16 + 13 % 16) * 4 + 6 % 4], 127);  // 255 - 128
+  EXPECT_EQ(tile[64 + ((4 * (12 / 16) + 6 / 4) * 16 + 12 % 16) * 4 + 6 % 4], 0x80);  // 0 - 128
 }
 
 TEST(KvFormat, ParsesNames) {

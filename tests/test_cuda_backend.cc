@@ -61,6 +61,9 @@ DeviceArray<T> ToDevice(const std::vector<T>& v) {
   if (!a.ok()) return DeviceArray<T>();
   EXPECT_EQ(cudaMemcpy(a->get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice),
             cudaSuccess);
+  // The copy ran on the legacy stream, which the tests' non-blocking stream
+  // does not wait for.
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return std::move(*a);
 }
 
@@ -72,6 +75,7 @@ DeviceArray<T> Poisoned(size_t n) {
   EXPECT_TRUE(a.ok()) << a.status();
   if (!a.ok()) return DeviceArray<T>();
   EXPECT_EQ(cudaMemset(a->get(), 0xFF, n * sizeof(T)), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return std::move(*a);
 }
 
@@ -635,7 +639,8 @@ TEST_F(CudaTest, BackendMatchesCpuBackend) {
   }
 }
 
-// Graph replays launch exactly the kernels of the direct launches.
+// Graph replays launch the kernels of the direct launches: the same results
+// (bit for bit unless cuBLAS picks another algorithm under capture).
 TEST_F(CudaTest, GraphsGiveTheSameResults) {
   const ModelConfig c = TinyConfig(true);
   const ModelWeights w = RandomWeights(c, rng_(), false);
@@ -656,9 +661,9 @@ TEST_F(CudaTest, GraphsGiveTheSameResults) {
       ASSERT_TRUE((*eager)->ComputeQkv(layer, q.data(), k.data(), v.data()).ok());
       absl::Status st = (*graphed)->ComputeQkv(layer, q2.data(), k2.data(), v2.data());
       ASSERT_TRUE(st.ok()) << st;
-      EXPECT_EQ(q, q2) << "step " << step << " layer " << layer;
-      EXPECT_EQ(k, k2);
-      EXPECT_EQ(v, v2);
+      EXPECT_LT(RelError(q2, q), 1e-6) << "step " << step << " layer " << layer;
+      EXPECT_LT(RelError(k2, k), 1e-6) << "step " << step << " layer " << layer;
+      EXPECT_LT(RelError(v2, v), 1e-6) << "step " << step << " layer " << layer;
       ASSERT_TRUE((*eager)->CompleteLayer(layer, q.data()).ok());
       ASSERT_TRUE((*graphed)->CompleteLayer(layer, q.data()).ok());
     }
@@ -666,7 +671,7 @@ TEST_F(CudaTest, GraphsGiveTheSameResults) {
     std::vector<float> l1(2 * c.vocab_size), l2(l1.size());
     ASSERT_TRUE((*eager)->ComputeLogits(rows.data(), 2, l1.data()).ok());
     ASSERT_TRUE((*graphed)->ComputeLogits(rows.data(), 2, l2.data()).ok());
-    EXPECT_EQ(l1, l2) << "step " << step;
+    EXPECT_LT(RelError(l2, l1), 1e-6) << "step " << step;
   }
 }
 
@@ -764,6 +769,7 @@ class EchoAttention {
     while (!stop_) {
       absl::StatusOr<shm::Ring::Frame> frame = channel_->requests().BeginRead(wait);
       if (!frame.ok()) continue;
+      ++requests_;  // before the reply, so the count is final once the reply is read
       const shm::FrameHeader h = frame->header;
       absl::StatusOr<shm::AttnRequestView> view =
           shm::DecodeAttnRequest(h, frame->payload, shape_, 1 << 20);
@@ -786,7 +792,6 @@ class EchoAttention {
         }
       }
       channel_->requests().EndRead();
-      ++requests_;
     }
   }
 

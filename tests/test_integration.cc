@@ -57,7 +57,8 @@ std::vector<int32_t> ReferenceGreedy(const std::string& prompt, int n) {
 TEST(Integration, GreedyMatchesReferenceWithTwoAttentionWorkers) {
   const std::vector<int32_t> expected = ReferenceGreedy("Once upon a time", 64);
   ASSERT_EQ(expected.size(), 64u);
-  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl"});
+  // f32 KV: bit-exact with the reference forward.
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--kv-dtype=f32"});
   ASSERT_TRUE(system.ready()) << system.Log();
   EXPECT_EQ(ChildrenOf(system.pid()).size(), 4u);  // 2 attn-workers, mlp-worker, coordinator
   Generated g = Generate(system.stub(), Greedy("Once upon a time", 64));
@@ -74,7 +75,7 @@ TEST(Integration, GreedyMatchesReferenceWithTwoAttentionWorkers) {
 TEST(Integration, GreedyMatchesReferenceWithOneAndFourAttentionWorkers) {
   const std::vector<int32_t> expected = ReferenceGreedy("The little dog", 48);
   for (const char* workers : {"--attn-workers=1", "--attn-workers=4"}) {
-    EllmSystem system({"--model=" + kStories, workers, "--no-numactl"});
+    EllmSystem system({"--model=" + kStories, workers, "--no-numactl", "--kv-dtype=f32"});
     ASSERT_TRUE(system.ready()) << system.Log();
     Generated g = Generate(system.stub(), Greedy("The little dog", 48));
     ASSERT_TRUE(g.status.ok()) << g.status.error_message();
@@ -112,7 +113,8 @@ TEST(Integration, ConcurrentStreamsGiveWhatEachGivesAlone) {
 }
 
 TEST(Integration, BadRequestsGetClearErrorsAndTheServerGoesOn) {
-  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--kv-cache-mb=1"});
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--kv-cache-mb=1",
+                     "--kv-dtype=f32"});
   ASSERT_TRUE(system.ready()) << system.Log();
   auto expect_code = [&](const ellm::v1::GenerateRequest& req, grpc::StatusCode code,
                          const std::string& needle) {
@@ -159,7 +161,7 @@ TEST(Integration, BadRequestsGetClearErrorsAndTheServerGoesOn) {
 }
 
 TEST(Integration, StopStringAndCancelledClient) {
-  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl"});
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--kv-dtype=f32"});
   ASSERT_TRUE(system.ready()) << system.Log();
   ellm::v1::GenerateRequest req = Greedy("Once upon a time", 64);
   req.add_stop("Lily");

@@ -53,7 +53,8 @@ TEST(IntegrationQwen2, QuantisedModelsMatchTheReferenceAndChatRendersChatMl) {
     const std::string prompt = "The capital of France is";
     const std::vector<int32_t> expected = ReferenceGreedy(model, prompt, 32);
     ASSERT_EQ(expected.size(), 32u);
-    EllmSystem system({"--model=" + model, "--attn-workers=2", "--no-numactl", "--kv-dtype=f32"});
+    EllmSystem system({"--model=" + model, "--attn-workers=2", "--no-numactl", "--kv-dtype=f32",
+                       "--cpu-weights=f32"});
     ASSERT_TRUE(system.ready()) << system.Log();
     Generated g = Generate(system.stub(), Greedy(prompt, 32));
     ASSERT_TRUE(g.status.ok()) << g.status.error_message();

@@ -32,21 +32,22 @@ absl::string_view Absl(std::string_view s) { return {s.data(), s.size()}; }
 // Moves one matrix [rows, cols] out of the loaded weights into a QuantMatrix,
 // freeing the loaded copy.
 absl::StatusOr<QuantMatrix> TakeMatrix(std::string_view name, int64_t rows, int64_t cols,
-                                       std::vector<float>* f32, RawMatrix* raw) {
+                                       std::vector<float>* f32, RawMatrix* raw, ThreadPool* pool) {
   if (!raw->empty()) {
     if (raw->rows != rows || raw->cols != cols) {
-      return absl::InvalidArgumentError(absl::StrCat(Absl(name), " is [", raw->rows, ", ", raw->cols,
-                                                     "], expected [", rows, ", ", cols, "]"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          Absl(name), " is [", raw->rows, ", ", raw->cols, "], expected [", rows, ", ", cols, "]"));
     }
     absl::StatusOr<QuantMatrix> m =
-        QuantMatrix::FromRaw(raw->type, rows, cols, raw->data.data(), raw->data.size());
-    if (!m.ok()) return absl::Status(m.status().code(), absl::StrCat(Absl(name), ": ", m.status().message()));
+        QuantMatrix::FromRaw(raw->type, rows, cols, raw->data.data(), raw->data.size(), pool);
+    if (!m.ok())
+      return absl::Status(m.status().code(), absl::StrCat(Absl(name), ": ", m.status().message()));
     *raw = RawMatrix();
     return m;
   }
   if (f32->size() != static_cast<size_t>(rows * cols)) {
-    return absl::InvalidArgumentError(absl::StrCat(Absl(name), " has ", f32->size(), " values, expected ",
-                                                   rows * cols));
+    return absl::InvalidArgumentError(
+        absl::StrCat(Absl(name), " has ", f32->size(), " values, expected ", rows * cols));
   }
   QuantMatrix m = QuantMatrix::FromF32(f32->data(), rows, cols);
   *f32 = std::vector<float>();
@@ -55,8 +56,8 @@ absl::StatusOr<QuantMatrix> TakeMatrix(std::string_view name, int64_t rows, int6
 
 class CpuBackend final : public MlpBackend {
  public:
-  static absl::StatusOr<std::unique_ptr<MlpBackend>> Create(ModelWeights weights, int max_step_tokens,
-                                                            int threads) {
+  static absl::StatusOr<std::unique_ptr<MlpBackend>> Create(ModelWeights weights,
+                                                            int max_step_tokens, int threads) {
     std::unique_ptr<CpuBackend> b(new CpuBackend(std::move(weights), max_step_tokens, threads));
     RETURN_IF_ERROR(b->TakeMatrices());
     b->LogKernels();
@@ -65,13 +66,14 @@ class CpuBackend final : public MlpBackend {
 
   std::string name() const override {
     if (!native_) return absl::StrCat("cpu-f32 (", pool_.size(), " threads)");
-    return absl::StrCat("cpu-native ", Absl(MatIsaName(isa_)), " (", absl::StrJoin(type_names_, ", "), "; ",
-                        pool_.size(), " threads)");
+    return absl::StrCat("cpu-native ", Absl(MatIsaName(isa_)), " (",
+                        absl::StrJoin(type_names_, ", "), "; ", pool_.size(), " threads)");
   }
 
   absl::Status BeginStep(const int32_t* tokens, const int32_t* positions, int n) override {
     if (n <= 0 || n > max_tokens_) {
-      return absl::InvalidArgumentError(absl::StrCat("step of ", n, " tokens (max ", max_tokens_, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("step of ", n, " tokens (max ", max_tokens_, ")"));
     }
     const ModelConfig& c = w_.config;
     for (int t = 0; t < n; ++t) {
@@ -99,7 +101,8 @@ class CpuBackend final : public MlpBackend {
     MatMul(M.wk, act_, k, &pool_, isa_);
     MatMul(M.wv, act_, v, &pool_, isa_);
     ForTokens(n_, [&](int64_t t) {
-      QkvPostprocess(c, L, positions_[t], q + t * c.q_dim(), k + t * c.kv_dim(), v + t * c.kv_dim());
+      QkvPostprocess(c, L, positions_[t], q + t * c.q_dim(), k + t * c.kv_dim(),
+                     v + t * c.kv_dim());
     });
     return absl::OkStatus();
   }
@@ -137,7 +140,8 @@ class CpuBackend final : public MlpBackend {
     const ModelConfig& c = w_.config;
     if (n < 0 || n > max_tokens_) return absl::InvalidArgumentError("too many logits rows");
     for (int i = 0; i < n; ++i) {
-      if (rows[i] < 0 || rows[i] >= n_) return absl::InvalidArgumentError("logits row out of range");
+      if (rows[i] < 0 || rows[i] >= n_)
+        return absl::InvalidArgumentError("logits row out of range");
     }
     // xb_ is free here: the last layer is complete.
     ForTokens(n, [&](int64_t i) {
@@ -168,26 +172,31 @@ class CpuBackend final : public MlpBackend {
 
   absl::Status TakeMatrices() {
     const ModelConfig& c = w_.config;
-    const int64_t dim = c.dim, q = c.q_dim(), kv = c.kv_dim(), ffn = c.ffn_dim, vocab = c.vocab_size;
+    const int64_t dim = c.dim, q = c.q_dim(), kv = c.kv_dim(), ffn = c.ffn_dim,
+                  vocab = c.vocab_size;
     native_ = !w_.raw_token_embd.empty();
-    ASSIGN_OR_RETURN(token_embd_, TakeMatrix("token_embd", vocab, dim, &w_.token_embd, &w_.raw_token_embd));
+    ASSIGN_OR_RETURN(token_embd_, TakeMatrix("token_embd", vocab, dim, &w_.token_embd,
+                                             &w_.raw_token_embd, &pool_));
     layers_.resize(c.n_layers);
     for (int l = 0; l < c.n_layers; ++l) {
       LayerWeights& L = w_.layers[l];
       Layer& M = layers_[l];
       const std::string p = absl::StrCat("blk.", l, ".");
-      ASSIGN_OR_RETURN(M.wq, TakeMatrix(p + "attn_q", q, dim, &L.wq, &L.raw_wq));
-      ASSIGN_OR_RETURN(M.wk, TakeMatrix(p + "attn_k", kv, dim, &L.wk, &L.raw_wk));
-      ASSIGN_OR_RETURN(M.wv, TakeMatrix(p + "attn_v", kv, dim, &L.wv, &L.raw_wv));
-      ASSIGN_OR_RETURN(M.wo, TakeMatrix(p + "attn_output", dim, q, &L.wo, &L.raw_wo));
-      ASSIGN_OR_RETURN(M.w_gate, TakeMatrix(p + "ffn_gate", ffn, dim, &L.w_gate, &L.raw_w_gate));
-      ASSIGN_OR_RETURN(M.w_up, TakeMatrix(p + "ffn_up", ffn, dim, &L.w_up, &L.raw_w_up));
-      ASSIGN_OR_RETURN(M.w_down, TakeMatrix(p + "ffn_down", dim, ffn, &L.w_down, &L.raw_w_down));
+      ASSIGN_OR_RETURN(M.wq, TakeMatrix(p + "attn_q", q, dim, &L.wq, &L.raw_wq, &pool_));
+      ASSIGN_OR_RETURN(M.wk, TakeMatrix(p + "attn_k", kv, dim, &L.wk, &L.raw_wk, &pool_));
+      ASSIGN_OR_RETURN(M.wv, TakeMatrix(p + "attn_v", kv, dim, &L.wv, &L.raw_wv, &pool_));
+      ASSIGN_OR_RETURN(M.wo, TakeMatrix(p + "attn_output", dim, q, &L.wo, &L.raw_wo, &pool_));
+      ASSIGN_OR_RETURN(M.w_gate,
+                       TakeMatrix(p + "ffn_gate", ffn, dim, &L.w_gate, &L.raw_w_gate, &pool_));
+      ASSIGN_OR_RETURN(M.w_up, TakeMatrix(p + "ffn_up", ffn, dim, &L.w_up, &L.raw_w_up, &pool_));
+      ASSIGN_OR_RETURN(M.w_down,
+                       TakeMatrix(p + "ffn_down", dim, ffn, &L.w_down, &L.raw_w_down, &pool_));
     }
     if (native_ && w_.tied_embeddings) {
       lm_head_ = &token_embd_;
     } else {
-      ASSIGN_OR_RETURN(output_, TakeMatrix("output", vocab, dim, &w_.output, &w_.raw_output));
+      ASSIGN_OR_RETURN(output_,
+                       TakeMatrix("output", vocab, dim, &w_.output, &w_.raw_output, &pool_));
       lm_head_ = &output_;
     }
     return absl::OkStatus();
@@ -205,7 +214,8 @@ class CpuBackend final : public MlpBackend {
       uses[m.type()].bytes += m.bytes();
     };
     for (const Layer& M : layers_) {
-      for (const QuantMatrix* m : {&M.wq, &M.wk, &M.wv, &M.wo, &M.w_gate, &M.w_up, &M.w_down}) count(*m);
+      for (const QuantMatrix* m : {&M.wq, &M.wk, &M.wv, &M.wo, &M.w_gate, &M.w_up, &M.w_down})
+        count(*m);
     }
     count(*lm_head_);
     std::vector<std::string> parts;
@@ -240,9 +250,9 @@ class CpuBackend final : public MlpBackend {
   const QuantMatrix* lm_head_ = nullptr;
   std::vector<Layer> layers_;
   Activations act_;
-  std::vector<float> x_;     // [max_tokens, dim] hidden states
-  std::vector<float> xb_;    // [max_tokens, dim] normed
-  std::vector<float> proj_;  // [max_tokens, dim]
+  std::vector<float> x_;         // [max_tokens, dim] hidden states
+  std::vector<float> xb_;        // [max_tokens, dim] normed
+  std::vector<float> proj_;      // [max_tokens, dim]
   std::vector<float> hb_, hb2_;  // [max_tokens, ffn_dim]
   std::vector<int32_t> positions_;
   int n_ = 0;

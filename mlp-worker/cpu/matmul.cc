@@ -27,7 +27,7 @@ constexpr GroupLayout kQ6_KLayout{kQK_K, 3072, 288};
 
 // Meta offsets within a k-quant block's meta bytes.
 constexpr int kMetaD = 0, kMetaDmin = 32, kMetaSc = 64, kMetaM = 192;  // Q4_K, Q5_K
-constexpr int kMetaSc6 = 32;                                             // Q6_K
+constexpr int kMetaSc6 = 32;                                           // Q6_K
 
 // Byte (r, j) of a 64-byte line.
 inline int LineByte(int r, int j) { return 4 * r + j; }
@@ -90,7 +90,8 @@ void RepackQ4_0(const uint8_t* src, int r, int64_t cols, uint8_t* g) {
   for (int64_t ib = 0; ib < nb; ++ib) {
     d[ib * 16 + r] = b[ib].d;
     // ggml's qs[i] already holds element i (low) and i + 16 (high).
-    for (int i = 0; i < 16; ++i) quant[ib * 256 + NibbleLine(i) * 64 + LineByte(r, i % 4)] = b[ib].qs[i];
+    for (int i = 0; i < 16; ++i)
+      quant[ib * 256 + NibbleLine(i) * 64 + LineByte(r, i % 4)] = b[ib].qs[i];
   }
 }
 
@@ -142,7 +143,8 @@ void RepackQ5_K(const uint8_t* src, int r, int64_t cols, uint8_t* g) {
     for (int s = 0; s < 8; ++s) {
       for (int j = 0; j < 4; ++j) {
         uint8_t bits = 0;
-        for (int v = 0; v < 8; ++v) bits |= static_cast<uint8_t>(((levels[32 * s + 4 * v + j] >> 4) & 1) << v);
+        for (int v = 0; v < 8; ++v)
+          bits |= static_cast<uint8_t>(((levels[32 * s + 4 * v + j] >> 4) & 1) << v);
         quant[2048 + s * 64 + LineByte(r, j)] = bits;
       }
     }
@@ -241,8 +243,12 @@ void DequantK4(const uint8_t* g, int r, int64_t cols, float* out, bool five) {
     out += kQK_K;
   }
 }
-void DequantQ4_K(const uint8_t* g, int r, int64_t cols, float* out) { DequantK4(g, r, cols, out, false); }
-void DequantQ5_K(const uint8_t* g, int r, int64_t cols, float* out) { DequantK4(g, r, cols, out, true); }
+void DequantQ4_K(const uint8_t* g, int r, int64_t cols, float* out) {
+  DequantK4(g, r, cols, out, false);
+}
+void DequantQ5_K(const uint8_t* g, int r, int64_t cols, float* out) {
+  DequantK4(g, r, cols, out, true);
+}
 void DequantQ6_K(const uint8_t* g, int r, int64_t cols, float* out) {
   const int64_t nb = cols / kQK_K;
   for (int64_t ib = 0; ib < nb; ++ib) {
@@ -330,23 +336,26 @@ void AlignedBytes::Resize(size_t n) {
 // --- QuantMatrix --------------------------------------------------------------
 
 absl::StatusOr<QuantMatrix> QuantMatrix::FromRaw(DType type, int64_t rows, int64_t cols,
-                                                 const uint8_t* data, size_t bytes) {
+                                                 const uint8_t* data, size_t bytes,
+                                                 ThreadPool* pool) {
   const internal::MatType* mt = internal::FindMatType(type);
   const DTypeTraits& traits = Traits(type);
   if (mt == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "no CPU matrix kernels for type ", absl::string_view(traits.name.data(), traits.name.size())));
+    return absl::InvalidArgumentError(
+        absl::StrCat("no CPU matrix kernels for type ",
+                     absl::string_view(traits.name.data(), traits.name.size())));
   }
   if (rows <= 0 || cols <= 0 || cols % mt->layout->block != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("matrix [", rows, ", ", cols, "] is not a whole number of ",
-                                                   absl::string_view(traits.name.data(), traits.name.size()),
-                                                   " blocks per row"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("matrix [", rows, ", ", cols, "] is not a whole number of ",
+                     absl::string_view(traits.name.data(), traits.name.size()), " blocks per row"));
   }
   ASSIGN_OR_RETURN(const uint64_t row_bytes, DTypeBytes(type, static_cast<uint64_t>(cols)));
   if (row_bytes * static_cast<uint64_t>(rows) != bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("matrix [", rows, ", ", cols, "] of ",
-                                                   absl::string_view(traits.name.data(), traits.name.size()),
-                                                   " needs ", row_bytes * rows, " bytes, got ", bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("matrix [", rows, ", ", cols, "] of ",
+                     absl::string_view(traits.name.data(), traits.name.size()), " needs ",
+                     row_bytes * rows, " bytes, got ", bytes));
   }
   QuantMatrix m;
   m.type_ = type;
@@ -354,16 +363,25 @@ absl::StatusOr<QuantMatrix> QuantMatrix::FromRaw(DType type, int64_t rows, int64
   m.cols_ = cols;
   m.group_bytes_ = internal::GroupBytes(*mt->layout, cols);
   m.data_.Resize(m.group_bytes_ * static_cast<size_t>(m.groups()));
-  for (int64_t row = 0; row < rows; ++row) {
-    mt->repack(data + row * row_bytes, static_cast<int>(row % kGroupRows), cols,
-               m.data_.data() + (row / kGroupRows) * m.group_bytes_);
+  // Each group's bytes are written by one task.
+  auto repack = [&](int64_t g_begin, int64_t g_end, int) {
+    for (int64_t row = g_begin * kGroupRows; row < std::min(rows, g_end * kGroupRows); ++row) {
+      mt->repack(data + row * row_bytes, static_cast<int>(row % kGroupRows), cols,
+                 m.data_.data() + (row / kGroupRows) * m.group_bytes_);
+    }
+  };
+  if (pool != nullptr && pool->size() > 1 && bytes > (256 << 10)) {
+    pool->ParallelFor(m.groups(), repack);
+  } else {
+    repack(0, m.groups(), 0);
   }
   return m;
 }
 
 QuantMatrix QuantMatrix::FromF32(const float* w, int64_t rows, int64_t cols) {
-  absl::StatusOr<QuantMatrix> m = FromRaw(DType::kF32, rows, cols, reinterpret_cast<const uint8_t*>(w),
-                                          static_cast<size_t>(rows * cols) * sizeof(float));
+  absl::StatusOr<QuantMatrix> m =
+      FromRaw(DType::kF32, rows, cols, reinterpret_cast<const uint8_t*>(w),
+              static_cast<size_t>(rows * cols) * sizeof(float));
   if (!m.ok()) {
     std::fprintf(stderr, "ellm: QuantMatrix::FromF32: %s\n", m.status().ToString().c_str());
     std::abort();
@@ -374,7 +392,8 @@ QuantMatrix QuantMatrix::FromF32(const float* w, int64_t rows, int64_t cols) {
 ActFormat QuantMatrix::act_format() const { return internal::MatTypeOf(type_).act; }
 
 void QuantMatrix::DequantizeRow(int64_t r, float* out) const {
-  internal::MatTypeOf(type_).dequant(group(r / kGroupRows), static_cast<int>(r % kGroupRows), cols_, out);
+  internal::MatTypeOf(type_).dequant(group(r / kGroupRows), static_cast<int>(r % kGroupRows), cols_,
+                                     out);
 }
 
 // --- Activations --------------------------------------------------------------
@@ -437,8 +456,8 @@ void PrepareQ8(const float* x, int T, int64_t cols, int block, Activations::Q8* 
         q->sum16[t * (cols / 16) + b] = static_cast<int16_t>(s);
       }
       for (int64_t b = 0; b < cols / 32; ++b) {
-        q->sum32[t * (cols / 32) + b] =
-            static_cast<int16_t>(q->sum16[t * (cols / 16) + 2 * b] + q->sum16[t * (cols / 16) + 2 * b + 1]);
+        q->sum32[t * (cols / 32) + b] = static_cast<int16_t>(q->sum16[t * (cols / 16) + 2 * b] +
+                                                             q->sum16[t * (cols / 16) + 2 * b + 1]);
       }
     }
   }

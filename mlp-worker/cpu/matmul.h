@@ -81,11 +81,13 @@ class AlignedBytes {
 class QuantMatrix {
  public:
   QuantMatrix() = default;
-  // Repacks rows stored as the GGUF type `type` (`data`: rows * row bytes).
-  // InvalidArgument when cols is not a whole number of the type's blocks, the
-  // byte count does not match, or the type has no kernels.
+  // Repacks rows stored as the GGUF type `type` (`data`: rows * row bytes),
+  // groups split across `pool` when given. InvalidArgument when cols is not a
+  // whole number of the type's blocks, the byte count does not match, or the
+  // type has no kernels.
   static absl::StatusOr<QuantMatrix> FromRaw(DType type, int64_t rows, int64_t cols,
-                                             const uint8_t* data, size_t bytes);
+                                             const uint8_t* data, size_t bytes,
+                                             ThreadPool* pool = nullptr);
   // An fp32 matrix [rows, cols], row-major (MatMul then equals MatVec exactly).
   static QuantMatrix FromF32(const float* w, int64_t rows, int64_t cols);
 
@@ -127,10 +129,10 @@ class Activations {
   // kQ8x256: cols % 256 == 0).
   struct Q8 {
     int64_t cols = 0;
-    int64_t token_stride = 0;  // bytes of one token's codes (cols rounded up to 64)
-    AlignedBytes qs;           // [T][token_stride] int8 codes, |code| <= 127
-    std::vector<float> d;      // [T][cols / block] scales: x ≈ d * code
-    std::vector<int32_t> sum;  // kQ8x32: [T][cols / 32] code sums per block
+    int64_t token_stride = 0;    // bytes of one token's codes (cols rounded up to 64)
+    AlignedBytes qs;             // [T][token_stride] int8 codes, |code| <= 127
+    std::vector<float> d;        // [T][cols / block] scales: x ≈ d * code
+    std::vector<int32_t> sum;    // kQ8x32: [T][cols / 32] code sums per block
     std::vector<int16_t> sum16;  // kQ8x256: [T][cols / 16] code sums per 16
     std::vector<int16_t> sum32;  // kQ8x256: [T][cols / 32] code sums per 32
     const int8_t* codes(int t) const {

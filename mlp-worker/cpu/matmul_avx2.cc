@@ -35,7 +35,8 @@ namespace {
 // One row against NT tokens: 8 lanes over whole chunks of 8, a scalar tail,
 // then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) + tail.
 template <int NT>
-ELLM_TARGET_AVX void F32Row(const float* wr, const float* x0, int64_t cols, float* y0, int64_t ldy) {
+ELLM_TARGET_AVX void F32Row(const float* wr, const float* x0, int64_t cols, float* y0,
+                            int64_t ldy) {
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
   const int64_t n8 = cols / 8 * 8;
@@ -73,7 +74,9 @@ ELLM_TARGET_AVX void F32Exact(const KernelArgs& a, int64_t g_begin, int64_t g_en
 
 }  // namespace
 
-void F32ExactKernelAvx(const KernelArgs& a, int64_t g_begin, int64_t g_end) { F32Exact(a, g_begin, g_end); }
+void F32ExactKernelAvx(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
+  F32Exact(a, g_begin, g_end);
+}
 
 namespace {
 
@@ -166,8 +169,8 @@ struct Q8_0Tile {
       }
       const __m256 dw = LoadHalves8(dh + 16 * b);
       for (int t = 0; t < NT; ++t) {
-        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[t]), _mm256_set1_ps(act.d[t][b])), dw,
-                                 acc[t]);
+        acc[t] = _mm256_fmadd_ps(
+            _mm256_mul_ps(_mm256_cvtepi32_ps(s[t]), _mm256_set1_ps(act.d[t][b])), dw, acc[t]);
       }
     }
     for (int t = 0; t < NT; ++t) {
@@ -199,14 +202,17 @@ struct Q4_0Tile {
 #pragma GCC unroll 2
         for (int t = 0; t < NT; ++t) {
           const int8_t* c = act.codes[t] + 32 * b;
-          s16[t] = _mm256_add_epi16(s16[t], _mm256_add_epi16(_mm256_maddubs_epi16(w0, Bcast4(c + 4 * i)),
-                                                             _mm256_maddubs_epi16(w1, Bcast4(c + 16 + 4 * i))));
+          s16[t] = _mm256_add_epi16(
+              s16[t], _mm256_add_epi16(_mm256_maddubs_epi16(w0, Bcast4(c + 4 * i)),
+                                       _mm256_maddubs_epi16(w1, Bcast4(c + 16 + 4 * i))));
         }
       }
       const __m256 dw = LoadHalves8(dh + 16 * b);
       for (int t = 0; t < NT; ++t) {
-        const __m256i s = _mm256_sub_epi32(_mm256_madd_epi16(s16[t], ones), _mm256_set1_epi32(8 * act.sum[t][b]));
-        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(act.d[t][b])), dw, acc[t]);
+        const __m256i s =
+            _mm256_sub_epi32(_mm256_madd_epi16(s16[t], ones), _mm256_set1_epi32(8 * act.sum[t][b]));
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(act.d[t][b])),
+                                 dw, acc[t]);
       }
     }
     for (int t = 0; t < NT; ++t) {
@@ -236,7 +242,8 @@ struct K4Tile {
       for (int t = 0; t < NT; ++t) si[t] = sm[t] = _mm256_setzero_si256();
       for (int s = 0; s < 8; ++s) {
         // (sc, sc) int16 pairs of this half's 8 rows.
-        __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s + 8 * h)));
+        __m256i sc = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s + 8 * h)));
         sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
         __m256i hb = _mm256_setzero_si256();
         if constexpr (kQ5) hb = Load32(qb + 2048 + 64 * s);
@@ -248,8 +255,10 @@ struct K4Tile {
           __m256i w0 = _mm256_and_si256(v, low);
           __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
           if constexpr (kQ5) {
-            w0 = _mm256_or_si256(w0, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - i)), bit4));
-            w1 = _mm256_or_si256(w1, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(i)), bit4));
+            w0 = _mm256_or_si256(
+                w0, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - i)), bit4));
+            w1 = _mm256_or_si256(
+                w1, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(i)), bit4));
           }
 #pragma GCC unroll 2
           for (int t = 0; t < NT; ++t) {
@@ -274,13 +283,15 @@ struct K4Tile {
       for (int p = 0; p < 4; ++p) {
         const __m256i mp = _mm256_cvtepu8_epi16(Load16(meta + 192 + 32 * p + 16 * h));
         for (int t = 0; t < NT; ++t) {
-          sm[t] = _mm256_add_epi32(sm[t], _mm256_madd_epi16(mp, Bcast4(act.sum32[t] + 8 * b + 2 * p)));
+          sm[t] =
+              _mm256_add_epi32(sm[t], _mm256_madd_epi16(mp, Bcast4(act.sum32[t] + 8 * b + 2 * p)));
         }
       }
       const __m256 d = LoadHalves8(meta + 16 * h);
       const __m256 dmin = LoadHalves8(meta + 32 + 16 * h);
       for (int t = 0; t < NT; ++t) {
-        const __m256 f = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(si[t]), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(sm[t])));
+        const __m256 f = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(si[t]),
+                                         _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(sm[t])));
         acc[t] = _mm256_fmadd_ps(f, _mm256_set1_ps(act.d[t][b]), acc[t]);
       }
     }
@@ -301,10 +312,10 @@ struct Q6Tile {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i two = _mm256_set1_epi8(0x30);
     // Per dword (sc_even, sc_odd) -> (sc_even, sc_even) / (sc_odd, sc_odd).
-    const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
-                                          0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
-    const __m256i odd = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
-                                         2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+    const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1,
+                                          0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+    const __m256i odd = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2,
+                                         3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
     __m256 acc[NT];
     for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -323,7 +334,8 @@ struct Q6Tile {
           for (int u = 0; u < 2; ++u) {
             const int k = kp + u;
             const __m256i v = Load32(qb + 256 * P + 64 * k);
-            const __m256i hbits = _mm256_sll_epi16(Load32(qb + 2048 + 256 * (P / 2) + 64 * k), shift);
+            const __m256i hbits =
+                _mm256_sll_epi16(Load32(qb + 2048 + 256 * (P / 2) + 64 * k), shift);
             we[u] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hbits, two));
             wo[u] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
                                     _mm256_and_si256(_mm256_srli_epi16(hbits, 2), two));
@@ -333,19 +345,23 @@ struct Q6Tile {
             const int8_t* c = act.codes[t] + 256 * b + 32 * P;
             const __m256i e = _mm256_add_epi16(_mm256_maddubs_epi16(we[0], Bcast4(c + 4 * kp)),
                                                _mm256_maddubs_epi16(we[1], Bcast4(c + 4 * kp + 4)));
-            const __m256i o = _mm256_add_epi16(_mm256_maddubs_epi16(wo[0], Bcast4(c + 16 + 4 * kp)),
-                                               _mm256_maddubs_epi16(wo[1], Bcast4(c + 16 + 4 * kp + 4)));
-            si[t] = _mm256_add_epi32(si[t], _mm256_add_epi32(_mm256_madd_epi16(e, sce), _mm256_madd_epi16(o, sco)));
+            const __m256i o =
+                _mm256_add_epi16(_mm256_maddubs_epi16(wo[0], Bcast4(c + 16 + 4 * kp)),
+                                 _mm256_maddubs_epi16(wo[1], Bcast4(c + 16 + 4 * kp + 4)));
+            si[t] = _mm256_add_epi32(
+                si[t], _mm256_add_epi32(_mm256_madd_epi16(e, sce), _mm256_madd_epi16(o, sco)));
           }
         }
         for (int t = 0; t < NT; ++t) {
-          corr[t] = _mm256_add_epi32(corr[t], _mm256_madd_epi16(scp, Bcast4(act.sum16[t] + 16 * b + 2 * P)));
+          corr[t] = _mm256_add_epi32(corr[t],
+                                     _mm256_madd_epi16(scp, Bcast4(act.sum16[t] + 16 * b + 2 * P)));
         }
       }
       const __m256 d = LoadHalves8(meta + 16 * h);
       for (int t = 0; t < NT; ++t) {
         const __m256i total = _mm256_sub_epi32(si[t], _mm256_slli_epi32(corr[t], 5));
-        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(act.d[t][b])), d, acc[t]);
+        acc[t] = _mm256_fmadd_ps(
+            _mm256_mul_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(act.d[t][b])), d, acc[t]);
       }
     }
     for (int t = 0; t < NT; ++t) {

@@ -29,7 +29,8 @@
 
 #include "mlp-worker/cpu/matmul_layout.h"
 
-#define ELLM_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
+#define ELLM_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
 #define ELLM_INLINE inline __attribute__((always_inline))
 
 namespace ellm::mlp::internal {
@@ -167,8 +168,8 @@ struct K4Tile {
 #pragma GCC unroll 4
       for (int t = 0; t < NT; ++t) si[t] = sm[t] = _mm512_setzero_si512();
       for (int s = 0; s < 8; ++s) {
-        const __m512i sc =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s)));
+        const __m512i sc = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s)));
         __m512i hb = _mm512_setzero_si512();
         if constexpr (kQ5) hb = Load64(qb + 2048 + 64 * s);
         __m512i s0[NT], s1[NT];
@@ -181,8 +182,10 @@ struct K4Tile {
           __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
           if constexpr (kQ5) {
             // Line i's 5th bits are bit i of hb, line i + 4's bit i + 4.
-            w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_sll_epi16(hb, _mm_cvtsi32_si128(4 - i)), bit4));
-            w1 = _mm512_or_si512(w1, _mm512_and_si512(_mm512_srl_epi16(hb, _mm_cvtsi32_si128(i)), bit4));
+            w0 = _mm512_or_si512(
+                w0, _mm512_and_si512(_mm512_sll_epi16(hb, _mm_cvtsi32_si128(4 - i)), bit4));
+            w1 = _mm512_or_si512(
+                w1, _mm512_and_si512(_mm512_srl_epi16(hb, _mm_cvtsi32_si128(i)), bit4));
           }
 #pragma GCC unroll 4
           for (int t = 0; t < NT; ++t) {
@@ -198,8 +201,8 @@ struct K4Tile {
       }
 #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) {
-        const __m512i mp =
-            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 192 + 32 * p)));
+        const __m512i mp = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 192 + 32 * p)));
 #pragma GCC unroll 4
         for (int t = 0; t < NT; ++t) {
           sm[t] = _mm512_dpwssd_epi32(sm[t], mp, Bcast4(act.sum32[t] + 8 * b + 2 * p));
@@ -241,8 +244,8 @@ struct Q6Tile {
 #pragma GCC unroll 4
       for (int t = 0; t < NT; ++t) si[t] = corr[t] = _mm512_setzero_si512();
       for (int P = 0; P < 8; ++P) {  // sub-blocks 2P and 2P + 1
-        const __m512i scp =
-            _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 32 + 32 * P)));
+        const __m512i scp = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 32 + 32 * P)));
         const __m512i sce = _mm512_srai_epi32(_mm512_slli_epi32(scp, 16), 16);
         const __m512i sco = _mm512_srai_epi32(scp, 16);
         // Sub-block 2P's high bits are bits 2u, 2u + 1 of qh with u = 2 (P % 2):
@@ -276,8 +279,8 @@ struct Q6Tile {
 #pragma GCC unroll 4
       for (int t = 0; t < NT; ++t) {
         const __m512i total = _mm512_sub_epi32(si[t], _mm512_slli_epi32(corr[t], 5));
-        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(act.d[t][b])), d,
-                                 acc[t]);
+        acc[t] = _mm512_fmadd_ps(
+            _mm512_mul_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(act.d[t][b])), d, acc[t]);
       }
     }
     const int valid = ValidRows(w, g);

@@ -66,10 +66,10 @@ inline size_t GroupBytes(const GroupLayout& l, int64_t cols) {
 // What a kernel is given. Activations of the matrix's format are ready.
 struct KernelArgs {
   const QuantMatrix* w = nullptr;
-  const float* x = nullptr;                 // kF32: [T][cols]
-  const Activations::Q8* q8 = nullptr;      // kQ8x32 / kQ8x256
+  const float* x = nullptr;             // kF32: [T][cols]
+  const Activations::Q8* q8 = nullptr;  // kQ8x32 / kQ8x256
   int T = 0;
-  float* y = nullptr;                       // [T][ldy], rows [0, w->rows())
+  float* y = nullptr;  // [T][ldy], rows [0, w->rows())
   int64_t ldy = 0;
 };
 

@@ -50,6 +50,8 @@ void RefKernelAll(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
 
 }  // namespace
 
-MatKernel RefKernel(DType type) { return FindGroupLayout(type) != nullptr ? RefKernelAll : nullptr; }
+MatKernel RefKernel(DType type) {
+  return FindGroupLayout(type) != nullptr ? RefKernelAll : nullptr;
+}
 
 }  // namespace ellm::mlp::internal

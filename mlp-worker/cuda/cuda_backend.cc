@@ -383,7 +383,9 @@ class CudaBackend final : public MlpBackend {
   };
 
   CudaBackend(const ModelConfig& c, int max_step_tokens, const CudaBackendOptions& options)
-      : c_(c), max_tokens_(max_step_tokens), options_(options), graphs_enabled_(options.use_graphs) {}
+      : c_(c), max_tokens_(max_step_tokens), options_(options), graphs_enabled_(options.use_graphs) {
+    options_.progress = nullptr;  // only the factory's upload reports progress
+  }
 
   int qkv_dim() const { return c_.q_dim() + 2 * c_.kv_dim(); }
   int32_t* tokens_d() const { return ints_.get(); }
@@ -613,7 +615,10 @@ class CudaBackend final : public MlpBackend {
 
   absl::Status ToF32(std::vector<float>& v, const std::string& name, size_t n, float* dst) {
     RETURN_IF_ERROR(CheckSize(v, name, n));
-    CUDA_RETURN_IF_ERROR(cudaMemcpy(dst, v.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    // On our stream (a non-blocking one would not wait for the legacy stream).
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, v.data(), n * sizeof(float), cudaMemcpyHostToDevice,
+                                         stream_.get()));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
     std::vector<float>().swap(v);
     return absl::OkStatus();
   }
@@ -685,7 +690,10 @@ class CudaBackend final : public MlpBackend {
   std::unordered_map<uint64_t, GraphEntry> graphs_;
 };
 
+// The LM head is the embedding table: the file says so, or (weights built by
+// hand) the two arrays are equal.
 bool TiedOutput(const ModelWeights& w) {
+  if (w.tied_embeddings) return true;
   return w.output.size() == w.token_embd.size() &&
          (w.output.data() == w.token_embd.data() ||
           std::memcmp(w.output.data(), w.token_embd.data(), w.output.size() * sizeof(float)) == 0);
@@ -743,6 +751,10 @@ absl::StatusOr<std::unique_ptr<MlpBackend>> CreateCudaBackend(ModelWeights weigh
   if (static_cast<int>(weights.layers.size()) != c.n_layers) {
     return absl::InvalidArgumentError(absl::StrCat("the weights have ", weights.layers.size(),
                                                    " layers; the config has ", c.n_layers));
+  }
+  if (weights.token_embd.empty() || (!weights.layers.empty() && weights.layers[0].wq.empty())) {
+    return absl::InvalidArgumentError(
+        "the CUDA backend takes fp32 weights (load them without LoadOptions::raw_matrices)");
   }
   const bool tied = TiedOutput(weights);
   ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> b,

@@ -188,15 +188,29 @@ __global__ void ScatterQkvKernel(ShardCopyParams p, const float* qkv, int row_st
   }
 }
 
-// grid (shards, tokens).
+// grid (shards, tokens). The source is host memory, each read a round trip
+// over the bus: every thread issues kLoads reads before it waits on any.
 __global__ void GatherAttnKernel(ShardCopyParams p, bf16_t* attn_out) {
+  constexpr int kLoads = 8;
   const ShardPtrs& s = p.shard[blockIdx.x];
   const int t = blockIdx.y;
   const int hd = p.head_dim, g = p.n_heads / p.n_kv_heads;
   const int q_len = (s.kv_head_end - s.kv_head_begin) * g * hd;
   const float* src = s.attn + static_cast<int64_t>(t) * q_len;
   bf16_t* dst = attn_out + static_cast<int64_t>(t) * p.n_heads * hd + s.kv_head_begin * g * hd;
-  for (int i = threadIdx.x; i < q_len; i += blockDim.x) Store(dst + i, src[i]);
+  for (int base = threadIdx.x; base < q_len; base += kLoads * blockDim.x) {
+    float v[kLoads];
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      const int i = base + j * blockDim.x;
+      v[j] = i < q_len ? src[i] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      const int i = base + j * blockDim.x;
+      if (i < q_len) Store(dst + i, v[j]);
+    }
+  }
 }
 
 template <typename OutT>

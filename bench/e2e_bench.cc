@@ -1,0 +1,342 @@
+// ellm-bench e2e: decode speed of the whole system (real processes, rings,
+// gRPC) at long context, against the machine's bound
+//   (KV bytes read + weight bytes read per token) / read bandwidth,
+// with the bandwidth measured by a probe in this process just before.
+#include "bench/e2e_bench.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "attn-worker/kv_format.h"
+#include "bench/probe.h"
+#include "core/gguf.h"
+#include "core/model_config.h"
+#include "core/thread_pool.h"
+#include "core/topology.h"
+#include "launch/args.h"
+#include "proto/ellm.grpc.pb.h"
+
+namespace ellm::bench {
+namespace {
+
+namespace fs = std::filesystem;
+
+double Seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Bytes of weights one decode step reads: every tensor but the embedding
+// table (one row is gathered), which counts once as the LM head when tied.
+double WeightBytesPerToken(const GgufFile& file) {
+  double bytes = 0;
+  bool has_output = file.FindTensor("output.weight") != nullptr;
+  for (const GgufTensorInfo& t : file.tensors()) {
+    if (t.name == "token_embd.weight" && has_output) continue;
+    bytes += static_cast<double>(t.bytes);
+  }
+  return bytes;
+}
+
+// A launched ellm (or none when --server is given), stopped on destruction.
+class Launched {
+ public:
+  ~Launched() {
+    if (pid_ > 0) {
+      kill(pid_, SIGTERM);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  absl::Status Start(const std::vector<std::string>& args, int port) {
+    const std::string out_path = absl::StrCat("/tmp/ellm-bench-", getpid(), ".out");
+    const std::string log_path = absl::StrCat("/tmp/ellm-bench-", getpid(), ".log");
+    pid_ = fork();
+    if (pid_ == 0) {
+      int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      dup2(out, 1);
+      dup2(log, 2);
+      std::vector<char*> argv;
+      std::vector<std::string> copy = args;
+      for (std::string& a : copy) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    std::fprintf(stderr, "[e2e] launching ellm (log: %s)\n", log_path.c_str());
+    for (int i = 0; i < 6000; ++i) {
+      std::ifstream in(out_path);
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      if (text.find("ellm listening") != std::string::npos) return absl::OkStatus();
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return absl::UnavailableError(absl::StrCat("ellm-launch exited during start-up; see ", log_path));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return absl::DeadlineExceededError("ellm did not start within 10 minutes");
+  }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+struct Timing {
+  grpc::Status status;
+  std::vector<double> arrivals;  // seconds, one per streamed token
+  double start = 0;
+  int prompt_tokens = 0;
+};
+
+Timing Run(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRequest& req) {
+  Timing t;
+  grpc::ClientContext ctx;
+  t.start = Seconds();
+  auto reader = stub->Generate(&ctx, req);
+  ellm::v1::GenerateResponse resp;
+  while (reader->Read(&resp)) {
+    const double now = Seconds();
+    for (int i = 0; i < resp.token_ids_size(); ++i) t.arrivals.push_back(now);
+    if (resp.has_finish()) t.prompt_tokens = resp.finish().prompt_tokens();
+  }
+  t.status = reader->Finish();
+  return t;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+int E2eMain(int argc, char** argv) {
+  launch::Args args(
+      "ellm-bench e2e: decode ms/token of the whole system at long context, against the bound\n"
+      "(KV bytes + weight bytes read per token) / probe bandwidth.\n\n"
+      "Launches ellm (build/ellm-launch) on --model, or uses a running one with --server.\n"
+      "For each context it brings one sequence to that length, by real prefill (--fill prefill)\n"
+      "or by writing random K/V straight into the attention workers' caches (--fill synthetic,\n"
+      "the default; rows are labelled fill=synthetic), then decodes --tokens tokens and reports\n"
+      "the median interval. Prints one key=value line per context on stdout:\n"
+      "  context= kv_dtype= fill= ms_per_token= tokens_per_s= bound_ms= ratio= kv_mb= weight_mb=\n"
+      "  probe_gb_per_s=\n"
+      "(ratio = ms_per_token / bound_ms; 1.0 is the machine's limit), and one prefill line.\n\n"
+      "Usage: ellm-bench e2e --model FILE.gguf [--context 4096,16384,32768,65536] [--tokens 16]");
+  args.Flag("model", "", "GGUF model (required; the same file a --server runs)");
+  args.Flag("context", "4096,16384,32768,65536", "context lengths to measure, comma-separated");
+  args.Flag("tokens", "16", "decoded tokens per context (the median interval is reported)");
+  args.Flag("fill", "synthetic", "synthetic or prefill");
+  args.Flag("kv-dtype", "int8", "KV cache dtype of the launched system (int8, f16, f32)");
+  args.Flag("attn-workers", "0", "attention workers of the launched system (0: one per node)");
+  args.Flag("server", "", "use a running ellm at HOST:PORT instead of launching one");
+  args.Flag("prefill-tokens", "512", "prompt length of the prefill-throughput measurement (0: skip)");
+  args.Flag("plot", "", "write a PNG of ms/token against context with the bound (needs gnuplot)");
+  args.Flag("bin-dir", "", "folder of ellm-launch (default: this program's folder)");
+  args.Flag("port", "50391", "port for the launched system");
+  absl::Status st = args.Parse(argc + 1, argv - 1);
+  if (args.help()) {
+    std::printf("%s", args.HelpText().c_str());
+    return 0;
+  }
+  if (!st.ok()) {
+    std::fprintf(stderr, "ellm-bench e2e: %s\n", std::string(st.message()).c_str());
+    return 2;
+  }
+  const std::string model_path = args.Get("model");
+  if (model_path.empty()) {
+    std::fprintf(stderr, "ellm-bench e2e: --model is required (e.g. a model from ellm-make-model)\n");
+    return 2;
+  }
+  std::vector<int> contexts;
+  for (absl::string_view c : absl::StrSplit(args.Get("context"), ',', absl::SkipEmpty())) {
+    int v = 0;
+    if (!absl::SimpleAtoi(c, &v) || v <= 0) {
+      std::fprintf(stderr, "ellm-bench e2e: bad --context entry '%s'\n", std::string(c).c_str());
+      return 2;
+    }
+    contexts.push_back(v);
+  }
+  const std::string fill = args.Get("fill");
+  if (fill != "synthetic" && fill != "prefill") {
+    std::fprintf(stderr, "ellm-bench e2e: --fill must be synthetic or prefill\n");
+    return 2;
+  }
+  absl::StatusOr<int> tokens = args.GetInt("tokens");
+  absl::StatusOr<int> prefill_tokens = args.GetInt("prefill-tokens");
+  absl::StatusOr<int> port = args.GetInt("port");
+  if (!tokens.ok() || *tokens < 2 || !prefill_tokens.ok() || !port.ok()) {
+    std::fprintf(stderr, "ellm-bench e2e: --tokens must be >= 2; --prefill-tokens and --port integers\n");
+    return 2;
+  }
+  auto file = GgufFile::Open(model_path);
+  if (!file.ok()) {
+    std::fprintf(stderr, "ellm-bench e2e: %s\n", file.status().ToString().c_str());
+    return 1;
+  }
+  auto config = ModelConfig::FromGguf(**file);
+  if (!config.ok()) {
+    std::fprintf(stderr, "ellm-bench e2e: %s\n", config.status().ToString().c_str());
+    return 1;
+  }
+  const int max_context = *std::max_element(contexts.begin(), contexts.end());
+  if (max_context + *tokens + 8 > config->context_length) {
+    std::fprintf(stderr, "ellm-bench e2e: context %d + %d tokens exceeds the model's %d\n",
+                 max_context, *tokens, config->context_length);
+    return 2;
+  }
+  absl::StatusOr<attn::KvDType> kv_dtype = attn::ParseKvDType(args.Get("kv-dtype"));
+  if (!kv_dtype.ok()) {
+    std::fprintf(stderr, "ellm-bench e2e: %s\n", kv_dtype.status().ToString().c_str());
+    return 2;
+  }
+  const attn::KvFormat format = attn::KvFormat::Make(*kv_dtype, config->head_dim);
+  const double kv_bytes_per_position = format.BytesPerPosition() * config->n_kv_heads * config->n_layers;
+  const double weight_bytes = WeightBytesPerToken(**file);
+
+  // The probe: all cores this process may use, same process, before the runs.
+  auto topology = DiscoverTopology();
+  const int cores = topology.ok() ? topology->TotalCores() : 1;
+  double probe_gb_per_s = 0;
+  {
+    std::fprintf(stderr, "[e2e] read-bandwidth probe on %d threads...\n", cores);
+    ThreadPool pool(cores);
+    ReadProbe probe(int64_t{1} << 30);
+    probe_gb_per_s = probe.Measure(pool);
+    std::fprintf(stderr, "[e2e] probe: %.1f GB/s\n", probe_gb_per_s);
+  }
+
+  Launched launched;
+  std::string server = args.Get("server");
+  if (server.empty()) {
+    std::string bin_dir = args.Get("bin-dir");
+    if (bin_dir.empty()) {
+      std::error_code ec;
+      bin_dir = fs::read_symlink("/proc/self/exe", ec).parent_path().string();
+    }
+    // KV budget: the longest context plus room, per worker (heads split evenly).
+    absl::StatusOr<int> workers = args.GetInt("attn-workers");
+    const int n_workers = workers.ok() && *workers > 0 ? *workers
+                          : topology.ok() ? static_cast<int>(topology->nodes.size()) : 1;
+    const double per_worker = kv_bytes_per_position / n_workers * (max_context + *tokens + 512);
+    const int kv_mb = static_cast<int>(per_worker * 1.15 / 1048576.0) + 16;
+    std::vector<std::string> launch = {
+        bin_dir + "/ellm-launch", "--bin-dir=" + bin_dir, "--model=" + model_path,
+        absl::StrCat("--port=", *port), "--kv-dtype=" + args.Get("kv-dtype"),
+        absl::StrCat("--kv-cache-mb=", kv_mb), "--max-batch=2", "--ready-timeout=600",
+        absl::StrCat("--attn-workers=", args.Get("attn-workers"))};
+    st = launched.Start(launch, *port);
+    if (!st.ok()) {
+      std::fprintf(stderr, "ellm-bench e2e: %s\n", std::string(st.message()).c_str());
+      return 1;
+    }
+    server = absl::StrCat("127.0.0.1:", *port);
+  }
+  auto channel = grpc::CreateChannel(server, grpc::InsecureChannelCredentials());
+  auto stub = ellm::v1::Ellm::NewStub(channel);
+
+  struct Row {
+    int context;
+    double ms, bound_ms;
+  };
+  std::vector<Row> rows;
+  const std::string prompt = "Once upon a time";
+  for (int context : contexts) {
+    std::fprintf(stderr, "[e2e] context %d: filling (%s)...\n", context, fill.c_str());
+    ellm::v1::GenerateRequest req;
+    req.set_max_tokens(*tokens + 1);
+    req.mutable_sampling()->set_temperature(0);
+    if (fill == "synthetic") {
+      req.set_prompt(prompt);
+      req.set_synthetic_context(std::max(0, context - 8));
+    } else {
+      std::string text;
+      while (static_cast<int>(text.size()) < context * 3) text += " the little dog ran to the park";
+      req.set_prompt(text);
+    }
+    Timing t = Run(stub.get(), req);
+    if (!t.status.ok()) {
+      std::fprintf(stderr, "ellm-bench e2e: context %d: %s\n", context, t.status.error_message().c_str());
+      return 1;
+    }
+    std::vector<double> intervals;
+    for (size_t i = 1; i < t.arrivals.size(); ++i) intervals.push_back(t.arrivals[i] - t.arrivals[i - 1]);
+    const double ms = Median(intervals) * 1e3;
+    const double kv_bytes = kv_bytes_per_position * context;
+    const double bound_ms = (kv_bytes + weight_bytes) / (probe_gb_per_s * 1e9) * 1e3;
+    rows.push_back({context, ms, bound_ms});
+    std::printf(
+        "context=%d kv_dtype=%s fill=%s ms_per_token=%.3f tokens_per_s=%.2f bound_ms=%.3f ratio=%.3f "
+        "kv_mb=%.1f weight_mb=%.1f probe_gb_per_s=%.1f\n",
+        context, args.Get("kv-dtype").c_str(), fill.c_str(), ms, ms > 0 ? 1e3 / ms : 0, bound_ms,
+        bound_ms > 0 ? ms / bound_ms : 0, kv_bytes / 1048576.0, weight_bytes / 1048576.0,
+        probe_gb_per_s);
+    std::fflush(stdout);
+  }
+
+  if (*prefill_tokens > 0) {
+    std::string text;
+    while (static_cast<int>(text.size()) < *prefill_tokens * 4) text += " the little dog ran to the park";
+    ellm::v1::GenerateRequest req;
+    req.set_prompt(text);
+    req.set_max_tokens(1);
+    req.mutable_sampling()->set_temperature(0);
+    std::fprintf(stderr, "[e2e] prefill throughput...\n");
+    Timing t = Run(stub.get(), req);
+    if (t.status.ok() && !t.arrivals.empty()) {
+      const double seconds = t.arrivals[0] - t.start;
+      std::printf("prefill_tokens=%d prefill_s=%.3f prefill_tokens_per_s=%.1f\n", t.prompt_tokens,
+                  seconds, t.prompt_tokens / seconds);
+    } else {
+      std::fprintf(stderr, "ellm-bench e2e: prefill: %s\n", t.status.error_message().c_str());
+    }
+  }
+
+  const std::string plot = args.Get("plot");
+  if (!plot.empty()) {
+    const std::string data = plot + ".dat";
+    {
+      std::ofstream out(data);
+      out << "# context ms_per_token bound_ms\n";
+      for (const Row& r : rows) out << r.context << " " << r.ms << " " << r.bound_ms << "\n";
+    }
+    const std::string script = absl::StrCat(
+        "set terminal png size 900,600; set output '", plot, "'; ",
+        "set title 'ellm decode, ", fs::path(model_path).filename().string(), ", kv ",
+        args.Get("kv-dtype"), " (", fill, " fill)'; set xlabel 'context (tokens)'; ",
+        "set ylabel 'ms per token'; set key left top; set grid; set logscale x 2; ",
+        "plot '", data, "' using 1:2 with linespoints lw 2 title 'ellm', '", data,
+        "' using 1:3 with lines dt 2 lw 2 title 'bound (KV + weights) / probe'");
+    const std::string cmd = absl::StrCat("gnuplot -e \"", script, "\"");
+    if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
+      std::fprintf(stderr, "ellm-bench e2e: gnuplot not found (apt-get install gnuplot-nox); data in %s\n",
+                   data.c_str());
+    } else if (std::system(cmd.c_str()) != 0) {
+      std::fprintf(stderr, "ellm-bench e2e: gnuplot failed; data in %s\n", data.c_str());
+    } else {
+      std::fprintf(stderr, "[e2e] plot written to %s\n", plot.c_str());
+    }
+  }
+  return 0;
+}
+
+}  // namespace ellm::bench
