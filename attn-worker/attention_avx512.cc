@@ -15,9 +15,12 @@
 // Query heads are taken in register blocks of up to 8 (G, a template
 // parameter), so each K and V line is loaded once per block from the cache
 // line the tile occupies.
+
 // GCC 12 warns about the deliberately undefined pass-through operand of the
-// AVX-512 intrinsics (_mm512_undefined_*): a known false positive.
+// AVX-512 intrinsics (_mm512_undefined_*, e.g. in _mm512_reduce_max_ps): a
+// known false positive.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -206,33 +209,23 @@ ELLM_TARGET ELLM_INLINE void VTile(const uint8_t* v, int dg, const HeadsCtx& q, 
 
 template <int G>
 ELLM_TARGET void Int8Tile(const TileCtx& t, const HeadsCtx& q) {
-  const int hp = t.hp, n_dq = hp / 4;
-  __m512i acc[G];
-  for (int j = 0; j < G; ++j) acc[j] = _mm512_setzero_si512();
-  if constexpr (G <= 8) {
-    // Few heads: two accumulator banks hide VPDPBUSD's latency.
-    __m512i acc2[G];
-    for (int j = 0; j < G; ++j) acc2[j] = _mm512_setzero_si512();
-    for (int dq = 0; dq < n_dq; dq += 2) {
-      PrefetchLine(t, dq);
-      PrefetchLine(t, dq + 1);
-      const __m512i k0 = _mm512_loadu_si512(t.k + 64 * dq);
-      const __m512i k1 = _mm512_loadu_si512(t.k + 64 * dq + 64);
-      for (int j = 0; j < G; ++j) {
-        const int8_t* c = q.codes + j * hp + 4 * dq;
-        acc[j] = DpbusdBcast(acc[j], k0, c);
-        acc2[j] = DpbusdBcast(acc2[j], k1, c + 4);
-      }
-    }
-    for (int j = 0; j < G; ++j) acc[j] = _mm512_add_epi32(acc[j], acc2[j]);
-  } else {
-    for (int dq = 0; dq < n_dq; ++dq) {
-      PrefetchLine(t, dq);
-      const __m512i k0 = _mm512_loadu_si512(t.k + 64 * dq);
-      for (int j = 0; j < G; ++j) acc[j] = DpbusdBcast(acc[j], k0, q.codes + j * hp + 4 * dq);
+  const int hp = t.hp, n_dq = hp / 4;  // n_dq is a multiple of 4
+  // Two accumulator banks (even and odd 4-dim groups) hide VPDPBUSD's latency.
+  __m512i acc[G], acc2[G];
+  for (int j = 0; j < G; ++j) acc[j] = acc2[j] = _mm512_setzero_si512();
+  for (int dq = 0; dq < n_dq; dq += 2) {
+    PrefetchLine(t, dq);
+    PrefetchLine(t, dq + 1);
+    const __m512i k0 = _mm512_loadu_si512(t.k + 64 * dq);
+    const __m512i k1 = _mm512_loadu_si512(t.k + 64 * dq + 64);
+    for (int j = 0; j < G; ++j) {
+      const int8_t* c = q.codes + j * hp + 4 * dq;
+      acc[j] = DpbusdBcast(acc[j], k0, c);
+      acc2[j] = DpbusdBcast(acc2[j], k1, c + 4);
     }
   }
-  PrefetchLine(t, n_dq);
+  for (int j = 0; j < G; ++j) acc[j] = _mm512_add_epi32(acc[j], acc2[j]);
+  PrefetchLine(t, n_dq);  // a tile is n_dq + 1 lines: scales first
   // Scores: s = code_scale * (kscale * dot + kmin * code_sum).
   __m512 s[G];
   for (int j = 0; j < G; ++j) {
@@ -262,7 +255,6 @@ ELLM_TARGET void Int8Tile(const TileCtx& t, const HeadsCtx& q) {
   constexpr int kDg = G <= 4 ? 4 : 2;
   const int n_dg = hp / 16;
   int dg = 0;
-
   for (; dg + kDg <= n_dg; dg += kDg) VTile<G, kDg>(t.v, dg, q, wscale);
   for (; dg < n_dg; ++dg) VTile<G, 1>(t.v, dg, q, wscale);
 }
@@ -270,16 +262,13 @@ ELLM_TARGET void Int8Tile(const TileCtx& t, const HeadsCtx& q) {
 template <int G>
 ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
   const int hp = t.hp;
-  // Scores: lane = position; two banks when the heads alone cannot cover the
-  // FMA latency.
-  constexpr int kBanks = 2;  // 2G independent FMA chains cover the latency (4) at 2 per cycle
-  __m512 acc[kBanks][G];
-  for (int b = 0; b < kBanks; ++b) {
-    for (int j = 0; j < G; ++j) acc[b][j] = _mm512_setzero_ps();
-  }
-  for (int d = 0; d < hp; d += kBanks) {
-    if (kBanks == 2 || d % 2 == 0) PrefetchLine(t, d / 2);  // hp / 2 lines per tile
-    for (int b = 0; b < kBanks; ++b) {
+  // Scores, lane = position. Two banks (even and odd dims) give 2G
+  // independent FMA chains, enough to cover the FMA latency at 2 per cycle.
+  __m512 acc[2][G];
+  for (int j = 0; j < G; ++j) acc[0][j] = acc[1][j] = _mm512_setzero_ps();
+  for (int d = 0; d < hp; d += 2) {
+    PrefetchLine(t, d / 2);  // a tile is hp / 2 lines
+    for (int b = 0; b < 2; ++b) {
       const __m512 k = LoadHalves(t.k + 32 * (d + b));
       for (int j = 0; j < G; ++j) {
         acc[b][j] = _mm512_fmadd_ps(k, _mm512_set1_ps(q.scaled[j * hp + d + b]), acc[b][j]);
@@ -288,37 +277,33 @@ ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
   }
   __m512 s[G];
   for (int j = 0; j < G; ++j) {
-    s[j] = kBanks == 2 ? _mm512_add_ps(acc[0][j], acc[kBanks - 1][j]) : acc[0][j];
-    s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), t.valid, s[j]);
+    s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), t.valid, _mm512_add_ps(acc[0][j], acc[1][j]));
   }
   SoftmaxStep<G>(s, t.valid, q.part, q.pf, hp, q.hs, false);
   for (int j = 0; j < G; ++j) _mm512_storeu_ps(q.hs[j].w, s[j]);
   // p·V over the rows this token sees.
+  // Rows past the token's last position may hold anything (even NaN bits):
+  // they are skipped, not multiplied by zero.
   for (int db = 0; db < hp / 16; ++db) {
-    __m512 va[kBanks][G];
-    for (int b = 0; b < kBanks; ++b) {
-      for (int j = 0; j < G; ++j) va[b][j] = _mm512_setzero_ps();
-    }
+    __m512 va[2][G];
+    for (int j = 0; j < G; ++j) va[0][j] = va[1][j] = _mm512_setzero_ps();
     const uint8_t* vcol = t.v + 32 * db;
     int r = 0;
-    if constexpr (kBanks == 2) {
-      for (; r + 2 <= t.nvalid; r += 2) {
-        const __m512 v0 = LoadHalves(vcol + 2 * r * hp);
-        const __m512 v1 = LoadHalves(vcol + 2 * (r + 1) * hp);
-        for (int j = 0; j < G; ++j) {
-          va[0][j] = _mm512_fmadd_ps(v0, _mm512_set1_ps(q.hs[j].w[r]), va[0][j]);
-          va[1][j] = _mm512_fmadd_ps(v1, _mm512_set1_ps(q.hs[j].w[r + 1]), va[1][j]);
-        }
+    for (; r + 2 <= t.nvalid; r += 2) {
+      const __m512 v0 = LoadHalves(vcol + 2 * r * hp);
+      const __m512 v1 = LoadHalves(vcol + 2 * (r + 1) * hp);
+      for (int j = 0; j < G; ++j) {
+        va[0][j] = _mm512_fmadd_ps(v0, _mm512_set1_ps(q.hs[j].w[r]), va[0][j]);
+        va[1][j] = _mm512_fmadd_ps(v1, _mm512_set1_ps(q.hs[j].w[r + 1]), va[1][j]);
       }
     }
-    for (; r < t.nvalid; ++r) {
+    if (r < t.nvalid) {
       const __m512 v0 = LoadHalves(vcol + 2 * r * hp);
       for (int j = 0; j < G; ++j) va[0][j] = _mm512_fmadd_ps(v0, _mm512_set1_ps(q.hs[j].w[r]), va[0][j]);
     }
     for (int j = 0; j < G; ++j) {
       float* o = q.part + j * q.pf + 16 * db;
-      __m512 sum = kBanks == 2 ? _mm512_add_ps(va[0][j], va[kBanks - 1][j]) : va[0][j];
-      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), sum));
+      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_add_ps(va[0][j], va[1][j])));
     }
   }
 }

@@ -11,9 +11,14 @@ namespace {
 
 // Runs fn(i, thread) for i in [0, n), each index taken by the next free
 // thread (items differ in size; which thread runs one never matters).
+// `inline_only`: all on the calling thread.
 template <typename Fn>
-void ParallelItems(ThreadPool* pool, int64_t n, const Fn& fn) {
+void ParallelItems(ThreadPool* pool, int64_t n, bool inline_only, const Fn& fn) {
   if (n <= 0) return;
+  if (inline_only || pool->size() == 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i, 0);
+    return;
+  }
   std::atomic<int64_t> next{0};
   pool->ParallelFor(std::min<int64_t>(n, pool->size()), [&](int64_t, int64_t, int thread) {
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
@@ -130,6 +135,7 @@ absl::Status AttentionShard::Process(uint32_t layer, uint32_t n_seqs, uint32_t n
   items_.clear();
   merges_.clear();
   int64_t slots = 0;
+  double kv_bytes = 0;  // read by this step
   for (uint32_t s = 0; s < n_seqs; ++s) {
     const shm::SeqSlice& slice = req.slices[s];
     const int n = static_cast<int>(slice.n_tokens);
@@ -137,17 +143,19 @@ absl::Status AttentionShard::Process(uint32_t layer, uint32_t n_seqs, uint32_t n
       const int nt = std::min(kMaxChunkTokens, n - tg);
       const int token0 = slice_token0_[s] + tg;
       const int chunks = last_pos_[token0 + nt - 1] / chunk_ + 1;
+      kv_bytes += (last_pos_[token0 + nt - 1] + 1.0) * kvh * cache_->format().BytesPerPosition();
       for (int h = 0; h < kvh; ++h) {
         const int64_t need = static_cast<int64_t>(chunks) * nt * group;
         if (n <= kMaxChunkTokens && slots + need <= budget_slots) {
+          const int merge = static_cast<int>(merges_.size());
           merges_.push_back({static_cast<int>(s), token0, nt, h, chunks, slots});
           for (int c = 0; c < chunks; ++c) {
             items_.push_back({static_cast<int>(s), token0, nt, h, c, c + 1,
-                              slots + static_cast<int64_t>(c) * nt * group});
+                              slots + static_cast<int64_t>(c) * nt * group, merge});
           }
           slots += need;
         } else {
-          items_.push_back({static_cast<int>(s), token0, nt, h, 0, chunks, -1});
+          items_.push_back({static_cast<int>(s), token0, nt, h, 0, chunks, -1, -1});
         }
       }
     }
@@ -161,30 +169,40 @@ absl::Status AttentionShard::Process(uint32_t layer, uint32_t n_seqs, uint32_t n
     s.acc.Resize(partial_floats);
   }
 
-  ParallelItems(pool_, static_cast<int64_t>(items_.size()), [&](int64_t i, int thread) {
-    RunItem(items_[i], layer, req, out, scratch_[thread]);
-  });
-
-  // Merge the parallel chunks of each (token, query head) in chunk order.
-  std::vector<std::pair<int, int>> merge_tasks;  // (merge group, token in group)
-  for (size_t m = 0; m < merges_.size(); ++m) {
-    for (int i = 0; i < merges_[m].n_tokens; ++i) merge_tasks.emplace_back(static_cast<int>(m), i);
+  if (merges_.size() > chunks_left_capacity_) {
+    chunks_left_capacity_ = std::max(merges_.size(), 2 * chunks_left_capacity_);
+    chunks_left_.reset(new std::atomic<int>[chunks_left_capacity_]);
   }
-  ParallelItems(pool_, static_cast<int64_t>(merge_tasks.size()), [&](int64_t task, int thread) {
-    const MergeGroup& m = merges_[merge_tasks[task].first];
-    const int i = merge_tasks[task].second;
-    float* acc_data = scratch_[thread].acc.data();
-    for (int j = 0; j < group; ++j) {
-      const Partial acc(acc_data, prep_.padded_dim);
-      acc.Clear();
-      for (int c = 0; c < m.chunks; ++c) {
-        const int64_t slot = m.first_slot + static_cast<int64_t>(c) * m.n_tokens * group + i * group + j;
-        acc.Merge(Partial(partials_.data() + slot * pf, prep_.padded_dim));
-      }
-      WriteOutput(m, i, j, acc, out);
+  for (size_t m = 0; m < merges_.size(); ++m) {
+    chunks_left_[m].store(merges_[m].chunks, std::memory_order_relaxed);
+  }
+
+  ParallelItems(pool_, static_cast<int64_t>(items_.size()), kv_bytes < g_.parallel_min_bytes,
+                [&](int64_t i, int thread) {
+    const Item& item = items_[i];
+    RunItem(item, layer, req, out, scratch_[thread]);
+    // The last chunk of a merge group to finish merges the group; acq_rel
+    // makes every chunk's partials visible to that thread.
+    if (item.merge >= 0 && chunks_left_[item.merge].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      Merge(merges_[item.merge], out, scratch_[thread]);
     }
   });
   return absl::OkStatus();
+}
+
+void AttentionShard::Merge(const MergeGroup& m, float* out, ThreadScratch& scratch) const {
+  const int group = g_.gqa_ratio, hp = prep_.padded_dim, pf = PartialFloats(hp);
+  const Partial acc(scratch.acc.data(), hp);
+  for (int i = 0; i < m.n_tokens; ++i) {
+    for (int j = 0; j < group; ++j) {
+      acc.Clear();
+      for (int c = 0; c < m.chunks; ++c) {
+        const int64_t slot = m.first_slot + static_cast<int64_t>(c) * m.n_tokens * group + i * group + j;
+        acc.Merge(Partial(partials_.data() + slot * pf, hp));
+      }
+      WriteOutput(m, i, j, acc, out);
+    }
+  }
 }
 
 ChunkArgs AttentionShard::ArgsFor(const Item& item, uint32_t layer,

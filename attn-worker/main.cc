@@ -22,6 +22,7 @@
 #include "attn-worker/attention_kernels.h"
 #include "attn-worker/attention_shard.h"
 #include "attn-worker/kv_cache.h"
+#include "attn-worker/synthetic_fill.h"
 #include "core/gguf.h"
 #include "core/log.h"
 #include "core/model_config.h"
@@ -158,6 +159,18 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status FillSynthetic(grpc::ServerContext*, const ellm::v1::FillSyntheticRequest* req,
+                             ellm::v1::FillSyntheticResponse*) override {
+    std::lock_guard<std::mutex> lock(*cache_mu_);
+    const absl::Time start = absl::Now();
+    absl::Status st = attn::FillSynthetic(cache_, req->sequence_id(), req->positions(), req->seed());
+    if (st.ok()) {
+      LogInfo("benchmark: %d positions of random K/V for sequence %d in %.0f ms", req->positions(),
+              req->sequence_id(), absl::ToDoubleMilliseconds(absl::Now() - start));
+    }
+    return ToGrpcStatus(st);
+  }
+
  private:
   const AttnWorkerConfig& config_;
   KvCache* cache_;
@@ -215,8 +228,10 @@ absl::Status Run(const AttnWorkerConfig& config) {
   ThreadPool pool(config.threads, config.cpus);
   ASSIGN_OR_RETURN(const AttentionKernel* kernel, SelectKernel(config.kernel));
   AttentionShard shard(geometry, cache.get(), &pool, kernel);
-  LogInfo("attention kernel %s, chunks of %d positions, %d threads%s", shard.kernel_name(),
-          shard.chunk_positions(), pool.size(),
+  LogInfo("attention kernel %s%s, %d threads%s", shard.kernel_name(),
+          kv.dtype == KvDType::kF32 ? ""
+                                    : absl::StrCat(", chunks of ", shard.chunk_positions(), " positions"),
+          pool.size(),
           config.cpus.empty() ? "" : absl::StrCat(" on cpus ", FormatCpuList(config.cpus)));
 
   const shm::AttnShape shape = geometry.shape();

@@ -19,8 +19,6 @@
 // of cases (one shape and dtype); ratio = gb_per_s / probe_gb_per_s.
 #include "bench/attention_bench.h"
 
-#include <immintrin.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -40,6 +38,7 @@
 #include "attn-worker/attention_kernels.h"
 #include "attn-worker/attention_shard.h"
 #include "attn-worker/kv_cache.h"
+#include "bench/probe.h"
 #include "core/thread_pool.h"
 #include "core/topology.h"
 #include "shm/messages.h"
@@ -223,96 +222,6 @@ double Now() {
 }
 
 // ---------------------------------------------------------------------------
-// The probe: every thread sums its contiguous share of the buffer with the
-// widest loads the CPU has (four independent accumulators).
-
-__attribute__((target("avx512f"))) uint64_t SumAvx512(const uint8_t* p, size_t n) {
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-  for (size_t i = 0; i + 256 <= n; i += 256) {
-    a0 = _mm512_add_epi64(a0, _mm512_load_si512(p + i));
-    a1 = _mm512_add_epi64(a1, _mm512_load_si512(p + i + 64));
-    a2 = _mm512_add_epi64(a2, _mm512_load_si512(p + i + 128));
-    a3 = _mm512_add_epi64(a3, _mm512_load_si512(p + i + 192));
-  }
-  alignas(64) uint64_t lanes[8];
-  _mm512_store_si512(lanes, _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3)));
-  uint64_t sum = 0;
-  for (uint64_t x : lanes) sum += x;
-  return sum;
-}
-
-__attribute__((target("avx2"))) uint64_t SumAvx2(const uint8_t* p, size_t n) {
-  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-  for (size_t i = 0; i + 128 <= n; i += 128) {
-    a0 = _mm256_add_epi64(a0, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i)));
-    a1 = _mm256_add_epi64(a1, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
-    a2 = _mm256_add_epi64(a2, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
-    a3 = _mm256_add_epi64(a3, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
-  }
-  alignas(32) uint64_t lanes[4];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
-                     _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3)));
-  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
-}
-
-uint64_t SumPlain(const uint8_t* p, size_t n) {
-  uint64_t a[4] = {0, 0, 0, 0};
-  for (size_t i = 0; i + 32 <= n; i += 32) {
-    for (int k = 0; k < 4; ++k) {
-      uint64_t v;
-      std::memcpy(&v, p + i + 8 * k, 8);
-      a[k] += v;
-    }
-  }
-  return a[0] + a[1] + a[2] + a[3];
-}
-
-class Probe {
- public:
-  explicit Probe(int64_t bytes) : bytes_(bytes) {
-    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) {
-      std::fprintf(stderr, "cannot allocate the %ld MiB probe buffer\n", static_cast<long>(bytes_ >> 20));
-      std::exit(1);
-    }
-    madvise(p, bytes_, MADV_HUGEPAGE);
-    data_ = static_cast<uint8_t*>(p);
-    std::memset(data_, 1, bytes_);
-    __builtin_cpu_init();
-    sum_ = __builtin_cpu_supports("avx512f") ? SumAvx512
-           : __builtin_cpu_supports("avx2")  ? SumAvx2
-                                             : SumPlain;
-  }
-  ~Probe() { munmap(data_, bytes_); }
-
-  // Median GB/s of 5 reads (after one warm-up) on `pool`'s threads.
-  double Measure(ThreadPool& pool) {
-    std::vector<double> rates;
-    std::vector<uint64_t> sink(pool.size());
-    for (int rep = 0; rep < 6; ++rep) {
-      const int parts = pool.size();
-      const double t0 = Now();
-      pool.ParallelFor(parts, [&](int64_t begin, int64_t end, int thread) {
-        for (int64_t part = begin; part < end; ++part) {
-          const size_t share = static_cast<size_t>(bytes_ / parts) / 256 * 256;
-          sink[thread] += sum_(data_ + part * share, share);
-        }
-      });
-      const double dt = Now() - t0;
-      if (rep > 0) rates.push_back(static_cast<double>(bytes_ / parts / 256 * 256 * parts) / dt / 1e9);
-    }
-    if (sink[0] == 42) std::fprintf(stderr, " ");  // keep the sums alive
-    std::sort(rates.begin(), rates.end());
-    return rates[rates.size() / 2];
-  }
-
- private:
-  int64_t bytes_;
-  uint8_t* data_ = nullptr;
-  uint64_t (*sum_)(const uint8_t*, size_t) = nullptr;
-};
-
-// ---------------------------------------------------------------------------
 // A case.
 
 struct Result {
@@ -467,7 +376,7 @@ int AttentionMain(int argc, char** argv) {
   std::vector<std::unique_ptr<ThreadPool>> pools;
   for (int t : o.threads) pools.push_back(std::make_unique<ThreadPool>(t, cpus));
   ThreadPool& fill_pool = *pools[std::max_element(o.threads.begin(), o.threads.end()) - o.threads.begin()];
-  Probe probe(o.probe_bytes);
+  ReadProbe probe(o.probe_bytes);
 
   const size_t total = o.shapes.size() * o.dtypes.size() * o.positions.size() * o.threads.size();
   size_t done = 0;

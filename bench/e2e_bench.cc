@@ -320,7 +320,7 @@ int E2eMain(int argc, char** argv) {
       for (const Row& r : rows) out << r.context << " " << r.ms << " " << r.bound_ms << "\n";
     }
     const std::string script = absl::StrCat(
-        "set terminal png size 900,600; set output '", plot, "'; ",
+        "set terminal png size 900,600 noenhanced; set output '", plot, "'; ",
         "set title 'ellm decode, ", fs::path(model_path).filename().string(), ", kv ",
         args.Get("kv-dtype"), " (", fill, " fill)'; set xlabel 'context (tokens)'; ",
         "set ylabel 'ms per token'; set key left top; set grid; set logscale x 2; ",

@@ -578,6 +578,7 @@ TEST(AttentionShardKernels, ResultsDoNotDependOnBatchingOrThreads) {
   g.head_dim = 64;
   g.max_positions = 4096;
   g.chunk_positions = 64;
+  g.parallel_min_bytes = 0;  // small as it is, spread it over the threads
   const int n = 300;
   const SeqData a = MakeSeq(g, n, gen), b = MakeSeq(g, n, gen);
   const size_t qn = size_t{1} * g.q_heads() * g.head_dim;

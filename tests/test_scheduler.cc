@@ -103,6 +103,16 @@ class FakeExecutor : public StepExecutor {
     return absl::OkStatus();
   }
 
+  absl::Status FillSynthetic(uint64_t id, int positions) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    filled_[id] += positions;
+    return absl::OkStatus();
+  }
+  int Filled(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return filled_.count(id) ? filled_[id] : 0;
+  }
+
   void SetTokenFn(TokenFn fn) {
     std::lock_guard<std::mutex> lock(mu_);
     token_fn_ = std::move(fn);
@@ -154,6 +164,7 @@ class FakeExecutor : public StepExecutor {
   }
 
  private:
+  std::map<uint64_t, int> filled_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Event> log_;
@@ -839,6 +850,38 @@ TEST_F(SchedulerTest, StopEndsQueuedAndRunningRequests) {
     EXPECT_EQ(out.error.code(), absl::StatusCode::kUnavailable) << out.error;
   }
   EXPECT_EQ(exec_.runs(), 1);
+}
+
+}  // namespace
+}  // namespace ellm::coord
+
+namespace ellm::coord {
+namespace {
+
+TEST_F(SchedulerTest, SyntheticContextIsFilledOnceAndPositionsFollowIt) {
+  Start();
+  const std::vector<int32_t> prompt = Tok().Encode("Once upon a time", true);
+  GenerateOptions o;
+  o.prompt = prompt;
+  o.max_tokens = 3;
+  o.sampling.temperature = 0;
+  o.synthetic_context = 300;
+  absl::StatusOr<std::shared_ptr<RequestStream>> stream = scheduler_->Submit(o);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  const Outcome out = Collect(**stream);
+  ASSERT_TRUE(out.finished);
+  EXPECT_TRUE(out.error.ok()) << out.error;
+  EXPECT_EQ(out.tokens.size(), 3u);
+  const std::vector<shm::StepPlan> plans = exec_.plans();
+  ASSERT_FALSE(plans.empty());
+  const uint64_t id = plans[0].seqs[0].slice.seq_id;
+  EXPECT_EQ(exec_.Filled(id), 300);
+  // The prompt starts right after the synthetic positions; decodes follow on.
+  EXPECT_EQ(plans[0].seqs[0].slice.start_pos, 300u);
+  EXPECT_EQ(plans.back().seqs[0].slice.start_pos, 300u + prompt.size() + 1);
+  // It counts against the context.
+  o.synthetic_context = options_.context_length;
+  EXPECT_EQ(scheduler_->Submit(o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
