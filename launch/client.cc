@@ -5,6 +5,8 @@
 //   ellm health
 #include <cstdio>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
@@ -39,11 +41,52 @@ const char* ReasonName(ellm::v1::FinishReason r) {
   }
 }
 
+// A conversation on stdin/stdout: each line is a user turn; the reply
+// streams back and joins the history. Ctrl-D ends it.
+int Chat(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRequest& base, const std::string& system,
+         const std::string& server) {
+  std::vector<std::pair<std::string, std::string>> history;
+  if (!system.empty()) history.push_back({"system", system});
+  std::string line;
+  for (;;) {
+    std::printf("> ");
+    std::fflush(stdout);
+    char buf[8192];
+    if (std::fgets(buf, sizeof(buf), stdin) == nullptr) break;
+    line = buf;
+    while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.pop_back();
+    if (line.empty()) continue;
+    history.push_back({"user", line});
+    ellm::v1::GenerateRequest req = base;
+    for (const auto& [role, content] : history) {
+      ellm::v1::ChatMessage* m = req.add_messages();
+      m->set_role(role);
+      m->set_content(content);
+    }
+    grpc::ClientContext ctx;
+    auto reader = stub->Generate(&ctx, req);
+    ellm::v1::GenerateResponse resp;
+    std::string reply;
+    while (reader->Read(&resp)) {
+      reply += resp.text();
+      std::fwrite(resp.text().data(), 1, resp.text().size(), stdout);
+      std::fflush(stdout);
+    }
+    std::printf("\n");
+    grpc::Status status = reader->Finish();
+    if (!status.ok()) return FailRpc(status, server);
+    history.push_back({"assistant", reply});
+  }
+  std::printf("\n");
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   Args args(
       "ellm: command-line client of an ellm server.\n\n"
       "Usage:\n"
       "  ellm generate \"prompt\" [flags]   stream generated text to stdout\n"
+      "  ellm chat [--system TEXT]        chat on stdin/stdout with the model's chat template\n"
       "  ellm tokenize \"text\"             print token ids and pieces\n"
       "  ellm info                        print the served model\n"
       "  ellm health                      print SERVING / NOT_SERVING");
@@ -56,6 +99,7 @@ int Main(int argc, char** argv) {
   args.Flag("stop", "", "stop when this string appears (not printed)");
   args.Flag("no-bos", "", "do not prepend the BOS token", true);
   args.Flag("stats", "", "print token counts and timings to stderr at the end", true);
+  args.Flag("system", "", "chat: the system message");
   absl::Status st = args.Parse(argc, argv);
   if (args.help() || (st.ok() && args.positional().empty())) {
     std::printf("%s", args.HelpText().c_str());
@@ -67,10 +111,12 @@ int Main(int argc, char** argv) {
   auto channel = grpc::CreateChannel(server, grpc::InsecureChannelCredentials());
   auto stub = ellm::v1::Ellm::NewStub(channel);
 
-  if (command == "generate") {
-    if (args.positional().size() != 2) return Fail("usage: ellm generate \"prompt\" [flags]");
+  if (command == "generate" || command == "chat") {
+    if (command == "generate" && args.positional().size() != 2) {
+      return Fail("usage: ellm generate \"prompt\" [flags]");
+    }
     ellm::v1::GenerateRequest req;
-    req.set_prompt(args.positional()[1]);
+    if (command == "generate") req.set_prompt(args.positional()[1]);
     if (args.IsSet("max-tokens")) {
       absl::StatusOr<int> v = args.GetInt("max-tokens");
       if (!v.ok()) return Fail(std::string(v.status().message()));
@@ -96,6 +142,7 @@ int Main(int argc, char** argv) {
     }
     if (args.IsSet("stop")) req.add_stop(args.Get("stop"));
     if (args.GetBool("no-bos")) req.set_add_bos(false);
+    if (command == "chat") return Chat(stub.get(), req, args.Get("system"), server);
     grpc::ClientContext ctx;
     auto reader = stub->Generate(&ctx, req);
     ellm::v1::GenerateResponse resp;
