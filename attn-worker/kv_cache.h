@@ -6,9 +6,9 @@
 // list of block ids (its block table), the same ids in every region;
 // position p lives in block table[p / block_tokens], row p % block_tokens.
 // The K (and the V) of one (layer, KV head) of a sequence whose blocks are
-// consecutive ids is therefore one contiguous run of memory: the decode
-// kernels read two sequential streams, which the hardware prefetchers follow
-// further ahead than one.
+// consecutive ids is therefore one contiguous run of memory, and a decode
+// kernel reads two sequential streams front to back (with software prefetch
+// ahead of both).
 // Positions are appended in order and quantised once, when stored; a
 // sequence's blocks return to the pool when it is freed.
 #pragma once

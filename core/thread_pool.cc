@@ -1,9 +1,31 @@
 #include "core/thread_pool.h"
 
+#include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
 
+#include <chrono>
+
 namespace ellm {
+namespace {
+
+// Short: with the CPU backend the MLP worker and the attention workers take
+// turns on the same cores, and a spinning pool must not hold a core long
+// after its job (the rings spin for the same 50 us).
+constexpr int kSpinMicros = 50;
+
+// Spins until done() or kSpinMicros pass; true when done() became true.
+template <typename Done>
+bool SpinUntil(const Done& done) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+  while (!done()) {
+    for (int i = 0; i < 32; ++i) _mm_pause();
+    if (std::chrono::steady_clock::now() > until) return false;
+  }
+  return true;
+}
+
+}  // namespace
 
 bool PinCurrentThread(int cpu) {
   cpu_set_t set;
@@ -57,6 +79,7 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t, int64_
   int64_t begin, end;
   Chunk(n, parts, 0, &begin, &end);
   if (begin < end) fn(begin, end, 0);
+  SpinUntil([this] { return pending_.load(std::memory_order_acquire) == 0; });
   std::unique_lock<std::mutex> lock(mu_);
   done_cv_.wait(lock, [this] { return pending_ == 0; });
   job_ = nullptr;
@@ -68,6 +91,10 @@ void ThreadPool::WorkerLoop(int index) {
     const std::function<void(int64_t, int64_t, int)>* job;
     int64_t n;
     {
+      SpinUntil([&] {
+        return stop_.load(std::memory_order_acquire) ||
+               generation_.load(std::memory_order_acquire) != seen;
+      });
       std::unique_lock<std::mutex> lock(mu_);
       work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
       if (stop_) return;

@@ -1,9 +1,13 @@
 // A fixed pool of worker threads, created once, optionally pinned one per cpu.
 // ParallelFor splits [0, n) into contiguous chunks, one per thread, and runs
-// them with the calling thread taking the first chunk. Idle threads sleep on a
-// condition variable (no spinning), so a pool never burns a core it is not using.
+// them with the calling thread taking the first chunk. After a job, workers
+// (and the caller, waiting for them) spin for kSpinMicros before sleeping on a
+// condition variable: back-to-back jobs (one per layer in decode) then skip
+// the futex wake-up (~5-10 us on bare metal, ~65 us on a small VM), while an
+// idle pool still sleeps and burns no core.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -36,9 +40,9 @@ class ThreadPool {
   std::condition_variable done_cv_;
   const std::function<void(int64_t, int64_t, int)>* job_ = nullptr;
   int64_t job_n_ = 0;
-  uint64_t generation_ = 0;
-  int pending_ = 0;
-  bool stop_ = false;
+  std::atomic<uint64_t> generation_{0};  // written under mu_, read by spinners
+  std::atomic<int> pending_{0};
+  std::atomic<bool> stop_{false};
 };
 
 // Pins the calling thread to `cpu`; false when the kernel refuses.

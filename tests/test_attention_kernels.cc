@@ -634,15 +634,8 @@ TEST(AttentionShardKernels, MatchesOracleAtAwkwardLengths) {
         ShardRun r = MakeShard(g, dtype, threads, k);
         const int n = 4097;
         const SeqData s = MakeSeq(g, n, gen);
-        // Prefill to 4000 in pieces, then decode to 4097, checking the checkpoints.
-        int pos = 0;
-        for (int piece : {1, 2, 14, 112, 1000, 2871}) {
-          Step(*r.shard, g, {{5, &s, pos, piece}});
-          pos += piece;
-        }
-        for (; pos < n; ++pos) {
-          const std::vector<float> out = Step(*r.shard, g, {{5, &s, pos, 1}});
-          if (pos != n - 1 && pos != 4000) continue;
+        // Checks token `t` of a step's output `out`, at position `pos`.
+        auto check = [&](const std::vector<float>& out, int t, int pos) {
           for (int h = 0; h < g.kv_heads(); ++h) {
             const KvSeqView view = r.cache->View(5, 0, h);
             std::vector<float> kd(static_cast<size_t>(pos + 1) * 128), vd(kd.size());
@@ -650,13 +643,26 @@ TEST(AttentionShardKernels, MatchesOracleAtAwkwardLengths) {
               view.format.LoadKey(view.KeyTile(p), view.RowInTile(p), &kd[size_t{1} * p * 128]);
               view.format.LoadValue(view.ValueTile(p), view.RowInTile(p), &vd[size_t{1} * p * 128]);
             }
-            const std::vector<float> q(s.q.begin() + (size_t{1} * pos * g.q_heads() + h * group) * 128,
-                                       s.q.begin() + (size_t{1} * pos * g.q_heads() + (h + 1) * group) * 128);
-            const std::vector<float> o(out.begin() + h * group * 128, out.begin() + (h + 1) * group * 128);
+            const size_t q0 = (size_t{1} * pos * g.q_heads() + h * group) * 128;
+            const std::vector<float> q(s.q.begin() + q0, s.q.begin() + q0 + group * 128);
+            const size_t o0 = (size_t{1} * t * g.q_heads() + h * group) * 128;
+            const std::vector<float> o(out.begin() + o0, out.begin() + o0 + group * 128);
             const double err = WorstError(o, q.data(), kd, vd, {pos}, group, 128);
             EXPECT_LE(err, Budget(*k, dtype)) << KvDTypeName(dtype) << " threads " << threads
                                               << " gqa " << group << " pos " << pos;
           }
+        };
+        // Prefill to 4000 in pieces (some tokens of each checked), then decode
+        // to 4097, checking the last steps.
+        int pos = 0;
+        for (int piece : {1, 2, 14, 112, 1000, 2871}) {
+          const std::vector<float> out = Step(*r.shard, g, {{5, &s, pos, piece}});
+          for (int t : {0, piece / 2, piece - 1}) check(out, t, pos + t);
+          pos += piece;
+        }
+        for (; pos < n; ++pos) {
+          const std::vector<float> out = Step(*r.shard, g, {{5, &s, pos, 1}});
+          if (pos == 4000 || pos == n - 1) check(out, 0, pos);
         }
       }
     }
