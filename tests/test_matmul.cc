@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -51,7 +52,7 @@ std::string Name(DType t) { return std::string(Traits(t).name); }
 
 std::vector<MatIsa> SupportedIsas() {
   std::vector<MatIsa> out;
-  for (MatIsa isa : {MatIsa::kRef, MatIsa::kAvx2, MatIsa::kAvx512Vnni}) {
+  for (MatIsa isa : {MatIsa::kRef, MatIsa::kAvx2, MatIsa::kAvx2Vnni, MatIsa::kAvx512Vnni}) {
     if (MatIsaSupported(isa)) out.push_back(isa);
   }
   return out;
@@ -186,10 +187,35 @@ TEST(MatMulDispatch, PicksASimdKernelOnThisCpu) {
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
     EXPECT_EQ(best, MatIsa::kAvx512Vnni);
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("avxvnni")) {
+    EXPECT_EQ(best, MatIsa::kAvx2Vnni);
   } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
     EXPECT_EQ(best, MatIsa::kAvx2);
   }
+  // A CPU with AVX-512 VNNI also has AVX-VNNI where the kernels are built
+  // for (Sapphire Rapids and later), but the 512-bit set stays first.
+  EXPECT_EQ(MatIsaSupported(MatIsa::kAvx2Vnni), __builtin_cpu_supports("avx2") &&
+                                                    __builtin_cpu_supports("fma") &&
+                                                    __builtin_cpu_supports("f16c") &&
+                                                    __builtin_cpu_supports("avxvnni"));
+  std::printf("avx2vnni supported here: %s\n", MatIsaSupported(MatIsa::kAvx2Vnni) ? "yes" : "no");
   EXPECT_EQ(KernelName(DType::kQ4_K, MatIsa::kAvx512Vnni), "avx512vnni/q4_K*q8x256");
+  EXPECT_EQ(KernelName(DType::kQ8_0, MatIsa::kAvx2Vnni), "avx2vnni/q8_0*q8x32");
+}
+
+TEST(MatMulDispatch, ParsesKernelSetNames) {
+  for (MatIsa isa : {MatIsa::kRef, MatIsa::kAvx2, MatIsa::kAvx2Vnni, MatIsa::kAvx512Vnni}) {
+    auto parsed = ParseMatIsa(MatIsaName(isa));
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(*parsed, isa);
+  }
+  EXPECT_EQ(MatIsaName(MatIsa::kAvx2Vnni), "avx2vnni");
+  auto best = ParseMatIsa("auto");
+  ASSERT_TRUE(best.ok());
+  EXPECT_EQ(*best, BestMatIsa());
+  EXPECT_FALSE(ParseMatIsa("avx2-vnni").ok());
+  EXPECT_FALSE(ParseMatIsa("").ok());
 }
 
 TEST(QuantMatrix, RepackedRowsDequantiseExactlyAsTheTraitsTable) {
@@ -338,6 +364,63 @@ TEST(MatMul, RepackingAndResultsDoNotDependOnTheThreadCount) {
       EXPECT_EQ(std::memcmp(a.data(), c.data(), a.size() * sizeof(float)), 0) << Name(type);
     }
   }
+}
+
+// avx2vnni differs from avx2 only in how the exact integer block sums are
+// formed (VPDPBUSD vs VPMADDUBSW + VPMADDWD); the float steps are the same, so
+// the two sets agree bit for bit, also at the codes' extremes (|code| = 127,
+// weight levels at their maxima), where the int16 pair sums of avx2 are tightest.
+TEST(MatMul, Avx2VnniEqualsAvx2BitForBit) {
+  if (!MatIsaSupported(MatIsa::kAvx2Vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+  int cases = 0;
+  for (DType type : kTypes) {
+    for (int64_t cols : ColsFor(type)) {
+      for (int rows : {17, 129}) {
+        const TestMatrix m = MakeMatrix(type, rows, cols, 31 * rows + cols);
+        const QuantMatrix q = Repack(m);
+        for (int T : {1, 2, 3, 16}) {
+          std::vector<float> x = RandomActivations(T, cols, 77 + T);
+          if (T == 3) {  // saturated activations: every code +-127
+            for (size_t i = 0; i < x.size(); ++i) x[i] = (i * 7919) % 3 ? 1.0f : -1.0f;
+          }
+          Activations act;
+          act.Set(x.data(), T, cols);
+          std::vector<float> a(T * rows, NAN), b(T * rows, NAN);
+          MatMul(q, act, a.data(), nullptr, MatIsa::kAvx2);
+          MatMul(q, act, b.data(), nullptr, MatIsa::kAvx2Vnni);
+          ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+              << Name(type) << " [" << rows << ", " << cols << "] T=" << T;
+          ++cases;
+        }
+      }
+    }
+  }
+  // Extreme weights: Q8_0 codes -128 / 127 (the sign trick of avx2 and the
+  // +128 offset of VPDPBUSD at their limits) against codes of both signs.
+  for (int8_t code : {int8_t{-128}, int8_t{127}}) {
+    constexpr int64_t kCols = 1024;
+    constexpr int kRows = 9;
+    std::string raw(kRows * (kCols / 32) * sizeof(BlockQ8_0), '\0');
+    auto* blocks = reinterpret_cast<BlockQ8_0*>(raw.data());
+    for (int64_t i = 0; i < kRows * (kCols / 32); ++i) {
+      blocks[i].d = FloatToHalf(0.01f);
+      for (int e = 0; e < 32; ++e) blocks[i].qs[e] = (e + i) % 5 ? code : 0;
+    }
+    auto q = QuantMatrix::FromRaw(DType::kQ8_0, kRows, kCols,
+                                  reinterpret_cast<const uint8_t*>(raw.data()), raw.size());
+    ASSERT_TRUE(q.ok());
+    std::vector<float> x(2 * kCols);
+    for (int64_t i = 0; i < 2 * kCols; ++i) x[i] = i % 2 ? 1.0f : -1.0f;
+    Activations act;
+    act.Set(x.data(), 2, kCols);
+    std::vector<float> a(2 * kRows), b(2 * kRows), r(2 * kRows);
+    MatMul(*q, act, a.data(), nullptr, MatIsa::kAvx2);
+    MatMul(*q, act, b.data(), nullptr, MatIsa::kAvx2Vnni);
+    MatMul(*q, act, r.data(), nullptr, MatIsa::kRef);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << int{code};
+    for (int i = 0; i < 2 * kRows; ++i) EXPECT_NEAR(b[i], r[i], 1e-3 * std::fabs(r[i]) + 1e-6);
+  }
+  std::printf("%d (type, shape, T) cases identical\n", cases);
 }
 
 // --- The CPU backend's weight modes on random models ------------------------
@@ -598,7 +681,25 @@ double ReadBandwidth(const std::vector<uint64_t>& buf, ThreadPool& pool) {
   return best;
 }
 
+// The kernel sets to time: ELLM_BENCH_ISAS="avx2,avx2vnni" (names as
+// ParseMatIsa reads them), else the best one.
+std::vector<MatIsa> BenchIsas() {
+  std::vector<MatIsa> out;
+  const char* env = std::getenv("ELLM_BENCH_ISAS");
+  std::string list = env != nullptr ? env : "auto";
+  for (size_t pos = 0; pos <= list.size();) {
+    size_t end = list.find(',', pos);
+    if (end == std::string::npos) end = list.size();
+    auto isa = ParseMatIsa(std::string_view(list).substr(pos, end - pos));
+    EXPECT_TRUE(isa.ok()) << isa.status();
+    if (isa.ok() && MatIsaSupported(*isa)) out.push_back(*isa);
+    pos = end + 1;
+  }
+  return out;
+}
+
 TEST(MatMulBench, DISABLED_Matvec5120) {
+  const std::vector<MatIsa> isas = BenchIsas();
   constexpr int64_t kN = 5120;
   constexpr size_t kWorkingSet = size_t{1} << 30;  // beyond the last-level cache
   std::vector<uint64_t> probe(kWorkingSet / 8, 1);
@@ -636,20 +737,22 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
     for (int threads : {1, 2}) {
       ThreadPool pool(threads);
       for (int T : {1, 4, 16}) {
-        Activations act;
-        act.Set(x.data(), T, kN);
-        MatMul(ms[0], act, y.data(), &pool);  // converts the activations
-        double best = 0;
-        for (int rep = 0; rep < 2; ++rep) {
-          const auto t0 = std::chrono::steady_clock::now();
-          for (const QuantMatrix& m : ms) MatMul(m, act, y.data(), &pool);
-          const double s = Seconds(t0, std::chrono::steady_clock::now());
-          best = std::max(best, copies * static_cast<double>(one->bytes()) / s / 1e9);
+        for (MatIsa isa : isas) {
+          Activations act;
+          act.Set(x.data(), T, kN);
+          MatMul(ms[0], act, y.data(), &pool, isa);  // converts the activations
+          double best = 0;
+          for (int rep = 0; rep < 2; ++rep) {
+            const auto t0 = std::chrono::steady_clock::now();
+            for (const QuantMatrix& m : ms) MatMul(m, act, y.data(), &pool, isa);
+            const double s = Seconds(t0, std::chrono::steady_clock::now());
+            best = std::max(best, copies * static_cast<double>(one->bytes()) / s / 1e9);
+          }
+          std::printf(
+              "%-22s %d thread(s), T=%2d: %.1f GB/s of weights (%.2f ms per %lldx%lld matmul)\n",
+              KernelName(type, isa).c_str(), threads, T, best, one->bytes() / best / 1e6,
+              static_cast<long long>(kN), static_cast<long long>(kN));
         }
-        std::printf(
-            "%s, %d thread(s), T=%2d: %.1f GB/s of weights (%.2f ms per %lldx%lld matmul)\n",
-            KernelName(type, BestMatIsa()).c_str(), threads, T, best, one->bytes() / best / 1e6,
-            static_cast<long long>(kN), static_cast<long long>(kN));
       }
     }
   }

@@ -1,6 +1,7 @@
 // QuantMatrix repacking (matmul_layout.h), activation quantisation, the
 // dispatcher and the threading of MatMul. Baseline x86-64 code only: the SIMD
-// kernels live in matmul_avx2.cc and matmul_avx512.cc.
+// kernels live in matmul_avx2.cc (also built as matmul_avx2_vnni.cc) and
+// matmul_avx512.cc.
 #include "mlp-worker/cpu/matmul.h"
 
 #include <algorithm>
@@ -491,6 +492,8 @@ bool CpuHasAvx2() {
          __builtin_cpu_supports("f16c");
 }
 
+bool CpuHasAvx2Vnni() { return CpuHasAvx2() && __builtin_cpu_supports("avxvnni"); }
+
 bool CpuHasAvx512Vnni() {
   return CpuHasAvx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -501,6 +504,7 @@ internal::MatKernel KernelFor(DType type, MatIsa isa) {
   switch (isa) {
     case MatIsa::kRef: return internal::RefKernel(type);
     case MatIsa::kAvx2: return internal::Avx2Kernel(type);
+    case MatIsa::kAvx2Vnni: return internal::Avx2VnniKernel(type);
     case MatIsa::kAvx512Vnni: return internal::Avx512VnniKernel(type);
   }
   return nullptr;
@@ -523,6 +527,7 @@ std::string_view MatIsaName(MatIsa isa) {
   switch (isa) {
     case MatIsa::kRef: return "ref";
     case MatIsa::kAvx2: return "avx2";
+    case MatIsa::kAvx2Vnni: return "avx2vnni";
     case MatIsa::kAvx512Vnni: return "avx512vnni";
   }
   return "?";
@@ -532,6 +537,7 @@ bool MatIsaSupported(MatIsa isa) {
   switch (isa) {
     case MatIsa::kRef: return true;
     case MatIsa::kAvx2: return CpuHasAvx2();
+    case MatIsa::kAvx2Vnni: return CpuHasAvx2Vnni();
     case MatIsa::kAvx512Vnni: return CpuHasAvx512Vnni();
   }
   return false;
@@ -539,9 +545,20 @@ bool MatIsaSupported(MatIsa isa) {
 
 MatIsa BestMatIsa() {
   static const MatIsa best = CpuHasAvx512Vnni() ? MatIsa::kAvx512Vnni
-                             : CpuHasAvx2()     ? MatIsa::kAvx2
-                                                : MatIsa::kRef;
+                             : CpuHasAvx2Vnni()   ? MatIsa::kAvx2Vnni
+                             : CpuHasAvx2()       ? MatIsa::kAvx2
+                                                  : MatIsa::kRef;
   return best;
+}
+
+absl::StatusOr<MatIsa> ParseMatIsa(std::string_view name) {
+  if (name == "auto") return BestMatIsa();
+  for (MatIsa isa : {MatIsa::kRef, MatIsa::kAvx2, MatIsa::kAvx2Vnni, MatIsa::kAvx512Vnni}) {
+    if (name == MatIsaName(isa)) return isa;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown matrix kernel set '", Absl(name),
+                   "' (expected auto, ref, avx2, avx2vnni or avx512vnni)"));
 }
 
 std::string KernelName(DType type, MatIsa isa) {

@@ -23,6 +23,10 @@
 //                core/kernels.h Dot). The oracle, and the fallback.
 //   kAvx2        AVX2 + FMA + F16C, 8 rows per vector; int8 products with
 //                VPMADDUBSW + VPMADDWD.
+//   kAvx2Vnni    kAvx2 with AVX-VNNI (VEX VPDPBUSD) for the int8 products:
+//                CPUs with AVX-VNNI but no AVX-512 (Alder Lake and later
+//                client cores, server parts with AVX-512 off). Gives the same
+//                results as kAvx2 bit for bit (both integer sums are exact).
 //   kAvx512Vnni  AVX-512 F/BW/VL/DQ + VNNI + F16C, 16 rows per vector; int8
 //                products with VPDPBUSD (weight codes u8 x activation codes s8
 //                with an embedded 4-byte broadcast).
@@ -45,13 +49,18 @@
 
 namespace ellm::mlp {
 
-enum class MatIsa { kRef = 0, kAvx2 = 1, kAvx512Vnni = 2 };
-inline constexpr int kNumMatIsas = 3;
+enum class MatIsa { kRef = 0, kAvx2 = 1, kAvx2Vnni = 2, kAvx512Vnni = 3 };
+inline constexpr int kNumMatIsas = 4;
 
-std::string_view MatIsaName(MatIsa isa);  // "ref", "avx2", "avx512vnni"
+std::string_view MatIsaName(MatIsa isa);  // "ref", "avx2", "avx2vnni", "avx512vnni"
+// The kernel set named `name` (a MatIsaName, or "auto" for BestMatIsa()), to
+// force one from a flag or a test; InvalidArgument for any other name. Whether
+// this CPU runs it is MatIsaSupported's business.
+absl::StatusOr<MatIsa> ParseMatIsa(std::string_view name);
 // Whether this CPU (and OS) can run the kernel set.
 bool MatIsaSupported(MatIsa isa);
-// The fastest kernel set this CPU supports (decided once).
+// The fastest kernel set this CPU supports (decided once): avx512vnni >
+// avx2vnni > avx2 > ref.
 MatIsa BestMatIsa();
 
 enum class ActFormat { kF32, kQ8x32, kQ8x256 };

@@ -2,10 +2,17 @@
 // only). Every function here carries a target attribute; the dispatcher calls
 // in only when the CPU has the features.
 //
+// This file is compiled twice: as is (kernel set "avx2": int8 products with
+// VPMADDUBSW + VPMADDWD), and from matmul_avx2_vnni.cc with ELLM_AVX2_VNNI=1
+// (kernel set "avx2vnni": AVX-VNNI's VEX VPDPBUSD, and VPDPWSSD for the
+// int16 offset sums). The fp32 kernels (exact F32, F16, BF16) have no int8
+// products and are only built once; the avx2vnni table points at them.
+//
 // The layout is the AVX-512 one (matmul_layout.h): each 64-byte line holds 16
 // rows; these kernels take it as two halves of 8 rows (bytes 0..31 and
-// 32..63), one half at a time. Int8 products use VPMADDUBSW (u8 x s8 -> int16
-// pair sums, saturating) + VPMADDWD:
+// 32..63), one half at a time.
+//
+// "avx2": VPMADDUBSW (u8 x s8 -> int16 pair sums, saturating) + VPMADDWD:
 //   Q8_0       u8 = code + 128 would overflow the int16 pair sums, so the
 //              signed code is restored (xor 0x80) and multiplied as
 //              |code| x (activation * sign(code)): |pair| <= 2 * 128 * 127.
@@ -14,20 +21,34 @@
 //              sub-block scale (Q4_K) as an int16 pair (sc, sc).
 //   Q5_K       pairs <= 2 * 31 * 127: 4 lines per int16 sum (<= 31496).
 //   Q6_K       pairs <= 2 * 63 * 127: 2 lines per int16 sum (<= 32004).
+// "avx2vnni": one VPDPBUSD per line and token straight into int32, as the
+//   AVX-512 kernels do (Q8_0 multiplies the stored u8 = code + 128 and
+//   subtracts 128 * sum(codes)); sub-block scales by VPMULLD.
 // The offsets (-8 for Q4_0, mins for the k-quants, -32 for Q6_K) use the
-// activation code sums, as in the AVX-512 kernels.
+// activation code sums, as in the AVX-512 kernels. Both sets' integer sums are
+// exact and their float steps the same, so they give identical results.
 #include <immintrin.h>
 
 #include <cstdint>
 
 #include "mlp-worker/cpu/matmul_layout.h"
 
+#ifndef ELLM_AVX2_VNNI
+#define ELLM_AVX2_VNNI 0
+#endif
+
+#if ELLM_AVX2_VNNI
+#define ELLM_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
+#else
 #define ELLM_TARGET __attribute__((target("avx2,fma,f16c")))
+#endif
 // No FMA here: the exact kernel must round every product and sum as Dot does.
 #define ELLM_TARGET_AVX __attribute__((target("avx")))
 #define ELLM_INLINE inline __attribute__((always_inline))
 
 namespace ellm::mlp::internal {
+
+#if !ELLM_AVX2_VNNI
 namespace {
 
 // --- Exact fp32 (core/kernels.h Dot, bit for bit) ------------------------------
@@ -77,6 +98,7 @@ ELLM_TARGET_AVX void F32Exact(const KernelArgs& a, int64_t g_begin, int64_t g_en
 void F32ExactKernelAvx(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
   F32Exact(a, g_begin, g_end);
 }
+#endif  // !ELLM_AVX2_VNNI
 
 namespace {
 
@@ -141,6 +163,208 @@ struct TileActs {
     }
   }
 };
+
+#if ELLM_AVX2_VNNI
+
+// --- AVX-VNNI int8 tiles ------------------------------------------------------
+// The AVX-512 kernels' arithmetic on 8 rows at a time (see matmul_avx512.cc for
+// the bounds); the float steps are those of the "avx2" tiles below.
+
+ELLM_TARGET ELLM_INLINE __m256i Dpbusd(__m256i acc, __m256i u8, __m256i s8) {
+  return _mm256_dpbusd_avx_epi32(acc, u8, s8);
+}
+
+// Q8_0 (kQ4 = false) and Q4_0 (kQ4 = true).
+template <bool kQ4>
+struct Q32Tile {
+  template <int NT>
+  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
+    constexpr int kQuant = kQ4 ? 256 : 512;
+    constexpr int32_t kOffset = kQ4 ? 8 : 128;
+    const QuantMatrix& w = *a.w;
+    const int64_t nb = w.cols() / 32;
+    const uint8_t* quant = w.group(g) + 32 * h;
+    const uint16_t* dh = reinterpret_cast<const uint16_t*>(w.group(g) + nb * kQuant) + 8 * h;
+    const TileActs<NT> act(a, t0, 32);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* qb = quant + b * kQuant;
+      __m256i s0[NT], s1[NT];
+      for (int t = 0; t < NT; ++t) {
+        s0[t] = _mm256_set1_epi32(-kOffset * act.sum[t][b]);
+        s1[t] = _mm256_setzero_si256();
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        __m256i w0, w1;
+        int o0, o1;  // activation offsets of the two lines
+        if constexpr (kQ4) {
+          const __m256i v = Load32(qb + 64 * i);
+          w0 = _mm256_and_si256(v, low);
+          w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          o0 = 4 * i;
+          o1 = 16 + 4 * i;
+        } else {
+          w0 = Load32(qb + 128 * i);
+          w1 = Load32(qb + 128 * i + 64);
+          o0 = 8 * i;
+          o1 = 8 * i + 4;
+        }
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* c = act.codes[t] + 32 * b;
+          s0[t] = Dpbusd(s0[t], w0, Bcast4(c + o0));
+          s1[t] = Dpbusd(s1[t], w1, Bcast4(c + o1));
+        }
+      }
+      const __m256 dw = LoadHalves8(dh + 16 * b);
+      for (int t = 0; t < NT; ++t) {
+        const __m256i s = _mm256_add_epi32(s0[t], s1[t]);
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(act.d[t][b])),
+                                 dw, acc[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+    }
+  }
+};
+
+// Q4_K (kQ5 = false) and Q5_K.
+template <bool kQ5>
+struct K4Tile {
+  template <int NT>
+  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
+    constexpr int kQuant = kQ5 ? 2560 : 2048;
+    const QuantMatrix& w = *a.w;
+    const int64_t nb = w.cols() / 256;
+    const uint8_t* quant = w.group(g) + 32 * h;
+    const uint8_t* meta0 = w.group(g) + nb * kQuant;
+    const TileActs<NT> act(a, t0, 256);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* qb = quant + b * kQuant;
+      const uint8_t* meta = meta0 + b * 320;
+      __m256i si[NT], sm[NT];
+      for (int t = 0; t < NT; ++t) si[t] = sm[t] = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) {
+        // The sub-block scales of this half's 8 rows, int32.
+        const __m256i sc = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s + 8 * h)));
+        __m256i hb = _mm256_setzero_si256();
+        if constexpr (kQ5) hb = Load32(qb + 2048 + 64 * s);
+        __m256i s0[NT], s1[NT];
+        for (int t = 0; t < NT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          const __m256i v = Load32(qb + 256 * s + 64 * i);
+          __m256i w0 = _mm256_and_si256(v, low);
+          __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          if constexpr (kQ5) {
+            w0 = _mm256_or_si256(
+                w0, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - i)), bit4));
+            w1 = _mm256_or_si256(
+                w1, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(i)), bit4));
+          }
+#pragma GCC unroll 2
+          for (int t = 0; t < NT; ++t) {
+            const int8_t* c = act.codes[t] + 256 * b + 32 * s;
+            s0[t] = Dpbusd(s0[t], w0, Bcast4(c + 4 * i));
+            s1[t] = Dpbusd(s1[t], w1, Bcast4(c + 16 + 4 * i));
+          }
+        }
+        for (int t = 0; t < NT; ++t) {
+          si[t] = _mm256_add_epi32(si[t], _mm256_mullo_epi32(_mm256_add_epi32(s0[t], s1[t]), sc));
+        }
+      }
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m256i mp = _mm256_cvtepu8_epi16(Load16(meta + 192 + 32 * p + 16 * h));
+        for (int t = 0; t < NT; ++t) {
+          sm[t] = _mm256_dpwssd_avx_epi32(sm[t], mp, Bcast4(act.sum32[t] + 8 * b + 2 * p));
+        }
+      }
+      const __m256 d = LoadHalves8(meta + 16 * h);
+      const __m256 dmin = LoadHalves8(meta + 32 + 16 * h);
+      for (int t = 0; t < NT; ++t) {
+        const __m256 f = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(si[t]),
+                                         _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(sm[t])));
+        acc[t] = _mm256_fmadd_ps(f, _mm256_set1_ps(act.d[t][b]), acc[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+    }
+  }
+};
+
+struct Q6Tile {
+  template <int NT>
+  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
+    const QuantMatrix& w = *a.w;
+    const int64_t nb = w.cols() / 256;
+    const uint8_t* quant = w.group(g) + 32 * h;
+    const uint8_t* meta0 = w.group(g) + nb * 3072;
+    const TileActs<NT> act(a, t0, 256);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i two = _mm256_set1_epi8(0x30);
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* qb = quant + b * 3072;
+      const uint8_t* meta = meta0 + b * 288;
+      __m256i si[NT], corr[NT];
+      for (int t = 0; t < NT; ++t) si[t] = corr[t] = _mm256_setzero_si256();
+      for (int P = 0; P < 8; ++P) {  // sub-blocks 2P and 2P + 1
+        // Per row the int16 pair (sc[2P], sc[2P + 1]), and each as an int32.
+        const __m256i scp = _mm256_cvtepi8_epi16(Load16(meta + 32 + 32 * P + 16 * h));
+        const __m256i sce = _mm256_srai_epi32(_mm256_slli_epi32(scp, 16), 16);
+        const __m256i sco = _mm256_srai_epi32(scp, 16);
+        const __m128i shift = _mm_cvtsi32_si128(P % 2 ? 0 : 4);
+        __m256i s0[NT], s1[NT];
+        for (int t = 0; t < NT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+          const __m256i v = Load32(qb + 256 * P + 64 * k);
+          const __m256i hbits = _mm256_sll_epi16(Load32(qb + 2048 + 256 * (P / 2) + 64 * k), shift);
+          const __m256i we =
+              _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hbits, two));
+          const __m256i wo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                             _mm256_and_si256(_mm256_srli_epi16(hbits, 2), two));
+#pragma GCC unroll 2
+          for (int t = 0; t < NT; ++t) {
+            const int8_t* c = act.codes[t] + 256 * b + 32 * P;
+            s0[t] = Dpbusd(s0[t], we, Bcast4(c + 4 * k));
+            s1[t] = Dpbusd(s1[t], wo, Bcast4(c + 16 + 4 * k));
+          }
+        }
+        for (int t = 0; t < NT; ++t) {
+          si[t] = _mm256_add_epi32(si[t], _mm256_add_epi32(_mm256_mullo_epi32(s0[t], sce),
+                                                           _mm256_mullo_epi32(s1[t], sco)));
+          corr[t] = _mm256_dpwssd_avx_epi32(corr[t], scp, Bcast4(act.sum16[t] + 16 * b + 2 * P));
+        }
+      }
+      const __m256 d = LoadHalves8(meta + 16 * h);
+      for (int t = 0; t < NT; ++t) {
+        const __m256i total = _mm256_sub_epi32(si[t], _mm256_slli_epi32(corr[t], 5));
+        acc[t] = _mm256_fmadd_ps(
+            _mm256_mul_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(act.d[t][b])), d, acc[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+    }
+  }
+};
+
+#else  // !ELLM_AVX2_VNNI
+
+// --- AVX2 int8 tiles (VPMADDUBSW + VPMADDWD) ------------------------------------
 
 struct Q8_0Tile {
   template <int NT>
@@ -370,6 +594,11 @@ struct Q6Tile {
   }
 };
 
+#endif  // ELLM_AVX2_VNNI
+
+// --- fp32 activations (F16, BF16): built once -----------------------------------
+
+#if !ELLM_AVX2_VNNI
 template <bool kBf16>
 struct HalfTile {
   template <int NT>
@@ -403,6 +632,8 @@ struct HalfTile {
   }
 };
 
+#endif  // !ELLM_AVX2_VNNI
+
 template <typename Tile>
 ELLM_TARGET void RunTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
   for (int64_t g = g_begin; g < g_end; ++g) {
@@ -421,6 +652,18 @@ ELLM_TARGET void RunTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
 
 }  // namespace
 
+#if ELLM_AVX2_VNNI
+MatKernel Avx2VnniKernel(DType type) {
+  switch (type) {
+    case DType::kQ8_0: return RunTiles<Q32Tile<false>>;
+    case DType::kQ4_0: return RunTiles<Q32Tile<true>>;
+    case DType::kQ4_K: return RunTiles<K4Tile<false>>;
+    case DType::kQ5_K: return RunTiles<K4Tile<true>>;
+    case DType::kQ6_K: return RunTiles<Q6Tile>;
+    default: return Avx2Kernel(type);  // F32, F16, BF16: no int8 products
+  }
+}
+#else
 MatKernel Avx2Kernel(DType type) {
   switch (type) {
     case DType::kF32: return F32ExactKernelAvx;
@@ -434,5 +677,6 @@ MatKernel Avx2Kernel(DType type) {
     default: return nullptr;
   }
 }
+#endif  // ELLM_AVX2_VNNI
 
 }  // namespace ellm::mlp::internal
