@@ -15,6 +15,7 @@
 #include "core/tokenizer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/tokenizer_vectors.h"
 
 namespace ellm {
 namespace {
@@ -25,105 +26,7 @@ using ::testing::HasSubstr;
 const std::string kVocabDir = std::string(ELLM_MODELS_DIR) + "/vocab/";
 const std::string kQwenVocab = kVocabDir + "qwen2.5-vocab-derived.gguf";
 
-std::string ReadFileOrDie(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  EXPECT_TRUE(in.good()) << path;
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::unique_ptr<Tokenizer> LoadTokenizer(const std::string& path) {
-  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(path);
-  EXPECT_TRUE(file.ok()) << path << ": " << file.status();
-  if (!file.ok()) return nullptr;
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
-  EXPECT_TRUE(tok.ok()) << path << ": " << tok.status();
-  return tok.ok() ? *std::move(tok) : nullptr;
-}
-
-// Strict UTF-8 (no overlongs, surrogates, code points past U+10FFFF or
-// truncated sequences).
-bool IsValidUtf8(std::string_view s) {
-  size_t i = 0;
-  while (i < s.size()) {
-    const auto b0 = static_cast<unsigned char>(s[i]);
-    int need;
-    unsigned char lo = 0x80, hi = 0xBF;
-    if (b0 < 0x80) {
-      need = 1;
-    } else if (b0 >= 0xC2 && b0 <= 0xDF) {
-      need = 2;
-    } else if (b0 >= 0xE0 && b0 <= 0xEF) {
-      need = 3;
-      if (b0 == 0xE0) lo = 0xA0;
-      if (b0 == 0xED) hi = 0x9F;
-    } else if (b0 >= 0xF0 && b0 <= 0xF4) {
-      need = 4;
-      if (b0 == 0xF0) lo = 0x90;
-      if (b0 == 0xF4) hi = 0x8F;
-    } else {
-      return false;
-    }
-    if (i + need > s.size()) return false;
-    for (int k = 1; k < need; ++k) {
-      const auto b = static_cast<unsigned char>(s[i + k]);
-      if (k == 1 ? (b < lo || b > hi) : (b < 0x80 || b > 0xBF)) return false;
-    }
-    i += need;
-  }
-  return true;
-}
-
-// llama.cpp's tokenizer vectors: X.inp holds the strings, each followed by
-// "\n__ggml_vocab_test__\n"; X.out one line of space-separated ids per string.
-struct VocabCase {
-  std::string text;
-  std::vector<int32_t> ids;
-};
-
-std::vector<VocabCase> LoadVocabCases(const std::string& vectors_path) {
-  const std::string inp = ReadFileOrDie(vectors_path + ".inp");
-  const std::string out = ReadFileOrDie(vectors_path + ".out");
-  const std::string separator = "\n__ggml_vocab_test__\n";
-  std::vector<std::string> texts;
-  size_t start = 0;
-  for (size_t pos = inp.find(separator); pos != std::string::npos;
-       pos = inp.find(separator, start)) {
-    texts.push_back(inp.substr(start, pos - start));
-    start = pos + separator.size();
-  }
-  EXPECT_EQ(start, inp.size()) << "the .inp should end with a separator";
-
-  std::vector<VocabCase> cases;
-  std::istringstream lines(out);
-  std::string line;
-  while (std::getline(lines, line)) {
-    VocabCase c;
-    std::istringstream words(line);
-    int64_t id;
-    while (words >> id) c.ids.push_back(static_cast<int32_t>(id));
-    cases.push_back(std::move(c));
-  }
-  EXPECT_EQ(texts.size(), cases.size()) << vectors_path;
-  for (size_t i = 0; i < std::min(texts.size(), cases.size()); ++i) cases[i].text = texts[i];
-  cases.resize(std::min(texts.size(), cases.size()));
-  return cases;
-}
-
-std::string Escape(std::string_view s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '\n') {
-      out += "\\n";
-    } else if (c == '\t') {
-      out += "\\t";
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
+using namespace ellm::tokenizer_testing;  // NOLINT: shared test helpers
 
 // --- llama.cpp's vectors ------------------------------------------------------
 
