@@ -32,6 +32,15 @@
 #define ELLM_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma,bmi,bmi2")))
 #define ELLM_INLINE inline __attribute__((always_inline))
+// The AMX entry point. The tile instructions themselves are written as inline
+// assembly (volatile, with memory operands or clobbers), not GCC 12's AMX
+// intrinsics: those are asm statements that do not tell the compiler which
+// memory they read or write, and GCC 12 has a known bug that can drop the tile
+// configuration load (see DESIGN.md "Build facts"). The configuration load and
+// every tile instruction sit in one function, AttendChunk<true, true>.
+#define ELLM_AMX_TARGET                                                                        \
+  __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c," \
+                        "fma,bmi,bmi2")))
 
 namespace ellm::attn::internal {
 namespace {
@@ -85,6 +94,7 @@ struct HeadsCtx {
   float* part;           // head j at part + j * pf
   int pf;
   HeadScratch* hs;       // head j at hs + j
+  const int32_t* scores;  // amx: head j's 16 integer dot products at scores + 16 * j
 };
 
 ELLM_TARGET ELLM_INLINE int32_t Load32(const void* p) {
@@ -207,25 +217,31 @@ ELLM_TARGET ELLM_INLINE void VTile(const uint8_t* v, int dg, const HeadsCtx& q, 
   }
 }
 
-template <int G>
+template <int G, bool kAmx>
 ELLM_TARGET void Int8Tile(const TileCtx& t, const HeadsCtx& q) {
   const int hp = t.hp, n_dq = hp / 4;  // n_dq is a multiple of 4
-  // Two accumulator banks (even and odd 4-dim groups) hide VPDPBUSD's latency.
-  __m512i acc[G], acc2[G];
-  for (int j = 0; j < G; ++j) acc[j] = acc2[j] = _mm512_setzero_si512();
-  for (int dq = 0; dq < n_dq; dq += 2) {
-    PrefetchLine(t, dq);
-    PrefetchLine(t, dq + 1);
-    const __m512i k0 = _mm512_loadu_si512(t.k + 64 * dq);
-    const __m512i k1 = _mm512_loadu_si512(t.k + 64 * dq + 64);
-    for (int j = 0; j < G; ++j) {
-      const int8_t* c = q.codes + j * hp + 4 * dq;
-      acc[j] = DpbusdBcast(acc[j], k0, c);
-      acc2[j] = DpbusdBcast(acc2[j], k1, c + 4);
+  __m512i acc[G];
+  if constexpr (kAmx) {
+    // The dot products came from the tile unit (AttendChunk<true, true>).
+    for (int j = 0; j < G; ++j) acc[j] = _mm512_load_si512(q.scores + 16 * j);
+  } else {
+    // Two accumulator banks (even and odd 4-dim groups) hide VPDPBUSD's latency.
+    __m512i acc2[G];
+    for (int j = 0; j < G; ++j) acc[j] = acc2[j] = _mm512_setzero_si512();
+    for (int dq = 0; dq < n_dq; dq += 2) {
+      PrefetchLine(t, dq);
+      PrefetchLine(t, dq + 1);
+      const __m512i k0 = _mm512_loadu_si512(t.k + 64 * dq);
+      const __m512i k1 = _mm512_loadu_si512(t.k + 64 * dq + 64);
+      for (int j = 0; j < G; ++j) {
+        const int8_t* c = q.codes + j * hp + 4 * dq;
+        acc[j] = DpbusdBcast(acc[j], k0, c);
+        acc2[j] = DpbusdBcast(acc2[j], k1, c + 4);
+      }
     }
+    for (int j = 0; j < G; ++j) acc[j] = _mm512_add_epi32(acc[j], acc2[j]);
+    PrefetchLine(t, n_dq);  // a tile is n_dq + 1 lines: scales first
   }
-  for (int j = 0; j < G; ++j) acc[j] = _mm512_add_epi32(acc[j], acc2[j]);
-  PrefetchLine(t, n_dq);  // a tile is n_dq + 1 lines: scales first
   // Scores: s = code_scale * (kscale * dot + kmin * code_sum).
   __m512 s[G];
   for (int j = 0; j < G; ++j) {
@@ -308,32 +324,120 @@ ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
   }
 }
 
-template <bool kInt8, int G>
+template <bool kInt8, int G, bool kAmx>
 ELLM_TARGET ELLM_INLINE void RunTile(const TileCtx& t, const HeadsCtx& q) {
   if constexpr (kInt8) {
-    Int8Tile<G>(t, q);
+    Int8Tile<G, kAmx>(t, q);
   } else {
     F16Tile<G>(t, q);
   }
 }
 
-template <bool kInt8>
+template <bool kInt8, bool kAmx>
 ELLM_TARGET void TileForHeads(int g, const TileCtx& t, const HeadsCtx& q) {
   switch (g) {
-    case 1: RunTile<kInt8, 1>(t, q); break;
-    case 2: RunTile<kInt8, 2>(t, q); break;
-    case 3: RunTile<kInt8, 3>(t, q); break;
-    case 4: RunTile<kInt8, 4>(t, q); break;
-    case 5: RunTile<kInt8, 5>(t, q); break;
-    case 6: RunTile<kInt8, 6>(t, q); break;
-    case 7: RunTile<kInt8, 7>(t, q); break;
-    default: RunTile<kInt8, 8>(t, q); break;
+    case 1: RunTile<kInt8, 1, kAmx>(t, q); break;
+    case 2: RunTile<kInt8, 2, kAmx>(t, q); break;
+    case 3: RunTile<kInt8, 3, kAmx>(t, q); break;
+    case 4: RunTile<kInt8, 4, kAmx>(t, q); break;
+    case 5: RunTile<kInt8, 5, kAmx>(t, q); break;
+    case 6: RunTile<kInt8, 6, kAmx>(t, q); break;
+    case 7: RunTile<kInt8, 7, kAmx>(t, q); break;
+    default: RunTile<kInt8, 8, kAmx>(t, q); break;
   }
 }
 
-template <bool kInt8>
+// AMX (int8 only): the tile configuration, and the scores of one tile of 16
+// positions for every token that sees it, all heads of the group at once:
+// C[head][position] += sum_d A[head][d] * B[d / 4][4 * position + d % 4] with
+// TDPBSUD, A = the query codes (s8, one row of hp bytes per head), B = the K
+// tile's codes as stored (u8, one 64-byte line per 4 dims = VNNI format).
+// Tiles: tmm0 C (G rows x 64 bytes), tmm1 / tmm2 A / B for 64 dims, tmm3 /
+// tmm4 A / B for the last hp % 64 dims.
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(AmxConfig) == 64);
+
+constexpr int kAmxMaxGroup = 16;  // rows of a tile
+// Scores are computed kAmxAhead tiles ahead of their use (a ring of kAmxRing
+// buffers), so that the vector loads of a tile's scores never issue before
+// the tile store that writes them.
+constexpr int kAmxAhead = 2, kAmxRing = 4;
+
+AmxConfig MakeAmxConfig(int group, int hp) {
+  AmxConfig c;
+  c.rows[0] = c.rows[1] = static_cast<uint8_t>(group);
+  c.colsb[0] = c.colsb[1] = 64;
+  c.rows[2] = 16;
+  c.colsb[2] = 64;
+  const int tail = hp % 64;
+  if (tail != 0) {
+    c.rows[3] = static_cast<uint8_t>(group);
+    c.colsb[3] = static_cast<uint16_t>(tail);
+    c.rows[4] = static_cast<uint8_t>(tail / 4);
+    c.colsb[4] = 64;
+  }
+  return c;
+}
+
+// scores[i][j][16] for the tokens i that see tile `pos`, from the K codes at
+// k and query codes q (token i's head 0 at q + i * q_token_bytes).
+ELLM_TARGET ELLM_INLINE void AmxScores(const uint8_t* k, const int8_t* q, int64_t q_token_bytes, int hp,
+                                       int pos, const ChunkArgs& a, int32_t* scores) {
+  const int n_main = hp / 64, tail = hp % 64;
+  const int64_t hp64 = hp, line = 64;
+  for (int i = 0; i < a.n_tokens; ++i) {
+    if (std::min(a.pos_end, a.last_pos[i] + 1) - pos <= 0) continue;
+    const int8_t* qi = q + i * q_token_bytes;
+    __asm__ volatile("tilezero %%tmm0" ::: "memory");
+    for (int kb = 0; kb < n_main; ++kb) {
+      __asm__ volatile(
+          "tileloadd (%0,%1,1), %%tmm1\n\t"
+          "tileloadd (%2,%3,1), %%tmm2\n\t"
+          "tdpbsud %%tmm2, %%tmm1, %%tmm0"
+          :
+          : "r"(qi + 64 * kb), "r"(hp64), "r"(k + 1024 * kb), "r"(line)
+          : "memory");
+    }
+    if (tail != 0) {
+      __asm__ volatile(
+          "tileloadd (%0,%1,1), %%tmm3\n\t"
+          "tileloadd (%2,%3,1), %%tmm4\n\t"
+          "tdpbsud %%tmm4, %%tmm3, %%tmm0"
+          :
+          : "r"(qi + 64 * n_main), "r"(hp64), "r"(k + 1024 * n_main), "r"(line)
+          : "memory");
+    }
+    __asm__ volatile("tilestored %%tmm0, (%0,%1,1)"
+                     :
+                     : "r"(scores + static_cast<size_t>(i) * a.group * 16), "r"(line)
+                     : "memory");
+  }
+}
+
+template <bool kInt8, bool kAmx = false>
 ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
   const int hp = a.kv.format.padded_dim, pf = PartialFloats(hp);
+  // amx: a ring of kAmxRing tiles' scores ([n_tokens][group][16] int32 each,
+  // 64 KiB of stack at most), the tile unit running kAmxAhead tiles ahead.
+  alignas(64) int32_t amx_scores[kAmx ? kAmxRing * kMaxChunkTokens * kAmxMaxGroup * 16 : 1];
+  const int amx_slot = a.n_tokens * a.group * 16;  // int32s per ring slot
+  const int8_t* amx_q = nullptr;
+  int64_t amx_q_token_bytes = 0;
+  if constexpr (kAmx) {
+    // Per thread, per call: the configuration and the tile code share this
+    // function, the barrier keeps the configuration's stores before LDTILECFG.
+    const AmxConfig cfg = MakeAmxConfig(a.group, hp);
+    __asm__ volatile("" ::: "memory");
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+    amx_q = a.q->codes.data() + static_cast<size_t>(a.q_row0) * hp;
+    amx_q_token_bytes = static_cast<int64_t>(a.q_token_stride) * hp;
+  }
   const QueryPrep& prep = *a.q;
   HeadScratch* scratch = reinterpret_cast<HeadScratch*>(a.scratch);
   int end = a.pos_begin;
@@ -348,8 +452,27 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
   t.hp = hp;
   // Prefetch distance: the tile about kPrefetchBytes ahead in each stream.
   const int dist = std::max<int>(
-      1, static_cast<int>((kPrefetchBytes + a.kv.format.tile_bytes / 2) / a.kv.format.tile_bytes));
-  for (int pos = a.pos_begin; pos < end; pos += kTile) {
+      1, static_cast<int>((kPrefetchBytes + a.kv.format.tile_bytes / 2) / a.kv.format.tile_bytes)) +
+      // amx: as far ahead of the tile loads, which run kAmxAhead tiles early
+      // (a TILELOADD that misses the cache costs far more than vector loads).
+      (kAmx ? kAmxAhead : 0);
+  constexpr int ahead = kAmxAhead;
+  if constexpr (kAmx) {
+    for (int n = 0; n < ahead && a.pos_begin + n * kTile < end; ++n) {
+      const int p = a.pos_begin + n * kTile;
+      AmxScores(a.kv.KeyTile(p) + 64, amx_q, amx_q_token_bytes, hp, p, a, amx_scores + n * amx_slot);
+    }
+  }
+  int slot = 0;
+  for (int pos = a.pos_begin, n = 0; pos < end; pos += kTile, ++n) {
+    if constexpr (kAmx) {
+      slot = n % kAmxRing * amx_slot;
+      const int p = pos + ahead * kTile;
+      if (p < end) {
+        AmxScores(a.kv.KeyTile(p) + 64, amx_q, amx_q_token_bytes, hp, p, a,
+                  amx_scores + (n + ahead) % kAmxRing * amx_slot);
+      }
+    }
     t.k = a.kv.KeyTile(pos);
     t.v = t.k + a.kv.value_offset;
     if constexpr (kInt8) {
@@ -367,6 +490,11 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
       t.vscale = LoadHalves(t.v - 64);
       t.vbias = _mm512_fmadd_ps(t.vscale, _mm512_set1_ps(128.0f), LoadHalves(t.v - 32));
     }
+    if constexpr (kAmx) {
+      // The VNNI score loop spreads these over its steps; here the tile unit
+      // computes the scores, so the tile's prefetches are issued at once.
+      for (int l = 0; l <= hp / 4; ++l) PrefetchLine(t, l);
+    }
     for (int i = 0; i < a.n_tokens; ++i) {
       const int seen = std::min(a.pos_end, a.last_pos[i] + 1) - pos;
       if (seen <= 0) continue;
@@ -382,7 +510,8 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
         q.part = a.partials + static_cast<size_t>(i * a.group + j0) * pf;
         q.pf = pf;
         q.hs = scratch + i * a.group + j0;
-        TileForHeads<kInt8>(std::min(kBlock, a.group - j0), t, q);
+        q.scores = kAmx ? amx_scores + slot + (i * a.group + j0) * 16 : nullptr;
+        TileForHeads<kInt8, kAmx>(std::min(kBlock, a.group - j0), t, q);
       }
     }
   }
@@ -406,5 +535,14 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
 
 void AttendF16Avx512(const ChunkArgs& args) { AttendChunk<false>(args); }
 void AttendInt8Avx512(const ChunkArgs& args) { AttendChunk<true>(args); }
+
+ELLM_AMX_TARGET void AttendInt8Amx(const ChunkArgs& args) {
+  if (args.group > kAmxMaxGroup || args.n_tokens > kMaxChunkTokens) {
+    AttendChunk<true>(args);  // more heads than tile rows: the VNNI path
+    return;
+  }
+  AttendChunk<true, true>(args);
+  __asm__ volatile("tilerelease" ::: "memory");
+}
 
 }  // namespace ellm::attn::internal

@@ -1,5 +1,9 @@
 #include "attn-worker/attention_kernels.h"
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -15,6 +19,7 @@ const AttentionKernel kAvx2Vnni{"avx2-vnni", 127, 255, internal::AttendF16Avx2,
                                 internal::AttendInt8Avx2Vnni};
 const AttentionKernel kAvx512{"avx512", 127, 255, internal::AttendF16Avx512,
                               internal::AttendInt8Avx512};
+const AttentionKernel kAmx{"amx", 127, 255, internal::AttendF16Avx512, internal::AttendInt8Amx};
 
 bool HasAvx2() {
   __builtin_cpu_init();
@@ -26,6 +31,22 @@ bool HasAvx512() {
   return HasAvx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
          __builtin_cpu_supports("avx512vnni");
+}
+
+// AMX-TILE and AMX-INT8 (CPUID leaf 7 EDX bits 24 and 25; GCC 12's
+// __builtin_cpu_supports does not know them), and Linux's permission to use
+// the tile data state, asked once per process (ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA): without it the first tile instruction faults.
+bool HasAmx() {
+  static const bool has = [] {
+    if (!HasAvx512()) return false;
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if ((edx & (1u << 24)) == 0 || (edx & (1u << 25)) == 0) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return has;
 }
 
 }  // namespace
@@ -76,13 +97,16 @@ absl::StatusOr<KernelChoice> ParseKernelChoice(absl::string_view name) {
   if (name == "avx2") return KernelChoice::kAvx2;
   if (name == "avx2-vnni") return KernelChoice::kAvx2Vnni;
   if (name == "avx512") return KernelChoice::kAvx512;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown attention kernel '", name, "' (expected auto, reference, avx2, avx2-vnni or avx512)"));
+  if (name == "amx") return KernelChoice::kAmx;
+  return absl::InvalidArgumentError(absl::StrCat("unknown attention kernel '", name,
+                                                 "' (expected auto, reference, avx2, avx2-vnni, "
+                                                 "avx512 or amx)"));
 }
 
 absl::StatusOr<const AttentionKernel*> SelectKernel(KernelChoice choice) {
   switch (choice) {
     case KernelChoice::kAuto:
+      // amx is not considered: it measured slower than avx512 (see the header).
       if (HasAvx512()) return &kAvx512;
       if (HasAvxVnni()) return &kAvx2Vnni;
       if (HasAvx2()) return &kAvx2;
@@ -98,13 +122,18 @@ absl::StatusOr<const AttentionKernel*> SelectKernel(KernelChoice choice) {
     case KernelChoice::kAvx512:
       if (HasAvx512()) return &kAvx512;
       return absl::UnavailableError("this CPU lacks AVX-512 F/BW/VL/DQ/VNNI");
+    case KernelChoice::kAmx:
+      if (HasAmx()) return &kAmx;
+      return absl::UnavailableError(
+          "this CPU lacks AVX-512 or AMX-TILE/INT8, or Linux refused the AMX tile state");
   }
   return absl::InvalidArgumentError("bad kernel choice");
 }
 
 std::vector<const AttentionKernel*> AvailableKernels() {
   std::vector<const AttentionKernel*> out = {&kReference};
-  for (KernelChoice c : {KernelChoice::kAvx2, KernelChoice::kAvx2Vnni, KernelChoice::kAvx512}) {
+  for (KernelChoice c : {KernelChoice::kAvx2, KernelChoice::kAvx2Vnni, KernelChoice::kAvx512,
+                         KernelChoice::kAmx}) {
     absl::StatusOr<const AttentionKernel*> k = SelectKernel(c);
     if (k.ok()) out.push_back(*k);
   }

@@ -17,6 +17,19 @@
 //   avx512     AVX-512 F/BW/VL/VNNI + F16C. int8: scores with VPDPBUSD
 //              (K codes u8 x query codes s8), p·V with VPDPBUSD (weights u8
 //              x V codes s8); f16: VCVTPH2PS + FMA.
+//   amx        avx512 with the int8 scores (q·K) on the AMX tile unit:
+//              TDPBSUD with A = the query codes of the group's heads (s8,
+//              one row per head, up to 16) and B = the K tile's code lines as
+//              stored (u8, the VNNI layout), C = int32 scores [heads][16
+//              positions]; everything else (softmax, p·V) is avx512's code.
+//              f16 is avx512's. Needs AMX-TILE/INT8 and the kernel's
+//              permission for the tile state (arch_prctl, asked once).
+//              Bit-identical to avx512 (the int32 dot products are exact).
+//              Only used when forced: on this project's Sapphire Rapids VM
+//              it measured slower than avx512 (TILELOADD of K lines that are
+//              not yet in L1 stalls far longer than vector loads do, and the
+//              VNNI score loop is only part of the per-tile work), so auto
+//              never picks it.
 //   avx2-vnni  AVX2 + FMA + F16C + AVX-VNNI (VEX VPDPBUSD), 8 lanes.
 //   avx2       AVX2 + FMA + F16C; int8 products with VPMADDUBSW + VPMADDWD,
 //              whose int16 pair sums need query codes within ±63 and weight
@@ -116,9 +129,10 @@ struct AttentionKernel {
   AttendChunkFn For(KvDType dtype) const { return dtype == KvDType::kF16 ? f16 : int8; }
 };
 
-enum class KernelChoice { kAuto, kReference, kAvx2, kAvx2Vnni, kAvx512 };
-absl::StatusOr<KernelChoice> ParseKernelChoice(absl::string_view name);  // auto, reference, avx2, avx2-vnni, avx512
-// The kernel for `choice` (kAuto: the fastest this CPU runs); Unavailable
+enum class KernelChoice { kAuto, kReference, kAvx2, kAvx2Vnni, kAvx512, kAmx };
+// auto, reference, avx2, avx2-vnni, avx512, amx
+absl::StatusOr<KernelChoice> ParseKernelChoice(absl::string_view name);
+// The kernel for `choice` (kAuto: the fastest this CPU runs, amx excluded); Unavailable
 // when the CPU lacks the instructions.
 absl::StatusOr<const AttentionKernel*> SelectKernel(KernelChoice choice = KernelChoice::kAuto);
 // Every kernel this CPU can run, the reference first.
@@ -132,6 +146,7 @@ void AttendInt8Avx2(const ChunkArgs& args);
 void AttendInt8Avx2Vnni(const ChunkArgs& args);
 void AttendF16Avx512(const ChunkArgs& args);
 void AttendInt8Avx512(const ChunkArgs& args);
+void AttendInt8Amx(const ChunkArgs& args);  // in attention_avx512.cc
 }  // namespace internal
 
 }  // namespace ellm::attn

@@ -49,7 +49,7 @@ ABSL_FLAG(std::string, kv_dtype, "int8",
           "f16, or f32 (bit-exact with the fp32 reference forward)");
 ABSL_FLAG(std::string, attn_kernel, "auto",
           "attention kernel for int8/f16: auto (the fastest this CPU runs), reference, avx2, "
-          "avx2-vnni or avx512");
+          "avx2-vnni, avx512 or amx");
 ABSL_FLAG(int, max_batch, 16, "most sequences in one step");
 ABSL_FLAG(int, max_step_tokens, 256, "most tokens in one step");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");

@@ -88,7 +88,7 @@ const char kHelp[] =
     "  --dtypes=LIST     int8, f16, f32 (default int8,f16; f32 runs the fp32 reference path).\n"
     "  --threads=LIST    thread counts, or 'all' for one per physical core of NUMA node 0\n"
     "                    (default 1,all). Threads are pinned, one per core.\n"
-    "  --kernel=NAME     auto, reference, avx2, avx2-vnni, avx512 (default auto).\n"
+    "  --kernel=NAME     auto, reference, avx2, avx2-vnni, avx512, amx (default auto).\n"
     "  --min-time=SEC    time spent measuring each case (default 0.5).\n"
     "  --footprint-mb=N  KV bytes each case cycles through, as whole layers (default:\n"
     "                    twice the last-level cache, at least 256).\n"
