@@ -24,9 +24,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-if [ ! -f "$build/build.ninja" ]; then
+if [ ! -f "$build/build.ninja" ] || ! grep -q "CMAKE_BUILD_TYPE:STRING=Release" "$build/CMakeCache.txt"; then
   echo "[setup] configuring $build"
-  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
 fi
 echo "[setup] building with $jobs jobs"
 cmake --build "$build" -j "$jobs"
