@@ -143,9 +143,8 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
   return plan;
 }
 
-void Scheduler::Finish(Sequence* s, FinishReason reason, const std::string& tail) {
+void Scheduler::Finish(Sequence* s, FinishReason reason) {
   StreamEvent e;
-  e.text = tail;
   e.finished = true;
   FinishInfo& f = e.finish;
   f.reason = reason;
@@ -220,13 +219,7 @@ void Scheduler::Loop() {
       s->in_kv = true;
       if (!st.ok()) {
         Fail(s, st);
-        for (auto it = running_.begin(); it != running_.end(); ++it) {
-          if (it->get() == s) {
-            done_.push_back(std::move(*it));
-            running_.erase(it);
-            break;
-          }
-        }
+        Retire(s);
       }
     }
     {
@@ -255,14 +248,8 @@ void Scheduler::Loop() {
       // A failed step: its sequences end with the error, the rest go on.
       for (Sequence* s : in_step) {
         Fail(s, absl::InternalError(absl::StrCat("step failed: ", result.status().message())));
-        for (auto it = running_.begin(); it != running_.end(); ++it) {
-          if (it->get() == s) {
-            s->in_kv = true;
-            done_.push_back(std::move(*it));
-            running_.erase(it);
-            break;
-          }
-        }
+        s->in_kv = true;
+        Retire(s);
       }
       continue;
     }
@@ -278,53 +265,58 @@ void Scheduler::Loop() {
                                         [id](const shm::SampledSeq& r) { return r.seq_id == id; });
       if (answered) continue;
       Fail(in_step[i], absl::InternalError("the mlp-worker returned no token for this request"));
-      for (auto it = running_.begin(); it != running_.end(); ++it) {
-        if (it->get() == in_step[i]) {
-          done_.push_back(std::move(*it));
-          running_.erase(it);
-          break;
-        }
-      }
+      Retire(in_step[i]);
     }
-    for (const shm::SampledSeq& r : *result) {
-      auto it = std::find_if(running_.begin(), running_.end(),
-                             [&](const auto& s) { return s->id == r.seq_id; });
-      if (it == running_.end()) continue;
-      Sequence* s = it->get();
-      if (s->generated.empty()) s->first_token = now;
-      s->last_token = now;
-      s->generated.push_back(r.token);
-      StreamEvent e;
-      e.token_ids.push_back(r.token);
-      e.logprobs.push_back(r.logprob);
-      FinishReason reason = FinishReason::kNone;
-      if (tokenizer_.IsEndOfGeneration(r.token)) {
-        reason = FinishReason::kStopToken;
-      } else {
-        bool stopped = false;
-        e.text = s->text->Push(r.token, &stopped);
-        if (stopped) reason = FinishReason::kStopString;
-      }
-      const int prompt = static_cast<int>(s->options.prompt.size());
-      if (reason == FinishReason::kNone) {
-        if (static_cast<int>(s->generated.size()) >= s->options.max_tokens) {
-          reason = FinishReason::kMaxTokens;
-        } else if (s->base + prompt + static_cast<int>(s->generated.size()) >=
-                   options_.context_length) {
-          reason = FinishReason::kContext;
-        }
-      }
-      if (reason == FinishReason::kNone) {
-        s->stream->Push(std::move(e));
-        continue;
-      }
-      if (reason != FinishReason::kStopString) e.text += s->text->Flush();
-      s->stream->Push(std::move(e));
-      Finish(s, reason, "");
+    for (const shm::SampledSeq& r : *result) Deliver(r, now);
+  }
+}
+
+void Scheduler::Retire(Sequence* s) {
+  for (auto it = running_.begin(); it != running_.end(); ++it) {
+    if (it->get() == s) {
       done_.push_back(std::move(*it));
       running_.erase(it);
+      return;
     }
   }
+}
+
+void Scheduler::Deliver(const shm::SampledSeq& r, absl::Time now) {
+  auto it = std::find_if(running_.begin(), running_.end(),
+                         [&](const auto& s) { return s->id == r.seq_id; });
+  if (it == running_.end()) return;  // failed or cancelled meanwhile
+  Sequence* s = it->get();
+  if (s->generated.empty()) s->first_token = now;
+  s->last_token = now;
+  s->generated.push_back(r.token);
+  StreamEvent e;
+  e.token_ids.push_back(r.token);
+  e.logprobs.push_back(r.logprob);
+  FinishReason reason = FinishReason::kNone;
+  if (tokenizer_.IsEndOfGeneration(r.token)) {
+    reason = FinishReason::kStopToken;
+  } else {
+    bool stopped = false;
+    e.text = s->text->Push(r.token, &stopped);
+    if (stopped) reason = FinishReason::kStopString;
+  }
+  const int generated = static_cast<int>(s->generated.size());
+  if (reason == FinishReason::kNone && generated >= s->options.max_tokens) {
+    reason = FinishReason::kMaxTokens;
+  }
+  if (reason == FinishReason::kNone &&
+      s->base + static_cast<int>(s->options.prompt.size()) + generated >= options_.context_length) {
+    reason = FinishReason::kContext;
+  }
+  if (reason == FinishReason::kNone) {
+    s->stream->Push(std::move(e));
+    return;
+  }
+  if (reason != FinishReason::kStopString) e.text += s->text->Flush();
+  s->stream->Push(std::move(e));
+  Finish(s, reason);
+  done_.push_back(std::move(*it));
+  running_.erase(it);
 }
 
 void Scheduler::ReleaseFinished() {

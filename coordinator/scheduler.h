@@ -102,7 +102,12 @@ class Scheduler {
   // Builds the next plan from the running sequences (locked).
   shm::StepPlan PlanStep(std::vector<Sequence*>* in_step);
   void Admit();  // locked
-  void Finish(Sequence* seq, FinishReason reason, const std::string& tail);
+  // The final event (reason, counts, timings) of a finished sequence.
+  void Finish(Sequence* seq, FinishReason reason);
+  // Moves `seq` from running_ to done_; ReleaseFinished frees its KV. Locked.
+  void Retire(Sequence* seq);
+  // Hands a sampled token to its sequence: text, stop conditions. Locked.
+  void Deliver(const shm::SampledSeq& sampled, absl::Time now);
   void Fail(Sequence* seq, const absl::Status& status);
   void ReleaseFinished();  // frees finished sequences' KV (unlocked call to executor)
 
