@@ -179,11 +179,8 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
   std::atomic<int64_t>* steps_;
 };
 
-void WriteError(shm::Ring& replies, uint64_t step, const absl::Status& status) {
-  const std::string message(status.message());
-  shm::WaitOptions wait;
-  wait.timeout = absl::Seconds(5);
-  absl::Status st = replies.Write(shm::ErrorHeader(step, status, message.size()), message.data(), wait);
+void ReplyError(shm::Ring& ring, uint64_t step, const absl::Status& status) {
+  absl::Status st = shm::WriteError(ring, step, status);
   if (!st.ok()) LogError("cannot send error reply: %s", st.ToString());
 }
 
@@ -262,7 +259,7 @@ absl::Status Run(const AttnWorkerConfig& config) {
     if (!frame.ok()) {
       if (StopRequested()) break;
       LogError("bad frame from the mlp-worker: %s", frame.status().ToString());
-      WriteError(channel->replies(), 0, frame.status());
+      ReplyError(channel->replies(), 0, frame.status());
       continue;
     }
     const shm::FrameHeader header = frame->header;
@@ -299,7 +296,7 @@ absl::Status Run(const AttnWorkerConfig& config) {
     ++steps;
     if (!status.ok()) {
       LogError("step %d layer %d: %s", header.step, header.layer, status.ToString());
-      WriteError(channel->replies(), header.step, status);
+      ReplyError(channel->replies(), header.step, status);
     }
   }
   LogInfo("stopping");

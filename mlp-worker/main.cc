@@ -161,11 +161,8 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
   std::atomic<int64_t>* steps_;
 };
 
-void WriteError(shm::Ring& ring, uint64_t step, const absl::Status& status) {
-  const std::string message(status.message());
-  shm::WaitOptions wait;
-  wait.timeout = absl::Seconds(5);
-  absl::Status st = ring.Write(shm::ErrorHeader(step, status, message.size()), message.data(), wait);
+void ReplyError(shm::Ring& ring, uint64_t step, const absl::Status& status) {
+  absl::Status st = shm::WriteError(ring, step, status);
   if (!st.ok()) LogError("cannot send error reply: %s", st.ToString());
 }
 
@@ -260,7 +257,7 @@ absl::Status Run(const MlpWorkerConfig& config) {
     if (!frame.ok()) {
       if (StopRequested()) break;
       LogError("bad frame from the coordinator: %s", frame.status().ToString());
-      WriteError(coord->replies(), 0, frame.status());
+      ReplyError(coord->replies(), 0, frame.status());
       continue;
     }
     const shm::FrameHeader header = frame->header;
@@ -273,7 +270,7 @@ absl::Status Run(const MlpWorkerConfig& config) {
     if (!result.ok()) {
       LogError("step %d: %s", header.step, result.status().ToString());
       if (result.status().code() == absl::StatusCode::kUnavailable) broken = result.status();
-      WriteError(coord->replies(), header.step, result.status());
+      ReplyError(coord->replies(), header.step, result.status());
       continue;
     }
     shm::FrameHeader reply;

@@ -151,4 +151,12 @@ FrameHeader ErrorHeader(uint64_t step, const absl::Status& status, size_t messag
   return h;
 }
 
+absl::Status WriteError(Ring& ring, uint64_t step, const absl::Status& status,
+                        absl::Duration timeout) {
+  const std::string message(status.message());
+  WaitOptions wait;
+  wait.timeout = timeout;
+  return ring.Write(ErrorHeader(step, status, message.size()), message.data(), wait);
+}
+
 }  // namespace ellm::shm

@@ -19,7 +19,9 @@
 #include <vector>
 
 #include "core/status.h"
+#include "absl/time/time.h"
 #include "shm/frame.h"
+#include "shm/ring.h"
 
 namespace ellm::shm {
 
@@ -93,5 +95,9 @@ absl::StatusOr<AttnRequestView> DecodeAttnRequest(const FrameHeader& header,
 // An error frame's status.
 absl::Status DecodeError(const FrameHeader& header, const uint8_t* payload);
 FrameHeader ErrorHeader(uint64_t step, const absl::Status& status, size_t message_bytes);
+// Writes `status` as an error frame of `step` into `ring` (the answer a
+// worker gives when it cannot serve a request), waiting up to `timeout` for a slot.
+absl::Status WriteError(Ring& ring, uint64_t step, const absl::Status& status,
+                        absl::Duration timeout = absl::Seconds(5));
 
 }  // namespace ellm::shm

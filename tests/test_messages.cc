@@ -337,5 +337,30 @@ TEST(AttnRequest, BadBatchDescriptorIsAnError) {
   ExpectDataLoss(DecodeAttnRequest(h, payload.data(), f.shape, kMaxPositions).status(), "kind");
 }
 
+TEST(ErrorFrames, WriteErrorReadsBackAsTheSameStatus) {
+  const size_t bytes = Ring::BytesFor(2, 4096);
+  struct alignas(64) Line {
+    uint8_t bytes[64];
+  };
+  std::vector<Line> memory(bytes / sizeof(Line) + 1);
+  absl::StatusOr<Ring> ring = Ring::Create(memory.data(), bytes, 2, 4096);
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  const absl::Status sent = absl::ResourceExhaustedError("KV cache full: sequence 9");
+  ASSERT_TRUE(WriteError(*ring, 77, sent).ok());
+  WaitOptions wait;
+  wait.timeout = absl::Seconds(1);
+  absl::StatusOr<Ring::Frame> frame = ring->BeginRead(wait);
+  ASSERT_TRUE(frame.ok()) << frame.status();
+  EXPECT_EQ(frame->header.kind, static_cast<uint16_t>(FrameKind::kError));
+  EXPECT_EQ(frame->header.step, 77u);
+  EXPECT_EQ(DecodeError(frame->header, frame->payload), sent);
+  ring->EndRead();
+  // A full ring: the writer gives up after its timeout instead of hanging.
+  ASSERT_TRUE(WriteError(*ring, 1, sent).ok());
+  ASSERT_TRUE(WriteError(*ring, 2, sent).ok());
+  EXPECT_EQ(WriteError(*ring, 3, sent, absl::Milliseconds(20)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+}
+
 }  // namespace
 }  // namespace ellm::shm
