@@ -89,16 +89,16 @@ absl::Status AttentionShard::Process(uint32_t layer, uint32_t n_seqs, uint32_t n
     }
   }
 
-  // Token index -> position; slice -> first token.
+  // Token index -> sequence and position; slice -> first token.
   last_pos_.resize(n_tokens);
+  token_seq_.resize(n_tokens);
   slice_token0_.resize(n_seqs);
-  std::vector<uint64_t> token_seq(n_tokens);
   {
     uint32_t t = 0;
     for (uint32_t i = 0; i < n_seqs; ++i) {
       slice_token0_[i] = static_cast<int32_t>(t);
       for (uint32_t j = 0; j < req.slices[i].n_tokens; ++j, ++t) {
-        token_seq[t] = req.slices[i].seq_id;
+        token_seq_[t] = req.slices[i].seq_id;
         last_pos_[t] = static_cast<int32_t>(req.slices[i].start_pos + j);
       }
     }
@@ -110,7 +110,7 @@ absl::Status AttentionShard::Process(uint32_t layer, uint32_t n_seqs, uint32_t n
     for (int64_t r = begin; r < end; ++r) {
       const int64_t t = r / kvh;
       const int h = static_cast<int>(r % kvh);
-      cache_->Store(token_seq[t], static_cast<int>(layer), h, last_pos_[t],
+      cache_->Store(token_seq_[t], static_cast<int>(layer), h, last_pos_[t],
                     req.k + static_cast<size_t>(r) * hd, req.v + static_cast<size_t>(r) * hd);
     }
   };
@@ -263,13 +263,6 @@ void AttentionShard::RunItem(const Item& item, uint32_t layer, const shm::AttnRe
 void AttentionShard::ProcessF32(uint32_t layer, uint32_t n_tokens, const shm::AttnRequestView& req,
                                 float* out) {
   const int hd = g_.head_dim, qh = g_.q_heads();
-  std::vector<uint64_t> token_seq(n_tokens);
-  {
-    uint32_t t = 0;
-    for (size_t i = 0; t < n_tokens; ++i) {
-      for (uint32_t j = 0; j < req.slices[i].n_tokens; ++j, ++t) token_seq[t] = req.slices[i].seq_id;
-    }
-  }
   // Causal attention, one work item per (token, query head).
   pool_->ParallelFor(static_cast<int64_t>(n_tokens) * qh, [&](int64_t begin, int64_t end, int thread) {
     F32Scratch& s = f32_scratch_[thread];
@@ -277,7 +270,7 @@ void AttentionShard::ProcessF32(uint32_t layer, uint32_t n_tokens, const shm::At
       const int t = static_cast<int>(item / qh);
       const int h = static_cast<int>(item % qh);
       const int kv_head = h / g_.gqa_ratio;
-      const uint64_t seq = token_seq[t];
+      const uint64_t seq = token_seq_[t];
       const int pos = last_pos_[t];
       for (int p = 0; p <= pos; ++p) {
         s.k_rows[p] = cache_->KeyRow(seq, layer, kv_head, p);

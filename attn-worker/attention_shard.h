@@ -116,6 +116,7 @@ class AttentionShard {
   // Kernel path, kept across steps.
   QueryPrep prep_;
   std::vector<int32_t> last_pos_;     // [n_tokens] position of each token of the step
+  std::vector<uint64_t> token_seq_;   // [n_tokens] sequence of each token of the step
   std::vector<int32_t> slice_token0_;  // [n_seqs] first token of each slice
   std::vector<Item> items_;
   std::vector<MergeGroup> merges_;
