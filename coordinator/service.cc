@@ -4,25 +4,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "core/unicode.h"
 #include "proto/grpc_status.h"
 
 namespace ellm::coord {
 namespace {
-
-// Well-formed UTF-8: lead byte, then the right number of continuation bytes.
-bool ValidUtf8(const std::string& s) {
-  size_t i = 0;
-  while (i < s.size()) {
-    const unsigned char c = static_cast<unsigned char>(s[i]);
-    const int extra = c < 0x80 ? 0 : (c >> 5) == 0x6 ? 1 : (c >> 4) == 0xE ? 2 : (c >> 3) == 0x1E ? 3 : -1;
-    if (extra < 0 || i + extra >= s.size()) return false;
-    for (int k = 1; k <= extra; ++k) {
-      if ((static_cast<unsigned char>(s[i + k]) >> 6) != 0x2) return false;
-    }
-    i += extra + 1;
-  }
-  return true;
-}
 
 ellm::v1::FinishReason ToProto(FinishReason r) {
   switch (r) {
@@ -43,7 +29,7 @@ absl::StatusOr<std::vector<int32_t>> EllmService::PromptTokens(
     const std::optional<bool>& add_bos) const {
   if (messages.empty()) {
     if (prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
-    if (!ValidUtf8(prompt)) return absl::InvalidArgumentError("prompt is not valid UTF-8");
+    if (!IsValidUtf8(prompt)) return absl::InvalidArgumentError("prompt is not valid UTF-8");
     return tokenizer_.Encode(prompt, add_bos.value_or(tokenizer_.add_bos()));
   }
   if (!prompt.empty()) {
@@ -51,7 +37,7 @@ absl::StatusOr<std::vector<int32_t>> EllmService::PromptTokens(
   }
   std::vector<ChatMessage> chat;
   for (const ellm::v1::ChatMessage& m : messages) {
-    if (!ValidUtf8(m.content())) {
+    if (!IsValidUtf8(m.content())) {
       return absl::InvalidArgumentError("a chat message is not valid UTF-8");
     }
     chat.push_back({m.role(), m.content()});
@@ -110,7 +96,7 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
   }
   for (const std::string& stop : r.stop()) {
     if (stop.empty()) return absl::InvalidArgumentError("a stop string is empty");
-    if (!ValidUtf8(stop)) return absl::InvalidArgumentError("a stop string is not valid UTF-8");
+    if (!IsValidUtf8(stop)) return absl::InvalidArgumentError("a stop string is not valid UTF-8");
     o.stop.push_back(stop);
   }
   if (o.stop.size() > 16) return absl::InvalidArgumentError("at most 16 stop strings");

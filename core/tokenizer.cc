@@ -1,4 +1,5 @@
 #include "core/tokenizer.h"
+#include "core/unicode.h"
 
 #include <algorithm>
 #include <array>
@@ -458,42 +459,6 @@ std::string Tokenizer::Decode(const std::vector<int32_t>& ids) const {
 bool Tokenizer::IsEndOfGeneration(int32_t id) const {
   return id >= 0 && std::find(eog_ids_.begin(), eog_ids_.end(), id) != eog_ids_.end();
 }
-
-namespace {
-
-// Length of the UTF-8 sequence at the start of `s`:
-//   > 0: a whole valid sequence of that many bytes;
-//   < 0: -k, the first k bytes are invalid (a maximal ill-formed subpart,
-//        which becomes one U+FFFD);
-//   0:   a valid but incomplete prefix that more bytes could complete.
-int ScanUtf8(std::string_view s) {
-  const auto b0 = static_cast<unsigned char>(s[0]);
-  if (b0 < 0x80) return 1;
-  int need;
-  unsigned char lo = 0x80, hi = 0xBF;  // allowed range of the second byte
-  if (b0 >= 0xC2 && b0 <= 0xDF) {
-    need = 2;
-  } else if (b0 >= 0xE0 && b0 <= 0xEF) {
-    need = 3;
-    if (b0 == 0xE0) lo = 0xA0;  // no overlong forms
-    if (b0 == 0xED) hi = 0x9F;  // no surrogates
-  } else if (b0 >= 0xF0 && b0 <= 0xF4) {
-    need = 4;
-    if (b0 == 0xF0) lo = 0x90;  // no overlong forms
-    if (b0 == 0xF4) hi = 0x8F;  // nothing above U+10FFFF
-  } else {
-    return -1;
-  }
-  for (int k = 1; k < need; ++k) {
-    if (static_cast<size_t>(k) >= s.size()) return 0;
-    const auto b = static_cast<unsigned char>(s[k]);
-    const bool ok = k == 1 ? (b >= lo && b <= hi) : (b >= 0x80 && b <= 0xBF);
-    if (!ok) return -k;
-  }
-  return need;
-}
-
-}  // namespace
 
 std::string StreamDecoder::Push(int32_t id) {
   pending_ += tokenizer_.TokenBytes(prev_, id);

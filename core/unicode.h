@@ -31,6 +31,17 @@ bool IsUnicodeWhitespace(char32_t cp);
 // U+FFFD REPLACEMENT CHARACTER.
 inline constexpr char32_t kReplacementCodePoint = 0xFFFD;
 
+// Length of the UTF-8 sequence at the start of `s` (not empty):
+//   > 0: a whole well-formed sequence of that many bytes;
+//   < 0: -k, the first k bytes are ill-formed (a maximal ill-formed subpart:
+//        stray continuation, overlong form, surrogate, past U+10FFFF);
+//   0:   a well-formed but incomplete prefix that more bytes could complete.
+// The one place ellm knows UTF-8's byte ranges.
+int ScanUtf8(std::string_view s);
+
+// True when all of `s` is well-formed UTF-8.
+bool IsValidUtf8(std::string_view s);
+
 // Decodes the UTF-8 sequence at the start of `s` (not empty) into `*cp` and
 // returns its length in bytes. A byte that does not start a complete, valid
 // sequence (stray continuation, overlong form, surrogate, past U+10FFFF,

@@ -314,44 +314,51 @@ bool IsUnicodeWhitespace(char32_t cp) {
          cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
 }
 
-int DecodeUtf8(std::string_view s, char32_t* cp) {
+int ScanUtf8(std::string_view s) {
   const auto b0 = static_cast<unsigned char>(s[0]);
-  if (b0 < 0x80) {
-    *cp = b0;
-    return 1;
-  }
+  if (b0 < 0x80) return 1;
   int need;
-  char32_t value;
   unsigned char lo = 0x80, hi = 0xBF;  // allowed range of the second byte
   if (b0 >= 0xC2 && b0 <= 0xDF) {
     need = 2;
-    value = b0 & 0x1F;
   } else if (b0 >= 0xE0 && b0 <= 0xEF) {
     need = 3;
-    value = b0 & 0x0F;
     if (b0 == 0xE0) lo = 0xA0;  // no overlong forms
     if (b0 == 0xED) hi = 0x9F;  // no surrogates
   } else if (b0 >= 0xF0 && b0 <= 0xF4) {
     need = 4;
-    value = b0 & 0x07;
     if (b0 == 0xF0) lo = 0x90;  // no overlong forms
     if (b0 == 0xF4) hi = 0x8F;  // nothing past U+10FFFF
   } else {
-    *cp = kReplacementCodePoint;
-    return 1;
-  }
-  if (s.size() < static_cast<size_t>(need)) {
-    *cp = kReplacementCodePoint;
-    return 1;
+    return -1;
   }
   for (int k = 1; k < need; ++k) {
+    if (static_cast<size_t>(k) >= s.size()) return 0;
     const auto b = static_cast<unsigned char>(s[k]);
-    if (k == 1 ? (b < lo || b > hi) : (b < 0x80 || b > 0xBF)) {
-      *cp = kReplacementCodePoint;
-      return 1;
-    }
-    value = (value << 6) | (b & 0x3F);
+    const bool ok = k == 1 ? (b >= lo && b <= hi) : (b >= 0x80 && b <= 0xBF);
+    if (!ok) return -k;
   }
+  return need;
+}
+
+bool IsValidUtf8(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const int n = ScanUtf8(s.substr(i));
+    if (n <= 0) return false;
+    i += n;
+  }
+  return true;
+}
+
+int DecodeUtf8(std::string_view s, char32_t* cp) {
+  const int need = ScanUtf8(s);
+  if (need <= 0) {
+    *cp = kReplacementCodePoint;
+    return 1;
+  }
+  static constexpr unsigned char kLeadMask[] = {0, 0x7F, 0x1F, 0x0F, 0x07};
+  char32_t value = static_cast<unsigned char>(s[0]) & kLeadMask[need];
+  for (int k = 1; k < need; ++k) value = (value << 6) | (static_cast<unsigned char>(s[k]) & 0x3F);
   *cp = value;
   return need;
 }

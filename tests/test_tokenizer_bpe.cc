@@ -16,6 +16,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/tokenizer_vectors.h"
+#include "core/unicode.h"
 
 namespace ellm {
 namespace {
@@ -74,7 +75,7 @@ TEST_P(BpeVectorsTest, StreamDecoderEmitsOnlyWholeUtf8) {
     std::string text;
     for (int32_t id : c.ids) {
       const std::string piece = stream.Push(id);
-      EXPECT_TRUE(IsValidUtf8(piece)) << "token " << id;
+      EXPECT_TRUE(IsStrictUtf8(piece)) << "token " << id;
       text += piece;
     }
     text += stream.Finish();
@@ -269,18 +270,18 @@ TEST_F(QwenTest, StreamDecoderReassemblesSplitCharacters) {
       "\xF0\x9F\xA6\x99\xF0\x9F\x9A\x80\xF0\x9F\x98\xB6\xE2\x80\x8D\xF0\x9F\x8C\xAB\xEF\xB8\x8F "
       "\xE6\x97\xA5\xE6\x9C\xAC\xE8\xAA\x9E\xE3\x81\xA8\xED\x95\x9C\xEA\xB5\xAD\xEC\x96\xB4 "
       "\xF0\x90\x8D\x88\xF0\x9D\x84\x9E \xE2\x98\x83 \xC3\x9C" "n\xC3\xAF" "c\xC3\xB6" "d\xC3\xA9";
-  ASSERT_TRUE(IsValidUtf8(text));
+  ASSERT_TRUE(IsStrictUtf8(text));
   const std::vector<int32_t> ids = tok_->Encode(text, false);
   // The test only means something if some token ends inside a character.
   int partial = 0;
-  for (int32_t id : ids) partial += IsValidUtf8(tok_->TokenBytes(-1, id)) ? 0 : 1;
+  for (int32_t id : ids) partial += IsStrictUtf8(tok_->TokenBytes(-1, id)) ? 0 : 1;
   EXPECT_GT(partial, 0);
 
   StreamDecoder stream(*tok_);
   std::string out;
   for (int32_t id : ids) {
     const std::string piece = stream.Push(id);
-    EXPECT_TRUE(IsValidUtf8(piece)) << "token " << id;
+    EXPECT_TRUE(IsStrictUtf8(piece)) << "token " << id;
     out += piece;
   }
   out += stream.Finish();
@@ -563,6 +564,36 @@ TEST(TinyBpeTest, ErrorsNameTheProblem) {
   tok = TinyBpe(unknown_result);
   ASSERT_FALSE(tok.ok());
   EXPECT_THAT(tok.status().message(), HasSubstr("merge 0 ('b a')"));
+}
+
+// core/unicode.h's scanner against the tests' own strict validator, on
+// known sequences and on random bytes (biased towards UTF-8's lead bytes).
+TEST(Utf8Scan, AgreesWithAnIndependentValidator) {
+  EXPECT_EQ(ellm::ScanUtf8("a"), 1);
+  EXPECT_EQ(ellm::ScanUtf8("\xC3\xA9"), 2);
+  EXPECT_EQ(ellm::ScanUtf8("\xE2\x82"), 0);           // incomplete euro sign
+  EXPECT_EQ(ellm::ScanUtf8("\xE0\x80\x80"), -1);     // overlong
+  EXPECT_EQ(ellm::ScanUtf8("\xED\xA0\x80"), -1);     // surrogate
+  EXPECT_EQ(ellm::ScanUtf8("\xF0\x9F\x98\x8A"), 4); // emoji
+  EXPECT_EQ(ellm::ScanUtf8("\xE2\x82\x41"), -2);     // broken third byte
+  char32_t cp = 0;
+  EXPECT_EQ(ellm::DecodeUtf8("\xF0\x9F\x98\x8A", &cp), 4);
+  EXPECT_EQ(cp, 0x1F60Au);
+  EXPECT_EQ(ellm::DecodeUtf8("\xE2\x82", &cp), 1);
+  EXPECT_EQ(cp, ellm::kReplacementCodePoint);
+  uint64_t x = 88172645463325252ULL;
+  const unsigned char pool[] = {'a', 0x80, 0xBF, 0xC2, 0xDF, 0xE0, 0xED, 0xEF, 0xF0, 0xF4, 0xF5, 0xA0, 0x9F, 0x90, 0x8F};
+  for (int trial = 0; trial < 20000; ++trial) {
+    std::string bytes;
+    const int n = 1 + trial % 7;
+    for (int i = 0; i < n; ++i) {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      bytes.push_back(static_cast<char>(pool[x % sizeof(pool)]));
+    }
+    ASSERT_EQ(ellm::IsValidUtf8(bytes), ellm::tokenizer_testing::IsStrictUtf8(bytes)) << Escape(bytes);
+  }
 }
 
 }  // namespace
