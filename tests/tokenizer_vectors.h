@@ -34,8 +34,9 @@ inline std::unique_ptr<Tokenizer> LoadTokenizer(const std::string& path) {
   return tok.ok() ? *std::move(tok) : nullptr;
 }
 
-// The tests' own strict UTF-8 check, written apart from core/unicode.h to serve as its oracle (no overlongs, surrogates or code points past U+10FFFF,
-// no truncated sequences).
+// The tests' own strict UTF-8 check, written apart from core/unicode.h so it
+// can serve as its oracle (no overlongs, surrogates or code points past
+// U+10FFFF, no truncated sequences).
 inline bool IsStrictUtf8(std::string_view s) {
   size_t i = 0;
   while (i < s.size()) {
