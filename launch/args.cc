@@ -71,6 +71,13 @@ absl::StatusOr<double> Args::GetDouble(const std::string& name) const {
   return v;
 }
 
+absl::Status Args::GetInts(const std::vector<std::pair<const char*, int*>>& flags) const {
+  for (const auto& [name, field] : flags) {
+    ASSIGN_OR_RETURN(*field, GetInt(name));
+  }
+  return absl::OkStatus();
+}
+
 bool Args::GetBool(const std::string& name) const {
   const std::string v = Get(name);
   return v == "true" || v == "1" || v == "yes";

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <map>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,8 @@ class Args {
   absl::StatusOr<int> GetInt(const std::string& name) const;
   absl::StatusOr<double> GetDouble(const std::string& name) const;
   bool GetBool(const std::string& name) const;
+  // Reads several integer flags at once; the first that does not parse is the error.
+  absl::Status GetInts(const std::vector<std::pair<const char*, int*>>& flags) const;
   bool IsSet(const std::string& name) const;  // given on the command line
   const std::vector<std::string>& positional() const { return positional_; }
   bool help() const { return help_; }

@@ -439,16 +439,13 @@ int Main(int argc, char** argv) {
     LogError("--cpu-weights must be native or f32, got '%s'", c.cpu_weights);
     return 2;
   }
-  for (auto [name, field] : std::vector<std::pair<const char*, int*>>{
-           {"port", &c.port}, {"attn-workers", &c.attn_workers}, {"kv-cache-mb", &c.kv_cache_mb},
-           {"max-batch", &c.max_batch}, {"max-step-tokens", &c.max_step_tokens},
-           {"mlp-threads", &c.mlp_threads}, {"ready-timeout", &c.ready_timeout_s}}) {
-    absl::StatusOr<int> v = args.GetInt(name);
-    if (!v.ok()) {
-      LogError("%s", v.status().message());
-      return 2;
-    }
-    *field = *v;
+  st = args.GetInts({{"port", &c.port}, {"attn-workers", &c.attn_workers},
+                     {"kv-cache-mb", &c.kv_cache_mb}, {"max-batch", &c.max_batch},
+                     {"max-step-tokens", &c.max_step_tokens}, {"mlp-threads", &c.mlp_threads},
+                     {"ready-timeout", &c.ready_timeout_s}});
+  if (!st.ok()) {
+    LogError("%s", st.message());
+    return 2;
   }
   if (c.port <= 0 || c.port > 65535 || c.attn_workers < 0 || c.max_batch <= 0 || c.max_step_tokens <= 0) {
     LogError("--port must be 1..65535; --attn-workers >= 0; --max-batch and --max-step-tokens > 0");

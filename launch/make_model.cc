@@ -48,15 +48,11 @@ int Main(int argc, char** argv) {
   o.arch = args.Get("arch");
   o.vocab_from = args.Get("vocab-from");
   o.chat_template = args.Get("chat-template");
-  for (auto [name, field] : std::vector<std::pair<const char*, int*>>{
-           {"layers", &o.layers}, {"hidden", &o.hidden}, {"heads", &o.heads},
-           {"kv-heads", &o.kv_heads}, {"ffn", &o.ffn}, {"context", &o.context}}) {
-    absl::StatusOr<int> v = args.GetInt(name);
-    if (!v.ok()) {
-      LogError("%s (required: --hidden --heads --kv-heads --ffn)", v.status().message());
-      return 2;
-    }
-    *field = *v;
+  st = args.GetInts({{"layers", &o.layers}, {"hidden", &o.hidden}, {"heads", &o.heads},
+                     {"kv-heads", &o.kv_heads}, {"ffn", &o.ffn}, {"context", &o.context}});
+  if (!st.ok()) {
+    LogError("%s (required: --hidden --heads --kv-heads --ffn)", st.message());
+    return 2;
   }
   if (args.IsSet("head-dim")) {
     absl::StatusOr<int> v = args.GetInt("head-dim");
