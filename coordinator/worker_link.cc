@@ -117,8 +117,9 @@ absl::Status WorkerLink::FillSynthetic(uint64_t id, int positions) {
     ellm::v1::FillSyntheticResponse resp;
     grpc::Status st = w.stub->FillSynthetic(&ctx, req, &resp);
     if (!st.ok()) {
-      return absl::Status(static_cast<absl::StatusCode>(st.error_code()),
-                          absl::StrCat("attn-worker ", w.info.shard(), ": ", st.error_message()));
+      const absl::Status remote = FromGrpcStatus(st);
+      return absl::Status(remote.code(),
+                          absl::StrCat("attn-worker ", w.info.shard(), ": ", remote.message()));
     }
   }
   return absl::OkStatus();
