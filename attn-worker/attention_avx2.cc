@@ -345,6 +345,8 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
       std::memset(&scratch[i * a.group + j], 0, sizeof(HeadScratch));
     }
   }
+  // Prefetching may run on into the caller's next chunk (see ChunkArgs).
+  const int prefetch_end = std::max(end, std::min(a.kv.length, a.prefetch_end));
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   TileCtx t;
   t.hp = hp;
@@ -354,7 +356,7 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
     t.k = a.kv.KeyTile(pos);
     t.v = t.k + a.kv.value_offset;
     t.pk = t.pv = nullptr;
-    if (pos + dist * kTile < end) {
+    if (pos + dist * kTile < prefetch_end) {
       t.pk = reinterpret_cast<const char*>(a.kv.KeyTile(pos + dist * kTile));
       t.pv = t.pk + a.kv.value_offset;
     }

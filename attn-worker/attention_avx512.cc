@@ -448,6 +448,8 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
       std::memset(&scratch[i * a.group + j], 0, sizeof(HeadScratch));
     }
   }
+  // Prefetching may run on into the caller's next chunk (see ChunkArgs).
+  const int prefetch_end = std::max(end, std::min(a.kv.length, a.prefetch_end));
   TileCtx t;
   t.hp = hp;
   // Prefetch distance: the tile about kPrefetchBytes ahead in each stream.
@@ -480,7 +482,7 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
       t.v += 64;
     }
     t.pk = t.pv = nullptr;
-    if (pos + dist * kTile < end) {
+    if (pos + dist * kTile < prefetch_end) {
       t.pk = reinterpret_cast<const char*>(a.kv.KeyTile(pos + dist * kTile));
       t.pv = t.pk + a.kv.value_offset;
     }

@@ -107,6 +107,10 @@ struct ChunkArgs {
   int group = 1;              // query heads of the KV head
   int pos_begin = 0;          // chunk positions [pos_begin, pos_end);
   int pos_end = 0;            //   pos_begin % kTile == 0, pos_end <= kv.length
+  // Positions the kernel may prefetch ahead up to (0: pos_end), at most
+  // kv.length: the end of the run of chunks the caller goes on with, so the
+  // memory stream does not stall at every chunk boundary.
+  int prefetch_end = 0;
   int n_tokens = 0;           // query tokens, at most kMaxChunkTokens
   const int32_t* last_pos = nullptr;  // [n_tokens] token i sees positions <= last_pos[i]
   const QueryPrep* q = nullptr;

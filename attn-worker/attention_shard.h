@@ -7,13 +7,15 @@
 // same arithmetic as the single-process reference forward, bit for bit.
 // f16 and int8 caches use the flash-decoding kernels of attention_kernels.h:
 // a sequence's positions are cut into chunks of chunk_positions (fixed
-// absolute boundaries), each (sequence, KV head, chunk) is one work item on
+// absolute boundaries), each (sequence, KV head, chunk) is a unit of work on
 // the thread pool, taken dynamically by whichever thread is free, and the
 // partials of a (token, query head) are merged in chunk order in one place
 // (Merge, run by the thread that finishes the group's last chunk, so a step
 // is one pass over the pool). Slices of more than kMaxChunkTokens tokens
 // (prefill) run their chunks one after another inside one item per
-// (16 tokens, KV head) and fold them the same way. A token's result therefore depends only on its own sequence and
+// (16 tokens, KV head) and fold them the same way. Consecutive chunks of a
+// group may share an item (how many depends on the thread count; the results
+// do not). A token's result therefore depends only on its own sequence and
 // position: not on the batch around it, the thread count, or whether it came
 // in a decode or a prefill step.
 #pragma once
@@ -76,9 +78,9 @@ class AttentionShard {
  private:
   // One work item: tokens [token0, token0 + n_tokens) of slice `slice` (at
   // most kMaxChunkTokens), KV head `kv_head`, chunks [chunk_begin, chunk_end).
-  // partial_slot >= 0: one chunk whose partials go to slot partial_slot, of
-  // merge group `merge`; -1: all chunks in turn, folded, normalised into the
-  // output.
+  // partial_slot >= 0: chunks of merge group `merge`, chunk c's partials in
+  // the slots from partial_slot + (c - chunk_begin) * n_tokens * group; -1:
+  // all chunks in turn, folded, normalised into the output.
   struct Item {
     int slice, token0, n_tokens, kv_head, chunk_begin, chunk_end;
     int64_t partial_slot;
