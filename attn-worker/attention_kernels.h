@@ -41,8 +41,10 @@
 // codes c = round(q / sq), sq = max|q| / q_max. With K codes kc (k = ks·kc +
 // kmin), the base-2 score is
 //   s = log2(e)/sqrt(hd) · sq · (ks · sum(c·kc) + kmin · sum(c)).
-// Per tile of 16 positions and query head, the weights w_t = p_t · vs_t
-// (p_t = 2^(s_t - m)) are quantised to u8 codes against their maximum, and
+// Per tile of 16 positions (avx512 and amx: per pair of consecutive tiles of
+// a chunk, the last tile alone when the count is odd) and query head, the
+// weights w_t = p_t · vs_t (p_t = 2^(s_t - m)) are quantised to u8 codes
+// against their maximum, and
 //   o += (max w / p_max) · sum_t code_t · vc_t  +  sum_t p_t · (vmin_t + 128·vs_t)
 // with V codes vc (s8). Both sums over codes run in int32 on VPDPBUSD.
 #pragma once
