@@ -36,7 +36,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <cstdlib>
 
 #include "attn-worker/attention_kernels.h"
 
@@ -71,8 +70,7 @@ constexpr int64_t kPrefetchBytes = 2048;
 struct HeadScratch {
   float dvec[16];  // lanes of d (summed at the end of the chunk)
   float bvec[16];  // int8: lanes of sum p_t * bias_t
-  float w[16];     // f16: the tile's weights p; int8: the T tiles' 16 T u8 weight codes
-  float pad[16];
+  float w[32];     // f16: the T tiles' 16 T weights p; int8: their 16 T u8 weight codes
 };
 static_assert(sizeof(HeadScratch) == 64 * sizeof(float));
 
@@ -126,20 +124,23 @@ ELLM_TARGET ELLM_INLINE __m512 LoadHalves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// 2^x for x <= 0 (lanes below -126 give ~0): round-to-nearest split, Taylor
-// polynomial of degree 6 on [-0.5, 0.5] (relative error 1.2e-7), VSCALEFPS.
+// 2^x for x <= 0: f = x - floor(x) in [0, 1) by VREDUCEPS, the degree-6
+// Taylor polynomial of 2^f about 1/2 written out in powers of f (relative
+// error 1.2e-7 on [0, 1)), times 2^floor(x) by VSCALEFPS (which floors its
+// exponent operand itself). Lanes below -100 are clamped there, so results
+// stay normal floats (no denormal assists); weights under 2^-100 of the
+// maximum do not change a float sum anyway.
 ELLM_TARGET ELLM_INLINE __m512 Exp2(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(2.178388095e-04f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.232133480e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.704859927e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.546001345e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402398884e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931449175e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000119e+00f));
+  return _mm512_scalef_ps(p, x);
 }
 
 // Raises the running max of the heads whose scores exceed it (s[x * G + j]:
@@ -357,23 +358,30 @@ ELLM_TARGET void Int8Tiles(const TileCtx* t, const HeadsCtx& q) {
 }
 
 // o[16 db .. 16 (db + D)) of G heads += sum over the rows this token sees
-// of p x V, row by row: each row's G weights are broadcast once for D blocks
-// of 16 dims. Rows past the token's last position may hold anything (even
-// NaN bits): they are skipped, not multiplied by zero.
-template <int G, int D>
-ELLM_TARGET ELLM_INLINE void F16Rows(const TileCtx& t, const HeadsCtx& q, int db) {
-  const int hp = t.hp;
+// of p x V, row by row through the T tiles: each row's G weights are
+// broadcast once for D blocks of 16 dims. Rows past the token's last
+// position may hold anything (even NaN bits): they are skipped, not
+// multiplied by zero. Pairs also prefetch the second tile's later tile here,
+// lines [pf_line, pf_end) spread over the rows.
+template <int G, int D, int T>
+ELLM_TARGET ELLM_INLINE void F16Rows(const TileCtx* t, const HeadsCtx& q, int db, int pf_line, int pf_end) {
+  const int hp = t[0].hp;
   __m512 va[D][G];
   for (int b = 0; b < D; ++b) {
     for (int j = 0; j < G; ++j) va[b][j] = _mm512_setzero_ps();
   }
-  const uint8_t* row = t.v + 32 * db;
-  for (int r = 0; r < t.nvalid; ++r, row += 2 * hp) {
-    __m512 w[G];
-    for (int j = 0; j < G; ++j) w[j] = _mm512_set1_ps(q.hs[j].w[r]);
-    for (int b = 0; b < D; ++b) {
-      const __m512 v = LoadHalves(row + 32 * b);
-      for (int j = 0; j < G; ++j) va[b][j] = _mm512_fmadd_ps(v, w[j], va[b][j]);
+  for (int x = 0; x < T; ++x) {
+    const uint8_t* row = t[x].v + 32 * db;
+    for (int r = 0; r < t[x].nvalid; ++r, row += 2 * hp) {
+      if constexpr (T == 2) {
+        for (int l = pf_line + x * kTile + r; l < pf_end; l += T * kTile) PrefetchLine(t[1], l);
+      }
+      __m512 w[G];
+      for (int j = 0; j < G; ++j) w[j] = _mm512_set1_ps(q.hs[j].w[x * kTile + r]);
+      for (int b = 0; b < D; ++b) {
+        const __m512 v = LoadHalves(row + 32 * b);
+        for (int j = 0; j < G; ++j) va[b][j] = _mm512_fmadd_ps(v, w[j], va[b][j]);
+      }
     }
   }
   for (int b = 0; b < D; ++b) {
@@ -384,34 +392,55 @@ ELLM_TARGET ELLM_INLINE void F16Rows(const TileCtx& t, const HeadsCtx& q, int db
   }
 }
 
-template <int G>
-ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
-  const int hp = t.hp;
-  // Scores, lane = position. Two banks (even and odd dims) give 2G
-  // independent FMA chains, enough to cover the FMA latency at 2 per cycle.
-  __m512 acc[2][G];
-  for (int j = 0; j < G; ++j) acc[0][j] = acc[1][j] = _mm512_setzero_ps();
+// T = 1 or 2 consecutive f16 tiles for G query heads of one token; a pair
+// loads each broadcast query element once for both tiles' K lines and takes
+// one softmax step.
+template <int G, int T>
+ELLM_TARGET void F16Tiles(const TileCtx* t, const HeadsCtx& q) {
+  const int hp = t[0].hp;
+  // Scores, lane = position: 2 banks (even and odd dims) per tile for a
+  // single tile or few heads, enough independent FMA chains to cover the
+  // FMA latency at 2 per cycle.
+  constexpr int kBanks = T == 1 || G <= 3 ? 2 : 1;
+  __m512 acc[kBanks][T][G];
+  for (int r = 0; r < kBanks; ++r) {
+    for (int x = 0; x < T; ++x) {
+      for (int j = 0; j < G; ++j) acc[r][x][j] = _mm512_setzero_ps();
+    }
+  }
   for (int d = 0; d < hp; d += 2) {
-    PrefetchLine(t, d / 2);  // a tile is hp / 2 lines
+    PrefetchLine(t[0], d / 2);  // a tile is hp / 2 lines
     for (int b = 0; b < 2; ++b) {
-      const __m512 k = LoadHalves(t.k + 32 * (d + b));
+      __m512 k[T];
+      for (int x = 0; x < T; ++x) k[x] = LoadHalves(t[x].k + 32 * (d + b));
       for (int j = 0; j < G; ++j) {
-        acc[b][j] = _mm512_fmadd_ps(k, _mm512_set1_ps(q.scaled[j * hp + d + b]), acc[b][j]);
+        const __m512 qd = _mm512_set1_ps(q.scaled[j * hp + d + b]);
+        for (int x = 0; x < T; ++x) acc[b % kBanks][x][j] = _mm512_fmadd_ps(k[x], qd, acc[b % kBanks][x][j]);
       }
     }
   }
-  __m512 s[G];
-  for (int j = 0; j < G; ++j) {
-    s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), t.valid, _mm512_add_ps(acc[0][j], acc[1][j]));
+  __m512 s[T * G];
+  __mmask16 valid[T];
+  for (int x = 0; x < T; ++x) {
+    valid[x] = t[x].valid;
+    for (int j = 0; j < G; ++j) {
+      const __m512 v = kBanks == 2 ? _mm512_add_ps(acc[0][x][j], acc[kBanks - 1][x][j]) : acc[0][x][j];
+      s[x * G + j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), t[x].valid, v);
+    }
   }
-  SoftmaxStep<G, 1>(s, &t.valid, q.part, q.pf, hp, q.hs, false);
-  for (int j = 0; j < G; ++j) _mm512_storeu_ps(q.hs[j].w, s[j]);
+  SoftmaxStep<G, T>(s, valid, q.part, q.pf, hp, q.hs, false);
+  for (int j = 0; j < G; ++j) {
+    for (int x = 0; x < T; ++x) _mm512_storeu_ps(q.hs[j].w + x * kTile, s[x * G + j]);
+  }
   // p·V over the rows this token sees.
   constexpr int kDb = G <= 3 ? 8 : G <= 6 ? 4 : 2;
   const int n_db = hp / 16;
+  const int pf_lines = T == 2 ? hp / 2 : 0, per_db = (pf_lines + n_db - 1) / n_db;
   int db = 0;
-  for (; db + kDb <= n_db; db += kDb) F16Rows<G, kDb>(t, q, db);
-  for (; db < n_db; ++db) F16Rows<G, 1>(t, q, db);
+  for (; db + kDb <= n_db; db += kDb) {
+    F16Rows<G, kDb, T>(t, q, db, db * per_db, std::min(pf_lines, (db + kDb) * per_db));
+  }
+  for (; db < n_db; ++db) F16Rows<G, 1, T>(t, q, db, db * per_db, std::min(pf_lines, (db + 1) * per_db));
 }
 
 template <bool kInt8, int G, int T, bool kAmx>
@@ -419,11 +448,11 @@ ELLM_TARGET ELLM_INLINE void RunTiles(const TileCtx* t, const HeadsCtx& q) {
   if constexpr (kInt8) {
     Int8Tiles<G, T, kAmx>(t, q);
   } else {
-    F16Tile<G>(*t, q);
+    F16Tiles<G, T>(t, q);
   }
 }
 
-// T tiles (2: a pair, int8 only) for g <= kBlock heads.
+// T tiles (2: a pair) for g <= kBlock heads.
 template <bool kInt8, int T, bool kAmx>
 ELLM_TARGET void TilesForHeads(int g, const TileCtx* t, const HeadsCtx& q) {
   switch (g) {
@@ -552,8 +581,8 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
   int scored = 0;  // tiles of the chunk whose scores have been computed
   TileCtx t[2];
   for (int pos = a.pos_begin, n = 0; pos < end;) {
-    // int8 takes tiles in pairs while two are left; f16 one at a time.
-    const int tiles = kInt8 && pos + kTile < end ? 2 : 1;
+    // Tiles in pairs while two are left.
+    const int tiles = pos + kTile < end ? 2 : 1;
     if constexpr (kAmx) {
       for (; scored < n + tiles + kAmxAhead && a.pos_begin + scored * kTile < end; ++scored) {
         const int p = a.pos_begin + scored * kTile;
@@ -572,8 +601,7 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
         tx.v += 64;
       }
       // As far ahead in steps as one tile is in the other kernels.
-      static const int pfm = getenv("PFM") ? atoi(getenv("PFM")) : 0;
-      const int ahead = pfm == 0 ? p + tiles * dist * kTile : p + std::max(tiles, dist) * kTile;
+      const int ahead = p + tiles * dist * kTile;
       tx.pk = tx.pv = nullptr;
       if (ahead < prefetch_end) {
         tx.pk = reinterpret_cast<const char*>(a.kv.KeyTile(ahead));
