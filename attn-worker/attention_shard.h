@@ -8,16 +8,18 @@
 // f16 and int8 caches use the flash-decoding kernels of attention_kernels.h:
 // a sequence's positions are cut into chunks of chunk_positions (fixed
 // absolute boundaries), each (sequence, KV head, chunk) is a unit of work on
-// the thread pool, taken dynamically by whichever thread is free, and the
-// partials of a (token, query head) are merged in chunk order in one place
-// (Merge, run by the thread that finishes the group's last chunk, so a step
-// is one pass over the pool). Slices of more than kMaxChunkTokens tokens
-// (prefill) run their chunks one after another inside one item per
-// (16 tokens, KV head) and fold them the same way. Consecutive chunks of a
-// group may share an item (how many depends on the thread count; the results
-// do not). A token's result therefore depends only on its own sequence and
-// position: not on the batch around it, the thread count, or whether it came
-// in a decode or a prefill step.
+// the thread pool, and the partials of a (token, query head) are merged in
+// chunk order in one place (Merge, run by the thread that finishes the
+// group's last chunk, so a step is one pass over the pool). Slices of more
+// than kMaxChunkTokens tokens (prefill) run their chunks one after another
+// inside one item per (16 tokens, KV head) and fold them the same way.
+// Consecutive chunks of a group may share an item (how many depends on the
+// thread count; the results do not), and each thread starts on its own
+// contiguous run of items, taking others' only when it runs out, so a
+// sequence's consecutive chunks mostly stay on one core. A token's result
+// therefore depends only on its own sequence and position: not on the batch
+// around it, the thread count, or whether it came in a decode or a prefill
+// step.
 #pragma once
 
 #include <atomic>
