@@ -142,11 +142,18 @@ ELLM_TARGET ELLM_INLINE __m512 Exp2(__m512 x) {
   return _mm512_scalef_ps(p, x);
 }
 
-// Raises the running max of the heads whose scores exceed it (s[x * G + j]:
-// tile x of T, head j): m_j = max(m_j, max over x of s[x * G + j]),
-// rescaling o, the lane sums of d and (int8) of the V offsets by
-// 2^(m_old - m_new). Off the hot path: once a sequence's leading scores have
-// been seen, a tile rarely holds a new maximum.
+// The running reference score m of a head trails the maximum by up to
+// kMaxSlack (base-2 units), so weights p = 2^(s - m) stay below 2^kMaxSlack
+// (harmless in float sums, and the int8 weight codes are scaled to their own
+// maximum), and m only moves when a score passes it by more than that: on
+// random data most tiles of a chunk's first hundreds of positions hold a new
+// maximum, and each move costs a branch miss and a rescale of o.
+constexpr float kMaxSlack = 8.0f;
+
+// Raises the reference score of the heads whose scores pass it by more than
+// kMaxSlack (s[x * G + j]: tile x of T, head j) to their maximum, rescaling
+// o, the lane sums of d and (int8) of the V offsets by 2^(m_old - m_new).
+// Off the hot path.
 template <int G, int T>
 ELLM_TARGET __attribute__((noinline)) void RaiseMax(const __m512* s, float* part, int pf, int hp,
                                                     HeadScratch* hs, bool int8) {
@@ -155,7 +162,7 @@ ELLM_TARGET __attribute__((noinline)) void RaiseMax(const __m512* s, float* part
     __m512 top = s[j];
     for (int x = 1; x < T; ++x) top = _mm512_max_ps(top, s[x * G + j]);
     const float m = pj[hp], tmax = _mm512_reduce_max_ps(top);
-    if (!(tmax > m)) continue;
+    if (!(tmax > m + kMaxSlack)) continue;
     pj[hp] = tmax;
     if (m == -INFINITY) continue;  // nothing accumulated yet
     const __m512 alpha = Exp2(_mm512_set1_ps(m - tmax));
@@ -168,7 +175,7 @@ ELLM_TARGET __attribute__((noinline)) void RaiseMax(const __m512* s, float* part
 }
 
 // The online-softmax step of G heads over T tiles' scores s[x * G + j]
-// (invalid lanes -inf): raises the running maxima where needed, then turns
+// (invalid lanes -inf): raises the reference scores where needed, then turns
 // the scores into the weights p = 2^(s - m) (0 in invalid lanes) and adds
 // them to d's lanes.
 template <int G, int T>
@@ -177,7 +184,7 @@ ELLM_TARGET ELLM_INLINE void SoftmaxStep(__m512* s, const __mmask16* valid, floa
   __mmask16 over = 0;
   for (int j = 0; j < G; ++j) {
     for (int x = 0; x < T; ++x) {
-      over |= _mm512_cmp_ps_mask(s[x * G + j], _mm512_set1_ps(part[j * pf + hp]), _CMP_GT_OQ);
+      over |= _mm512_cmp_ps_mask(s[x * G + j], _mm512_set1_ps(part[j * pf + hp] + kMaxSlack), _CMP_GT_OQ);
     }
   }
   if (over) RaiseMax<G, T>(s, part, pf, hp, hs, int8);

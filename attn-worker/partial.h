@@ -4,12 +4,14 @@
 // prefill) goes through this type.
 //
 // Scores are in base 2: s_t = log2(e) * q·k_t / sqrt(head_dim). For a set T of
-// positions a partial holds, for a reference score m (the kernels keep the
-// running maximum):
+// positions a partial holds, for a reference score m at most the maximum
+// score (the kernels keep the running maximum, or with avx512 one that
+// trails it by up to 8):
 //   d    = sum_{t in T} 2^(s_t - m)
 //   o[i] = sum_{t in T} 2^(s_t - m) * v_t[i]
 // so that the attention output over T is o / d. The empty set is m = -inf,
-// d = 0, o = 0; any non-empty set has d >= 1 (the maximum contributes 1).
+// d = 0, o = 0; any non-empty set has d >= 1 (the maximum contributes at
+// least 1).
 //
 // Memory: PartialFloats(dim) floats, o[dim] first (64-byte aligned when the
 // base is and dim is a multiple of 16), then m, d, padding.
