@@ -14,17 +14,17 @@
 //                 VCVTPH2PS -> G FMAs with a broadcast weight.
 // Query heads are taken in register blocks of up to 8 (G, a template
 // parameter), so each K and V line is loaded once per block from the cache
-// line the tile occupies. int8 takes the tiles of a chunk in pairs
-// (Int8Tiles<G, 2>): the query broadcasts, the softmax bookkeeping, the
-// weight scale and the float update of o are then paid once per 32
-// positions. Measured on 2 Sapphire Rapids cores (ellm-bench attention,
-// 16K positions): qwen2.5-14b shape 0.86 -> 0.92 of the read probe,
-// qwen2.5-0.5b 0.75 -> 0.77.
+// line the tile occupies. Tiles are taken in pairs (Int8Tiles / F16Tiles
+// with T = 2; the last tile of a chunk alone when the count is odd): each
+// broadcast query element serves both tiles' K lines, and the softmax step,
+// (int8) the weight scale and the float update of o are paid once per 32
+// positions.
 //
-// Prefetching (see kPrefetchBytes) is spread evenly over a step's work: a
-// pair prefetches its first later tile from the score loop and its second
-// from p·V. Bunching a pair's prefetches into the score loop measured worse
-// than single tiles (0.71-0.81).
+// Prefetching (see kPrefetchBytes) is spread over a pair's work: the first
+// later tile from the score loop, the second from p·V. Measured on 2
+// Sapphire Rapids cores (ellm-bench attention, 16K positions, int8,
+// qwen2.5-14b shape): single tiles 0.86 of the read probe, pairs with all
+// prefetches in the score loop 0.71-0.81, pairs spread 0.91.
 
 // GCC 12 warns about the deliberately undefined pass-through operand of the
 // AVX-512 intrinsics (_mm512_undefined_*, e.g. in _mm512_reduce_max_ps): a
@@ -60,10 +60,12 @@ constexpr int kBlock = 8;  // query heads per register block
 // Software prefetch. The kernels consume a tile right after loading it, so
 // out-of-order execution alone cannot keep enough misses in flight, and the
 // hardware streamer runs too short a distance ahead at this consumption rate
-// (measured: 55-60% of the read probe without, 80-88% with). One line of the
-// tile about kPrefetchBytes ahead in each of the K and V streams is prefetched
-// per step of the score loop, spread out so the fill buffers stay busy
-// without a burst that stalls the pipeline.
+// (measured: 55-60% of the read probe without, 80-88% with). Lines of the
+// tile about kPrefetchBytes ahead (per tile of a pair) in each of the K and V
+// streams are prefetched one or two per step, spread out so the fill buffers
+// stay busy without a burst that stalls the pipeline. Longer distances
+// measured worse (4 KiB: -2 to -4%, 16 KiB: -10%), as did adding PREFETCHT2
+// further ahead.
 constexpr int64_t kPrefetchBytes = 2048;
 
 // Per (token, query head) scratch of a chunk (64 floats, see ChunkScratchFloats).
