@@ -109,9 +109,13 @@ ELLM_TARGET ELLM_INLINE __m256i Dpbusd(__m256i acc, __m256i a_u8, __m256i b_s8) 
 #endif
 }
 
-// 2^x for x <= 0 (lanes below -126 give ~0); see attention_avx512.cc.
+// How far the running reference score may trail the maximum (base 2).
+constexpr float kMaxSlack = 8.0f;
+
+// 2^x for x <= kMaxSlack (lanes below -100 are clamped there, so results
+// stay normal floats); see attention_avx512.cc.
 ELLM_TARGET ELLM_INLINE __m256 Exp2(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-100.0f));
   const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(x, n);
   __m256 p = _mm256_set1_ps(1.5403530e-4f);
@@ -127,13 +131,15 @@ ELLM_TARGET ELLM_INLINE __m256 Exp2(__m256 x) {
 }
 
 // Online-softmax step over the tile's 16 scores s[2] (invalid lanes -inf);
-// writes the weights to p[2] (0 in invalid lanes).
+// writes the weights to p[2] (0 in invalid lanes). The reference score m
+// trails the running maximum by up to kMaxSlack and moves only when a score
+// passes it by more (as in attention_avx512.cc).
 ELLM_TARGET ELLM_INLINE void SoftmaxStep(const __m256* s, const __m256* valid, float* part, int hp,
                                          HeadScratch* h, bool int8, __m256* p) {
   float& m = part[hp];
-  const __m256 m_old = _mm256_set1_ps(m);
-  const int over = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(s[0], m_old, _CMP_GT_OQ),
-                                                   _mm256_cmp_ps(s[1], m_old, _CMP_GT_OQ)));
+  const __m256 m_raise = _mm256_set1_ps(m + kMaxSlack);
+  const int over = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(s[0], m_raise, _CMP_GT_OQ),
+                                                   _mm256_cmp_ps(s[1], m_raise, _CMP_GT_OQ)));
   if (over != 0) {  // rare once a sequence's leading scores have been seen
     const float tmax = HMax(_mm256_max_ps(s[0], s[1]));
     if (m != -INFINITY) {
