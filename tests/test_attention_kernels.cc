@@ -72,10 +72,13 @@ double Budget(const AttentionKernel& k, KvDType dtype) {
 }
 
 // One (layer, KV head) of one sequence in a paged pool much larger than it:
-// blocks in shuffled order, everything not stored left as NaN bytes.
+// blocks in shuffled order, everything not stored left as NaN bytes. With
+// `trend`, key dim 0 of position p gets trend * p added, so that a query
+// with q[0] > 0 sees scores that rise along the sequence (falling for < 0).
 class PagedKv {
  public:
-  PagedKv(KvDType dtype, int head_dim, int length, int block_tokens, std::mt19937& gen)
+  PagedKv(KvDType dtype, int head_dim, int length, int block_tokens, std::mt19937& gen,
+          float trend = 0.0f)
       : format_(KvFormat::Make(dtype, head_dim)), block_tokens_(block_tokens), length_(length) {
     const int needed = (length + block_tokens - 1) / block_tokens;
     const int pool_blocks = 2 * needed + 3;
@@ -88,6 +91,7 @@ class PagedKv {
     table_.assign(ids.begin(), ids.begin() + needed);
     k_ = Normal(static_cast<size_t>(length) * head_dim, gen);
     v_ = Normal(k_.size(), gen);
+    for (int p = 0; p < length; ++p) k_[size_t{1} * p * head_dim] += trend * static_cast<float>(p);
     for (int p = 0; p < length; ++p) {
       const KvSeqView v = view();
       format_.StoreKey(const_cast<uint8_t*>(v.KeyTile(p)), v.RowInTile(p), &k_[size_t{1} * p * head_dim]);
@@ -433,6 +437,38 @@ TEST(AttentionKernels, DecodeMatchesOracleWithinBudget) {
   }
   for (const auto& [name, err] : observed) {
     std::printf("worst error / max|v|: %-25s %.2e\n", name.c_str(), err);
+  }
+}
+
+// Scores that keep rising (a new maximum every few tiles, by more and by less
+// than the slack the SIMD kernels let their reference score trail it by) and
+// scores that fall (the maximum in the first tile): 3.2 in base 2 per tile,
+// over 1000 positions (an odd number of tiles, the last one partial). In one
+// chunk of 1024 the scores climb by 200, so a kernel that stopped moving its
+// reference score would overflow its float weights.
+TEST(AttentionKernels, RisingAndFallingScoresMatchTheOracle) {
+  std::mt19937 gen(21);
+  for (KvDType dtype : {KvDType::kF16, KvDType::kInt8}) {
+    for (int hd : {64, 128}) {
+      const float per_position = 0.2f * std::sqrt(static_cast<float>(hd)) / static_cast<float>(M_LOG2E);
+      for (float direction : {1.0f, -1.0f}) {
+        PagedKv kv(dtype, hd, 1000, 32, gen, direction * per_position);
+        for (int group : {1, 5, 7}) {
+          std::vector<float> q = Normal(static_cast<size_t>(group) * hd, gen);
+          for (int j = 0; j < group; ++j) q[static_cast<size_t>(j) * hd] = 1.0f;
+          const std::vector<int32_t> last = {999};
+          for (const AttentionKernel* k : AvailableKernels()) {
+            for (int chunk : {48, 1024}) {
+              const std::vector<float> out = RunChunks(*k, kv.view(), q.data(), 1, group, last, chunk);
+              const double err = WorstError(out, q.data(), kv.k_stored(), kv.v_stored(), last, group, hd);
+              ASSERT_LE(err, Budget(*k, dtype))
+                  << k->name << " " << KvDTypeName(dtype) << " hd " << hd << " direction " << direction
+                  << " gqa " << group << " chunk " << chunk;
+            }
+          }
+        }
+      }
+    }
   }
 }
 
