@@ -66,8 +66,9 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& o
   }
   ASSIGN_OR_RETURN(cache->memory_,
                    NodeMemory::Allocate(block_bytes * options.blocks, options.numa_node));
-  cache->free_.reserve(options.blocks);
-  for (int64_t b = options.blocks - 1; b >= 0; --b) cache->free_.push_back(static_cast<int32_t>(b));
+  cache->free_bits_.assign(static_cast<size_t>((options.blocks + 63) / 64), ~uint64_t{0});
+  if (options.blocks % 64 != 0) cache->free_bits_.back() = (uint64_t{1} << (options.blocks % 64)) - 1;
+  cache->free_count_ = options.blocks;
   return cache;
 }
 
@@ -79,18 +80,38 @@ absl::Status KvCache::Reserve(uint64_t seq, int start, int n) {
   }
   const int bt = options_.block_tokens;
   const size_t need = static_cast<size_t>((start + n + bt - 1) / bt);
-  if (need > s.blocks.size() && need - s.blocks.size() > free_.size()) {
+  if (need > s.blocks.size() && static_cast<int64_t>(need - s.blocks.size()) > free_count_) {
     if (s.length == 0 && s.blocks.empty()) seqs_.erase(seq);
     return absl::ResourceExhaustedError(
         absl::StrCat("KV cache full: sequence ", seq, " needs ", need - s.blocks.size(),
-                     " more blocks, ", free_.size(), " free"));
+                     " more blocks, ", free_count_, " free"));
   }
   while (s.blocks.size() < need) {
-    s.blocks.push_back(free_.back());
-    free_.pop_back();
+    s.blocks.push_back(TakeBlock(s.blocks.empty() ? 0 : int64_t{s.blocks.back()} + 1));
   }
   s.length = start + n;
   return absl::OkStatus();
+}
+
+int64_t KvCache::FindFree(int64_t from, int64_t to) const {
+  for (int64_t w = from / 64; w * 64 < to; ++w) {
+    uint64_t bits = free_bits_[static_cast<size_t>(w)];
+    if (w == from / 64) bits &= ~uint64_t{0} << (from % 64);
+    if (bits != 0) {
+      const int64_t b = w * 64 + __builtin_ctzll(bits);
+      return b < to ? b : -1;
+    }
+  }
+  return -1;
+}
+
+int32_t KvCache::TakeBlock(int64_t prefer) {
+  if (prefer >= options_.blocks) prefer = 0;
+  int64_t b = FindFree(prefer, options_.blocks);
+  if (b < 0) b = FindFree(0, prefer);
+  free_bits_[static_cast<size_t>(b / 64)] &= ~(uint64_t{1} << (b % 64));
+  --free_count_;
+  return static_cast<int32_t>(b);
 }
 
 uint8_t* KvCache::BlockBase(int layer, int kv_head, int32_t block) const {
@@ -140,7 +161,8 @@ int KvCache::Length(uint64_t seq) const {
 void KvCache::Free(uint64_t seq) {
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) return;
-  for (int32_t b : it->second.blocks) free_.push_back(b);
+  for (int32_t b : it->second.blocks) free_bits_[static_cast<size_t>(b / 64)] |= uint64_t{1} << (b % 64);
+  free_count_ += static_cast<int64_t>(it->second.blocks.size());
   seqs_.erase(it);
 }
 

@@ -11,6 +11,15 @@
 // ahead of both).
 // Positions are appended in order and quantised once, when stored; a
 // sequence's blocks return to the pool when it is freed.
+//
+// Block choice: a sequence's next block is the one after its last if that is
+// free, else the first free block after it (wrapping to the pool's start),
+// and a new sequence starts at the first free block. Its blocks therefore
+// stay ascending and mostly consecutive, so its K and V read as long forward
+// runs of memory, also after other sequences have come and gone. (Measured,
+// ellm-bench attention at 16K positions, 2 threads: consecutive blocks 0.90-
+// 0.94 of the read probe; blocks in descending order, which a stack of freed
+// ids hands out to the next sequence, 0.58-0.77; shuffled 0.60-0.76.)
 #pragma once
 
 #include <cstdint>
@@ -73,7 +82,7 @@ class KvCache {
   void Free(uint64_t seq);
 
   int64_t blocks_total() const { return options_.blocks; }
-  int64_t blocks_free() const { return static_cast<int64_t>(free_.size()); }
+  int64_t blocks_free() const { return free_count_; }
   const KvCacheOptions& options() const { return options_; }
   const KvFormat& format() const { return format_; }
 
@@ -91,8 +100,15 @@ class KvCache {
   KvCacheOptions options_;
   KvFormat format_;
   int64_t segment_bytes_ = 0;  // K (or V) part of a block of one (layer, kv head)
+  // Takes the free block `prefer` or the first free one after it (then from
+  // block 0); there must be one.
+  int32_t TakeBlock(int64_t prefer);
+  // The first free block in [from, to), or -1.
+  int64_t FindFree(int64_t from, int64_t to) const;
+
   std::unique_ptr<NodeMemory> memory_;
-  std::vector<int32_t> free_;
+  std::vector<uint64_t> free_bits_;  // bit b: block b is free
+  int64_t free_count_ = 0;
   std::unordered_map<uint64_t, Sequence> seqs_;
 };
 

@@ -71,6 +71,8 @@ struct Options {
   std::vector<int> threads;
   attn::KernelChoice kernel = attn::KernelChoice::kAuto;
   double min_time_s = 0.5;
+  int interleave = 1;  // sequences whose blocks are taken in turn
+  int block_tokens = 16;  // positions per KV block
   int64_t footprint_bytes = 0;
   int64_t probe_bytes = 0;
 };
@@ -97,6 +99,12 @@ const char kHelp[] =
     "  --footprint-mb=N  KV bytes each case cycles through, as whole layers (default:\n"
     "                    twice the last-level cache, at least 256).\n"
     "  --probe-mb=N      probe buffer (default: twice the last-level cache, at least 256).\n"
+    "  --block-tokens=N  positions per KV block, a multiple of 16 (default 16, as the\n"
+    "                    attention worker's --block_tokens).\n"
+    "  --interleave=N    N sequences take their KV blocks in turn, a block at a time,\n"
+    "                    as sequences decoding side by side do; the measured one then\n"
+    "                    reads every N-th block (default 1: consecutive blocks). The\n"
+    "                    cache grows N-fold.\n"
     "  --quick           a smoke test in seconds: qwen2.5-0.5b, 1K and 4K positions,\n"
     "                    int8 and f16, all threads, 256 MiB footprint and probe, short\n"
     "                    timing. Its numbers are indicative only.\n";
@@ -154,6 +162,14 @@ absl::StatusOr<Options> Parse(int argc, char** argv, bool* help) {
     } else if (name == "--min-time") {
       if (!absl::SimpleAtod(value, &o.min_time_s) || o.min_time_s <= 0) {
         return absl::InvalidArgumentError("--min-time must be a positive number of seconds");
+      }
+    } else if (name == "--block-tokens") {
+      if (!absl::SimpleAtoi(value, &o.block_tokens) || o.block_tokens < 16 || o.block_tokens % 16 != 0) {
+        return absl::InvalidArgumentError("--block-tokens must be a positive multiple of 16");
+      }
+    } else if (name == "--interleave") {
+      if (!absl::SimpleAtoi(value, &o.interleave) || o.interleave < 1 || o.interleave > 64) {
+        return absl::InvalidArgumentError("--interleave must be 1..64");
       }
     } else if (name == "--footprint-mb" || name == "--probe-mb") {
       int64_t mb;
@@ -245,7 +261,7 @@ struct Setup {
 constexpr int kMaxSteps = 16;  // timed steps at most; each appends one position
 
 Setup Prepare(const Shape& shape, KvDType dtype, int positions, int runs, int64_t footprint,
-              ThreadPool& pool) {
+              int interleave, int block_tokens, ThreadPool& pool) {
   Setup s;
   const attn::KvFormat format = attn::KvFormat::Make(dtype, shape.head_dim);
   const double layer_bytes = format.BytesPerPosition() * shape.kv_heads * positions;
@@ -256,9 +272,9 @@ Setup Prepare(const Shape& shape, KvDType dtype, int positions, int runs, int64_
   o.layers = s.layers;
   o.kv_heads = shape.kv_heads;
   o.head_dim = shape.head_dim;
-  o.block_tokens = 16;
+  o.block_tokens = block_tokens;
   const int capacity = s.filled + kMaxSteps * runs + 16;
-  o.blocks = (capacity + 15) / 16;
+  o.blocks = int64_t{interleave} * ((capacity + block_tokens - 1) / block_tokens + 1);
   o.dtype = dtype;
   absl::StatusOr<std::unique_ptr<attn::KvCache>> cache = attn::KvCache::Create(o);
   if (!cache.ok()) {
@@ -267,7 +283,12 @@ Setup Prepare(const Shape& shape, KvDType dtype, int positions, int runs, int64_
   }
   s.cache = *std::move(cache);
   const uint64_t seq = 1;
-  if (!s.cache->Reserve(seq, 0, s.filled).ok()) std::exit(1);
+  // Sequences 1..interleave take blocks in turn; only sequence 1 holds data.
+  for (int pos = 0; pos < s.filled; pos += block_tokens) {
+    for (int other = 0; other < interleave; ++other) {
+      if (!s.cache->Reserve(seq + other, pos, std::min(block_tokens, s.filled - pos)).ok()) std::exit(1);
+    }
+  }
   // Layer 0 from random rows, on every thread.
   pool.ParallelFor(s.filled, [&](int64_t begin, int64_t end, int thread) {
     std::mt19937 gen(static_cast<uint32_t>(begin * 7919 + thread));
@@ -390,7 +411,7 @@ int AttentionMain(int argc, char** argv) {
       for (int positions : o.positions) {
         const double t0 = Now();
         Setup setup = Prepare(shape, dtype, positions, static_cast<int>(pools.size()),
-                              o.footprint_bytes, fill_pool);
+                              o.footprint_bytes, o.interleave, o.block_tokens, fill_pool);
         std::fprintf(stderr, "  %s %s %d positions: %d layers filled in %.1f s\n", shape.name.c_str(),
                      std::string(attn::KvDTypeName(dtype)).c_str(), positions, setup.layers, Now() - t0);
         for (size_t ti = 0; ti < pools.size(); ++ti) {
@@ -405,9 +426,12 @@ int AttentionMain(int argc, char** argv) {
                        done, total, pools[ti]->size(), r.us_per_layer, probe_now, best_probe[ti]);
           std::printf(
               "shape=%s dtype=%s positions=%d threads=%d us_per_layer=%.1f gb_per_s=%.2f "
-              "probe_gb_per_s=%.2f ratio=%.3f\n",
+              "probe_gb_per_s=%.2f ratio=%.3f%s\n",
               shape.name.c_str(), std::string(attn::KvDTypeName(dtype)).c_str(), positions,
-              pools[ti]->size(), r.us_per_layer, r.gb_per_s, best_probe[ti], r.gb_per_s / best_probe[ti]);
+              pools[ti]->size(), r.us_per_layer, r.gb_per_s, best_probe[ti], r.gb_per_s / best_probe[ti],
+              o.interleave > 1 || o.block_tokens != 16
+                  ? absl::StrCat(" block_tokens=", o.block_tokens, " interleave=", o.interleave).c_str()
+                  : "");
           std::fflush(stdout);
         }
       }

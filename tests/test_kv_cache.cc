@@ -1,7 +1,9 @@
 // attn-worker/kv_cache.h and attn-worker/attention_shard.h.
 //
-// KvCache: block accounting (reserve in order, running out, freeing) and the
-// row layout (no two (sequence, layer, K/V, head, position) rows share memory).
+// KvCache: block accounting (reserve in order, running out, freeing), which
+// blocks a sequence gets (ascending, consecutive where the pool allows), and
+// the row layout (no two (sequence, layer, K/V, head, position) rows share
+// memory).
 // AttentionShard: against a plain causal-attention reference written here, in
 // double, over every position the sequence has seen, on random q/k/v with
 // prefill chunks and decodes of several sequences in one batch.
@@ -145,6 +147,62 @@ TEST(KvCache, FreeReturnsBlocks) {
   cache->Free(1);
   cache->Free(2);
   EXPECT_EQ(cache->blocks_free(), 4);
+}
+
+// The blocks of `seq`, as its block table holds them.
+std::vector<int32_t> BlocksOf(const KvCache& cache, uint64_t seq) {
+  const KvSeqView v = cache.View(seq, 0, 0);
+  const int n = (v.length + v.block_tokens - 1) / v.block_tokens;
+  return std::vector<int32_t>(v.blocks, v.blocks + n);
+}
+
+std::vector<int32_t> Range(int32_t begin, int32_t end) {
+  std::vector<int32_t> r;
+  for (int32_t b = begin; b < end; ++b) r.push_back(b);
+  return r;
+}
+
+// A sequence's blocks are ascending and consecutive where the pool allows:
+// it extends in place, takes the first free block after its last one
+// otherwise (wrapping around at the pool's end), and a sequence reusing a
+// freed sequence's blocks gets them in ascending order.
+TEST(KvCache, SequencesGetAscendingMostlyConsecutiveBlocks) {
+  auto cache = MakeCache({.layers = 2, .kv_heads = 1, .head_dim = 2, .block_tokens = 4,
+                          .blocks = 100});
+  ASSERT_NE(cache, nullptr);
+  ASSERT_TRUE(cache->Reserve(1, 0, 40).ok());
+  ASSERT_TRUE(cache->Reserve(2, 0, 20).ok());
+  EXPECT_EQ(BlocksOf(*cache, 1), Range(0, 10));
+  EXPECT_EQ(BlocksOf(*cache, 2), Range(10, 15));
+  cache->Free(1);
+  // In two steps, as chunked prefill appends.
+  ASSERT_TRUE(cache->Reserve(3, 0, 16).ok());
+  ASSERT_TRUE(cache->Reserve(3, 16, 16).ok());
+  EXPECT_EQ(BlocksOf(*cache, 3), Range(0, 8));
+  // Sequence 2 extends in place; sequence 3 fills 8 and 9, then jumps past
+  // sequence 2 to the first free block after it.
+  ASSERT_TRUE(cache->Reserve(2, 20, 16).ok());
+  EXPECT_EQ(BlocksOf(*cache, 2), Range(10, 19));
+  ASSERT_TRUE(cache->Reserve(3, 32, 12).ok());
+  std::vector<int32_t> want = Range(0, 10);
+  want.push_back(19);
+  EXPECT_EQ(BlocksOf(*cache, 3), want);
+  EXPECT_EQ(cache->blocks_free(), 100 - 9 - 11);
+  // A sequence that reaches the pool's end wraps to its first free block.
+  ASSERT_TRUE(cache->Reserve(4, 0, 4 * 80).ok());  // blocks 20..99
+  EXPECT_EQ(BlocksOf(*cache, 4), Range(20, 100));
+  cache->Free(3);
+  ASSERT_TRUE(cache->Reserve(4, 320, 8).ok());
+  const std::vector<int32_t> b4 = BlocksOf(*cache, 4);
+  EXPECT_EQ(std::vector<int32_t>(b4.end() - 2, b4.end()), Range(0, 2));
+  EXPECT_EQ(cache->blocks_free(), 100 - 9 - 82);
+  // Running out still fails cleanly, and freeing returns every block.
+  EXPECT_EQ(cache->Reserve(5, 0, 4 * 10).code(), absl::StatusCode::kResourceExhausted);
+  cache->Free(2);
+  cache->Free(4);
+  EXPECT_EQ(cache->blocks_free(), 100);
+  ASSERT_TRUE(cache->Reserve(5, 0, 4 * 100).ok());
+  EXPECT_EQ(BlocksOf(*cache, 5), Range(0, 100));
 }
 
 // A value unique to each (sequence, layer, K/V, head, position, element) of
