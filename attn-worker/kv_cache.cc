@@ -68,6 +68,7 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& o
                    NodeMemory::Allocate(block_bytes * options.blocks, options.numa_node));
   cache->free_bits_.assign(static_cast<size_t>((options.blocks + 63) / 64), ~uint64_t{0});
   if (options.blocks % 64 != 0) cache->free_bits_.back() = (uint64_t{1} << (options.blocks % 64)) - 1;
+  cache->unclaimed_bits_ = cache->free_bits_;
   cache->free_count_ = options.blocks;
   return cache;
 }
@@ -86,16 +87,16 @@ absl::Status KvCache::Reserve(uint64_t seq, int start, int n) {
         absl::StrCat("KV cache full: sequence ", seq, " needs ", need - s.blocks.size(),
                      " more blocks, ", free_count_, " free"));
   }
-  while (s.blocks.size() < need) {
-    s.blocks.push_back(TakeBlock(s.blocks.empty() ? 0 : int64_t{s.blocks.back()} + 1));
-  }
+  while (s.blocks.size() < need) s.blocks.push_back(TakeBlock(s));
   s.length = start + n;
   return absl::OkStatus();
 }
 
-int64_t KvCache::FindFree(int64_t from, int64_t to) const {
+int64_t KvCache::FindSet(int64_t from, int64_t to,
+                         std::initializer_list<const std::vector<uint64_t>*> masks) const {
   for (int64_t w = from / 64; w * 64 < to; ++w) {
-    uint64_t bits = free_bits_[static_cast<size_t>(w)];
+    uint64_t bits = ~uint64_t{0};
+    for (const std::vector<uint64_t>* m : masks) bits &= (*m)[static_cast<size_t>(w)];
     if (w == from / 64) bits &= ~uint64_t{0} << (from % 64);
     if (bits != 0) {
       const int64_t b = w * 64 + __builtin_ctzll(bits);
@@ -105,11 +106,48 @@ int64_t KvCache::FindFree(int64_t from, int64_t to) const {
   return -1;
 }
 
-int32_t KvCache::TakeBlock(int64_t prefer) {
-  if (prefer >= options_.blocks) prefer = 0;
-  int64_t b = FindFree(prefer, options_.blocks);
-  if (b < 0) b = FindFree(0, prefer);
-  free_bits_[static_cast<size_t>(b / 64)] &= ~(uint64_t{1} << (b % 64));
+void KvCache::SetBit(std::vector<uint64_t>& bits, int64_t b, bool on) {
+  const uint64_t m = uint64_t{1} << (b % 64);
+  uint64_t& w = bits[static_cast<size_t>(b / 64)];
+  w = on ? w | m : w & ~m;
+}
+
+void KvCache::ReleaseZone(Sequence& s) {
+  // Claims are hints: a block of the zone that another sequence took (the
+  // pool was full) is simply skipped.
+  for (int64_t b = s.blocks.empty() ? s.zone_end : int64_t{s.blocks.back()} + 1; b < s.zone_end; ++b) {
+    if (Bit(free_bits_, b)) SetBit(unclaimed_bits_, b, true);
+  }
+  s.zone_end = 0;
+}
+
+int32_t KvCache::TakeBlock(Sequence& s) {
+  const int64_t n = options_.blocks;
+  const int64_t from = s.blocks.empty() ? 0 : int64_t{s.blocks.back()} + 1;
+  int64_t b = -1;
+  if (from < s.zone_end && Bit(free_bits_, from)) {
+    b = from;  // the zone's next block
+  } else {
+    ReleaseZone(s);
+    // A new zone: the first free unclaimed block at or after `from` (then from
+    // the start) and the free unclaimed run after it.
+    b = FindSet(from, n, {&free_bits_, &unclaimed_bits_});
+    if (b < 0) b = FindSet(0, std::min(from, n), {&free_bits_, &unclaimed_bits_});
+    if (b >= 0) {
+      int64_t end = b + 1;
+      for (; end < n && end < b + kZoneBlocks && Bit(free_bits_, end) && Bit(unclaimed_bits_, end); ++end) {
+        SetBit(unclaimed_bits_, end, false);
+      }
+      s.zone_end = end;
+    } else {
+      // Every free block lies in some zone: take one all the same.
+      b = FindSet(from, n, {&free_bits_});
+      if (b < 0) b = FindSet(0, std::min(from, n), {&free_bits_});
+      s.zone_end = 0;
+    }
+  }
+  SetBit(free_bits_, b, false);
+  SetBit(unclaimed_bits_, b, true);
   --free_count_;
   return static_cast<int32_t>(b);
 }
@@ -161,7 +199,8 @@ int KvCache::Length(uint64_t seq) const {
 void KvCache::Free(uint64_t seq) {
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) return;
-  for (int32_t b : it->second.blocks) free_bits_[static_cast<size_t>(b / 64)] |= uint64_t{1} << (b % 64);
+  ReleaseZone(it->second);
+  for (int32_t b : it->second.blocks) SetBit(free_bits_, b, true);
   free_count_ += static_cast<int64_t>(it->second.blocks.size());
   seqs_.erase(it);
 }

@@ -1,7 +1,7 @@
 // attn-worker/kv_cache.h and attn-worker/attention_shard.h.
 //
 // KvCache: block accounting (reserve in order, running out, freeing), which
-// blocks a sequence gets (ascending, consecutive where the pool allows), and
+// blocks a sequence gets (ascending, in consecutive zones), and
 // the row layout (no two (sequence, layer, K/V, head, position) rows share
 // memory).
 // AttentionShard: against a plain causal-attention reference written here, in
@@ -163,46 +163,54 @@ std::vector<int32_t> Range(int32_t begin, int32_t end) {
 }
 
 // A sequence's blocks are ascending and consecutive where the pool allows:
-// it extends in place, takes the first free block after its last one
-// otherwise (wrapping around at the pool's end), and a sequence reusing a
-// freed sequence's blocks gets them in ascending order.
-TEST(KvCache, SequencesGetAscendingMostlyConsecutiveBlocks) {
+// it claims a zone of kZoneBlocks ahead of its growth, so sequences growing
+// side by side (decode, chunked prefill) do not interleave their blocks; a
+// sequence reusing freed blocks gets them in ascending order; zones never
+// cost capacity (a full pool hands out claimed blocks too).
+TEST(KvCache, SequencesGrowInConsecutiveZones) {
+  constexpr int32_t kZ = static_cast<int32_t>(kZoneBlocks), kPool = 3 * kZ;
   auto cache = MakeCache({.layers = 2, .kv_heads = 1, .head_dim = 2, .block_tokens = 4,
-                          .blocks = 100});
+                          .blocks = kPool});
   ASSERT_NE(cache, nullptr);
-  ASSERT_TRUE(cache->Reserve(1, 0, 40).ok());
-  ASSERT_TRUE(cache->Reserve(2, 0, 20).ok());
+  ASSERT_TRUE(cache->Reserve(1, 0, 40).ok());  // 10 blocks
+  ASSERT_TRUE(cache->Reserve(2, 0, 20).ok());  // 5 blocks, past sequence 1's zone
   EXPECT_EQ(BlocksOf(*cache, 1), Range(0, 10));
-  EXPECT_EQ(BlocksOf(*cache, 2), Range(10, 15));
+  EXPECT_EQ(BlocksOf(*cache, 2), Range(kZ, kZ + 5));
+  // Side by side, one block at a time: each extends in place.
+  for (int step = 0; step < 6; ++step) {
+    ASSERT_TRUE(cache->Reserve(1, 40 + 4 * step, 4).ok());
+    ASSERT_TRUE(cache->Reserve(2, 20 + 4 * step, 4).ok());
+  }
+  EXPECT_EQ(BlocksOf(*cache, 1), Range(0, 16));
+  EXPECT_EQ(BlocksOf(*cache, 2), Range(kZ, kZ + 11));
+  // A zone used up: the next one starts at the first free unclaimed block
+  // after it, past sequence 2's zone.
+  ASSERT_TRUE(cache->Reserve(1, 64, 4 * (kZ + 2 - 16)).ok());
+  std::vector<int32_t> want = Range(0, kZ);
+  for (int32_t b : Range(2 * kZ, 2 * kZ + 2)) want.push_back(b);
+  EXPECT_EQ(BlocksOf(*cache, 1), want);
+  // A freed sequence's blocks go to the next one in ascending order.
   cache->Free(1);
-  // In two steps, as chunked prefill appends.
   ASSERT_TRUE(cache->Reserve(3, 0, 16).ok());
   ASSERT_TRUE(cache->Reserve(3, 16, 16).ok());
   EXPECT_EQ(BlocksOf(*cache, 3), Range(0, 8));
-  // Sequence 2 extends in place; sequence 3 fills 8 and 9, then jumps past
-  // sequence 2 to the first free block after it.
-  ASSERT_TRUE(cache->Reserve(2, 20, 16).ok());
-  EXPECT_EQ(BlocksOf(*cache, 2), Range(10, 19));
-  ASSERT_TRUE(cache->Reserve(3, 32, 12).ok());
-  std::vector<int32_t> want = Range(0, 10);
-  want.push_back(19);
-  EXPECT_EQ(BlocksOf(*cache, 3), want);
-  EXPECT_EQ(cache->blocks_free(), 100 - 9 - 11);
-  // A sequence that reaches the pool's end wraps to its first free block.
-  ASSERT_TRUE(cache->Reserve(4, 0, 4 * 80).ok());  // blocks 20..99
-  EXPECT_EQ(BlocksOf(*cache, 4), Range(20, 100));
-  cache->Free(3);
-  ASSERT_TRUE(cache->Reserve(4, 320, 8).ok());
-  const std::vector<int32_t> b4 = BlocksOf(*cache, 4);
-  EXPECT_EQ(std::vector<int32_t>(b4.end() - 2, b4.end()), Range(0, 2));
-  EXPECT_EQ(cache->blocks_free(), 100 - 9 - 82);
-  // Running out still fails cleanly, and freeing returns every block.
-  EXPECT_EQ(cache->Reserve(5, 0, 4 * 10).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(cache->blocks_free(), kPool - 11 - 8);
+  // Zones never cost capacity: the pool fills to the last block, claimed or
+  // not, then says so.
+  ASSERT_TRUE(cache->Reserve(4, 0, 4 * (kPool - 11 - 8)).ok());
+  EXPECT_EQ(cache->blocks_free(), 0);
+  EXPECT_EQ(cache->Reserve(5, 0, 4).code(), absl::StatusCode::kResourceExhausted);
+  std::set<int32_t> all;
+  for (uint64_t seq : {2, 3, 4}) {
+    for (int32_t b : BlocksOf(*cache, seq)) EXPECT_TRUE(all.insert(b).second) << "block " << b << " twice";
+  }
+  EXPECT_EQ(all.size(), static_cast<size_t>(kPool));
   cache->Free(2);
+  cache->Free(3);
   cache->Free(4);
-  EXPECT_EQ(cache->blocks_free(), 100);
-  ASSERT_TRUE(cache->Reserve(5, 0, 4 * 100).ok());
-  EXPECT_EQ(BlocksOf(*cache, 5), Range(0, 100));
+  EXPECT_EQ(cache->blocks_free(), kPool);
+  ASSERT_TRUE(cache->Reserve(5, 0, 4 * kPool).ok());
+  EXPECT_EQ(BlocksOf(*cache, 5), Range(0, kPool));
 }
 
 // A value unique to each (sequence, layer, K/V, head, position, element) of
