@@ -41,7 +41,7 @@ struct HeadScratch {
   float w[16];
   float pad[16];
 };
-static_assert(sizeof(HeadScratch) == 64 * sizeof(float));
+static_assert(sizeof(HeadScratch) == kHeadScratchFloats * sizeof(float));
 
 struct TileCtx {
   const uint8_t* k;
@@ -54,12 +54,11 @@ struct TileCtx {
   const char* pv;
 };
 
-// Software prefetch, as in attention_avx512.cc: the tile about
-// kPrefetchBytes ahead, its K lines one per step of the score loop and its V
+// Software prefetch, as in attention_avx512.cc: the tile StartChunk's
+// prefetch_tiles ahead, its K lines one per step of the score loop and its V
 // lines spread over p·V (measured, --kernel=avx2-vnni, 16K positions, 2
 // threads: int8 0.56-0.79 -> 0.60-0.88 of the read probe, f16 0.45-0.70 ->
 // 0.47-0.75, against all lines from the score loop).
-constexpr int64_t kPrefetchBytes = 2048;
 
 ELLM_TARGET ELLM_INLINE void PrefetchLine(const TileCtx& t, int i) {
   if (t.pk != nullptr) {
@@ -355,21 +354,11 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
   const int hp = a.kv.format.padded_dim, pf = PartialFloats(hp);
   const QueryPrep& prep = *a.q;
   HeadScratch* scratch = reinterpret_cast<HeadScratch*>(a.scratch);
-  int end = a.pos_begin;
-  for (int i = 0; i < a.n_tokens; ++i) {
-    end = std::max(end, std::min(a.pos_end, a.last_pos[i] + 1));
-    for (int j = 0; j < a.group; ++j) {
-      Partial(a.partials + static_cast<size_t>(i * a.group + j) * pf, hp).Clear();
-      std::memset(&scratch[i * a.group + j], 0, sizeof(HeadScratch));
-    }
-  }
-  // Prefetching may run on into the caller's next chunk (see ChunkArgs).
-  const int prefetch_end = std::max(end, std::min(a.kv.length, a.prefetch_end));
+  const ChunkStart c = StartChunk(a);
+  const int end = c.end, prefetch_end = c.prefetch_end, dist = c.prefetch_tiles;
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   TileCtx t;
   t.hp = hp;
-  const int dist = std::max<int>(
-      1, static_cast<int>((kPrefetchBytes + a.kv.format.tile_bytes / 2) / a.kv.format.tile_bytes));
   for (int pos = a.pos_begin; pos < end; pos += kTile) {
     t.k = a.kv.KeyTile(pos);
     t.v = t.k + a.kv.value_offset;

@@ -61,12 +61,12 @@ constexpr int kBlock = 8;  // query heads per register block
 // out-of-order execution alone cannot keep enough misses in flight, and the
 // hardware streamer runs too short a distance ahead at this consumption rate
 // (measured: 55-60% of the read probe without, 80-88% with). Lines of the
-// tile about kPrefetchBytes ahead (per tile of a pair) in each of the K and V
-// streams are prefetched one or two per step, spread out so the fill buffers
-// stay busy without a burst that stalls the pipeline. Longer distances
-// measured worse (single tiles, qwen2.5-14b int8, 16K positions: 4 KiB
-// -3 to -6%, 16 KiB -15 to -19%), as did adding PREFETCHT2 further ahead.
-constexpr int64_t kPrefetchBytes = 2048;
+// tile about 2 KiB ahead (StartChunk's prefetch_tiles, per tile of a pair)
+// in each of the K and V streams are prefetched one or two per step, spread
+// out so the fill buffers stay busy without a burst that stalls the
+// pipeline. Longer distances measured worse (single tiles, qwen2.5-14b int8,
+// 16K positions: 4 KiB -3 to -6%, 16 KiB -15 to -19%), as did adding
+// PREFETCHT2 further ahead.
 
 // Per (token, query head) scratch of a chunk (64 floats, see ChunkScratchFloats).
 struct HeadScratch {
@@ -74,7 +74,7 @@ struct HeadScratch {
   float bvec[16];  // int8: lanes of sum p_t * bias_t
   float w[32];     // f16: the T tiles' 16 T weights p; int8: their 16 T u8 weight codes
 };
-static_assert(sizeof(HeadScratch) == 64 * sizeof(float));
+static_assert(sizeof(HeadScratch) == kHeadScratchFloats * sizeof(float));
 
 // What one tile gives every token and head.
 struct TileCtx {
@@ -568,22 +568,11 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
   }
   const QueryPrep& prep = *a.q;
   HeadScratch* scratch = reinterpret_cast<HeadScratch*>(a.scratch);
-  int end = a.pos_begin;
-  for (int i = 0; i < a.n_tokens; ++i) {
-    end = std::max(end, std::min(a.pos_end, a.last_pos[i] + 1));
-    for (int j = 0; j < a.group; ++j) {
-      Partial(a.partials + static_cast<size_t>(i * a.group + j) * pf, hp).Clear();
-      std::memset(&scratch[i * a.group + j], 0, sizeof(HeadScratch));
-    }
-  }
-  // Prefetching may run on into the caller's next chunk (see ChunkArgs).
-  const int prefetch_end = std::max(end, std::min(a.kv.length, a.prefetch_end));
-  // Prefetch distance: the tile about kPrefetchBytes ahead in each stream.
-  const int dist = std::max<int>(
-      1, static_cast<int>((kPrefetchBytes + a.kv.format.tile_bytes / 2) / a.kv.format.tile_bytes)) +
-      // amx: as far ahead of the tile loads, which run kAmxAhead tiles early
-      // (a TILELOADD that misses the cache costs far more than vector loads).
-      (kAmx ? kAmxAhead : 0);
+  const ChunkStart c = StartChunk(a);
+  const int end = c.end, prefetch_end = c.prefetch_end;
+  // amx: as far ahead of the tile loads, which run kAmxAhead tiles early (a
+  // TILELOADD that misses the cache costs far more than vector loads).
+  const int dist = c.prefetch_tiles + (kAmx ? kAmxAhead : 0);
   // amx: tile n's scores in ring slot n % kAmxRing, computed kAmxAhead
   // tiles before the step that uses it (a pair uses two).
   int scored = 0;  // tiles of the chunk whose scores have been computed

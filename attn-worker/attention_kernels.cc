@@ -88,7 +88,21 @@ void PrepareQueries(const float* q, int rows, int head_dim, int q_max, QueryPrep
 }
 
 size_t ChunkScratchFloats(int n_tokens, int group) {
-  return static_cast<size_t>(n_tokens) * group * 64 + 64;
+  return static_cast<size_t>(n_tokens) * group * internal::kHeadScratchFloats + 64;
+}
+
+internal::ChunkStart internal::StartChunk(const ChunkArgs& a) {
+  constexpr int64_t kPrefetchBytes = 2048;
+  const int hp = a.kv.format.padded_dim, pf = PartialFloats(hp), rows = a.n_tokens * a.group;
+  for (int x = 0; x < rows; ++x) Partial(a.partials + static_cast<size_t>(x) * pf, hp).Clear();
+  std::fill_n(a.scratch, static_cast<size_t>(rows) * kHeadScratchFloats, 0.0f);
+  ChunkStart c;
+  c.end = a.pos_begin;
+  for (int i = 0; i < a.n_tokens; ++i) c.end = std::max(c.end, std::min(a.pos_end, a.last_pos[i] + 1));
+  c.prefetch_end = std::max(c.end, std::min(a.kv.length, a.prefetch_end));
+  const int64_t tile = a.kv.format.tile_bytes;
+  c.prefetch_tiles = std::max<int>(1, static_cast<int>((kPrefetchBytes + tile / 2) / tile));
+  return c;
 }
 
 absl::StatusOr<KernelChoice> ParseKernelChoice(absl::string_view name) {

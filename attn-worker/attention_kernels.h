@@ -153,6 +153,18 @@ void AttendInt8Avx2Vnni(const ChunkArgs& args);
 void AttendF16Avx512(const ChunkArgs& args);
 void AttendInt8Avx512(const ChunkArgs& args);
 void AttendInt8Amx(const ChunkArgs& args);  // in attention_avx512.cc
+
+// Scratch floats per (token, head) row that ChunkScratchFloats provides.
+inline constexpr int kHeadScratchFloats = 64;
+// What every SIMD kernel does first on a chunk: clears the partials and the
+// scratch rows, and says where the chunk ends for its tokens (`end`), how far
+// it may prefetch (`prefetch_end`, see ChunkArgs) and how many tiles ahead
+// (`prefetch_tiles`: the tile about 2 KiB ahead in each of the K and V
+// streams; longer distances measured worse, see attention_avx512.cc).
+struct ChunkStart {
+  int end, prefetch_end, prefetch_tiles;
+};
+ChunkStart StartChunk(const ChunkArgs& args);
 }  // namespace internal
 
 }  // namespace ellm::attn
