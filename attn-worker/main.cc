@@ -264,39 +264,44 @@ absl::Status Run(const AttnWorkerConfig& config) {
     }
     const shm::FrameHeader header = frame->header;
     absl::Status status;
-    {
-      std::lock_guard<std::mutex> lock(cache_mu);
-      absl::StatusOr<shm::AttnRequestView> request =
-          shm::DecodeAttnRequest(header, frame->payload, shape, geometry.max_positions);
-      if (!request.ok()) {
-        status = request.status();
+    bool replied = false;  // a reply slot was taken and committed
+    absl::StatusOr<shm::AttnRequestView> request =
+        shm::DecodeAttnRequest(header, frame->payload, shape, geometry.max_positions);
+    if (!request.ok()) {
+      status = request.status();
+    } else {
+      shm::WaitOptions write_wait;
+      write_wait.timeout = absl::Seconds(30);
+      absl::StatusOr<uint8_t*> slot = channel->replies().BeginWrite(write_wait);
+      if (!slot.ok()) {
+        status = slot.status();
       } else {
-        shm::WaitOptions write_wait;
-        write_wait.timeout = absl::Seconds(30);
-        absl::StatusOr<uint8_t*> slot = channel->replies().BeginWrite(write_wait);
-        if (!slot.ok()) {
-          status = slot.status();
-        } else {
+        {
+          std::lock_guard<std::mutex> lock(cache_mu);
           status = shard.Process(header.layer, header.n_seqs, header.n_tokens, *request,
                                  reinterpret_cast<float*>(*slot));
-          if (status.ok()) {
-            shm::FrameHeader reply;
-            reply.kind = static_cast<uint16_t>(shm::FrameKind::kAttnResult);
-            reply.step = header.step;
-            reply.layer = header.layer;
-            reply.n_seqs = header.n_seqs;
-            reply.n_tokens = header.n_tokens;
-            reply.payload_bytes = shape.ResultBytes(header.n_tokens);
-            channel->replies().CommitWrite(reply);
-          }
         }
+        if (status.ok()) {
+          shm::FrameHeader reply;
+          reply.kind = static_cast<uint16_t>(shm::FrameKind::kAttnResult);
+          reply.step = header.step;
+          reply.layer = header.layer;
+          reply.n_seqs = header.n_seqs;
+          reply.n_tokens = header.n_tokens;
+          reply.payload_bytes = shape.ResultBytes(header.n_tokens);
+          channel->replies().CommitWrite(reply);
+        } else {
+          // The taken slot carries the error (a second BeginWrite would abort).
+          shm::CommitError(channel->replies(), *slot, header.step, status);
+        }
+        replied = true;
       }
     }
     channel->requests().EndRead();
-    ++steps;
+    if (header.layer == 0) ++steps;  // a step is one frame per layer
     if (!status.ok()) {
       LogError("step %d layer %d: %s", header.step, header.layer, status.ToString());
-      ReplyError(channel->replies(), header.step, status);
+      if (!replied) ReplyError(channel->replies(), header.step, status);
     }
   }
   LogInfo("stopping");

@@ -215,11 +215,7 @@ absl::Status StepRunner::RunLayerDirect(uint64_t step, int layer,
       h.payload_bytes = shm::AttnShape{kvh * g, kvh, hd}.RequestBytes(h.n_seqs, T);
       ring.CommitWrite(h);
     } else {
-      // A taken slot is published as an error frame, so the ring stays usable.
-      const std::string message(st.message());
-      const size_t bytes = std::min<size_t>(message.size(), ring.max_payload_bytes());
-      std::memcpy(slots[i], message.data(), bytes);
-      ring.CommitWrite(shm::ErrorHeader(step, st, bytes));
+      shm::CommitError(ring, slots[i], step, st);  // the ring stays usable
     }
   }
   if (!st.ok()) {

@@ -1,5 +1,7 @@
 #include "shm/messages.h"
 
+#include <algorithm>
+
 #include <cstring>
 #include <unordered_set>
 
@@ -151,12 +153,19 @@ FrameHeader ErrorHeader(uint64_t step, const absl::Status& status, size_t messag
   return h;
 }
 
+void CommitError(Ring& ring, uint8_t* slot, uint64_t step, const absl::Status& status) {
+  const size_t bytes = std::min<size_t>(status.message().size(), ring.max_payload_bytes());
+  std::memcpy(slot, status.message().data(), bytes);
+  ring.CommitWrite(ErrorHeader(step, status, bytes));
+}
+
 absl::Status WriteError(Ring& ring, uint64_t step, const absl::Status& status,
                         absl::Duration timeout) {
-  const std::string message(status.message());
   WaitOptions wait;
   wait.timeout = timeout;
-  return ring.Write(ErrorHeader(step, status, message.size()), message.data(), wait);
+  ASSIGN_OR_RETURN(uint8_t * slot, ring.BeginWrite(wait));
+  CommitError(ring, slot, step, status);
+  return absl::OkStatus();
 }
 
 }  // namespace ellm::shm

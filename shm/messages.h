@@ -95,6 +95,10 @@ absl::StatusOr<AttnRequestView> DecodeAttnRequest(const FrameHeader& header,
 // An error frame's status.
 absl::Status DecodeError(const FrameHeader& header, const uint8_t* payload);
 FrameHeader ErrorHeader(uint64_t step, const absl::Status& status, size_t message_bytes);
+// Publishes `status` as an error frame of `step` in `slot`, which the caller
+// took with ring.BeginWrite (the message cut to the slot's size): a taken
+// slot always ends as a frame, so the ring stays usable.
+void CommitError(Ring& ring, uint8_t* slot, uint64_t step, const absl::Status& status);
 // Writes `status` as an error frame of `step` into `ring` (the answer a
 // worker gives when it cannot serve a request), waiting up to `timeout` for a slot.
 absl::Status WriteError(Ring& ring, uint64_t step, const absl::Status& status,

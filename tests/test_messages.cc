@@ -362,5 +362,38 @@ TEST(ErrorFrames, WriteErrorReadsBackAsTheSameStatus) {
             absl::StatusCode::kDeadlineExceeded);
 }
 
+// A worker that fails after taking a reply slot publishes the error in that
+// slot: the message is cut to the slot, the code kept, and the ring goes on.
+TEST(ErrorFrames, CommitErrorFillsATakenSlot) {
+  const size_t bytes = Ring::BytesFor(2, 64);
+  struct alignas(64) Line {
+    uint8_t bytes[64];
+  };
+  std::vector<Line> memory(bytes / sizeof(Line) + 1);
+  absl::StatusOr<Ring> ring = Ring::Create(memory.data(), bytes, 2, 64);
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  const std::string long_message(3 * ring->max_payload_bytes(), 'x');
+  WaitOptions wait;
+  wait.timeout = absl::Seconds(1);
+  for (uint64_t step : {5, 6, 7}) {  // more frames than slots: each one was completed
+    absl::StatusOr<uint8_t*> slot = ring->BeginWrite(wait);
+    ASSERT_TRUE(slot.ok()) << slot.status();
+    CommitError(*ring, *slot, step, absl::FailedPreconditionError(long_message));
+    absl::StatusOr<Ring::Frame> frame = ring->BeginRead(wait);
+    ASSERT_TRUE(frame.ok()) << frame.status();
+    EXPECT_EQ(frame->header.step, step);
+    const absl::Status got = DecodeError(frame->header, frame->payload);
+    EXPECT_EQ(got.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(got.message(), long_message.substr(0, ring->max_payload_bytes()));
+    ring->EndRead();
+  }
+  // WriteError cuts an over-long message the same way instead of failing.
+  ASSERT_TRUE(WriteError(*ring, 8, absl::InternalError(long_message)).ok());
+  absl::StatusOr<Ring::Frame> frame = ring->BeginRead(wait);
+  ASSERT_TRUE(frame.ok()) << frame.status();
+  EXPECT_EQ(DecodeError(frame->header, frame->payload).message().size(), ring->max_payload_bytes());
+  ring->EndRead();
+}
+
 }  // namespace
 }  // namespace ellm::shm
