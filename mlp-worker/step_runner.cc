@@ -28,7 +28,13 @@ absl::StatusOr<std::unique_ptr<StepRunner>> StepRunner::Create(const ModelConfig
   }
   std::unique_ptr<StepRunner> runner(
       new StepRunner(config, backend, std::move(shards), max_step_tokens));
-  if (backend->SupportsDirectIo()) {
+  if (!backend->SupportsDirectIo()) {
+    const size_t T = static_cast<size_t>(max_step_tokens);
+    runner->q_.resize(T * config.q_dim());
+    runner->attn_.resize(runner->q_.size());
+    runner->k_.resize(T * config.kv_dim());
+    runner->v_.resize(runner->k_.size());
+  } else {
     runner->direct_ = true;
     for (const ShardLink& s : runner->shards_) {
       absl::Status st = backend->RegisterHostMemory(s.channel->memory(), s.channel->memory_bytes());
@@ -87,100 +93,52 @@ absl::Status StepRunner::CheckReply(const ShardLink& link, const shm::FrameHeade
 
 StepRunner::StepRunner(const ModelConfig& config, MlpBackend* backend,
                        std::vector<ShardLink> shards, int max_step_tokens)
-    : c_(config), backend_(backend), shards_(std::move(shards)), max_tokens_(max_step_tokens) {
-  q_.resize(static_cast<size_t>(max_tokens_) * c_.q_dim());
-  attn_.resize(q_.size());
-  k_.resize(static_cast<size_t>(max_tokens_) * c_.kv_dim());
-  v_.resize(k_.size());
-}
+    : c_(config),
+      backend_(backend),
+      shards_(std::move(shards)),
+      max_tokens_(max_step_tokens),
+      io_(shards_.size()),
+      slots_(shards_.size()),
+      held_(shards_.size()) {}
 
-absl::Status StepRunner::SendLayer(uint64_t step, int layer,
-                                   const std::vector<shm::SeqSlice>& slices) {
-  uint32_t T = 0;
-  for (const shm::SeqSlice& s : slices) T += s.n_tokens;
+void StepRunner::CopyQkvToShards(uint32_t T) {
   const int hd = c_.head_dim, g = c_.gqa_ratio();
-  for (const ShardLink& link : shards_) {
-    const int kvh = link.kv_head_end - link.kv_head_begin;
-    const int qh = kvh * g;
-    shm::AttnShape shape{qh, kvh, hd};
-    shm::WaitOptions wait;
-    wait.timeout = shard_timeout;
-    wait.peer_alive = [&] { return link.channel->PeerAlive(); };
-    absl::StatusOr<uint8_t*> slot = link.channel->requests().BeginWrite(wait);
-    if (!slot.ok()) {
-      return absl::Status(slot.status().code(),
-                          absl::StrCat("attn-worker ", link.shard, ": ", slot.status().message()));
-    }
-    uint8_t* p = *slot;
-    std::memcpy(p, slices.data(), slices.size() * sizeof(shm::SeqSlice));
-    float* f = reinterpret_cast<float*>(p + slices.size() * sizeof(shm::SeqSlice));
-    // q rows: the shard's query heads [begin*g, end*g) of each token.
-    const size_t q_row = static_cast<size_t>(qh) * hd, kv_row = static_cast<size_t>(kvh) * hd;
+  for (const MlpBackend::ShardIo& s : io_) {
+    const int kvh = s.kv_head_end - s.kv_head_begin;
+    const size_t q_row = static_cast<size_t>(kvh) * g * hd, kv_row = static_cast<size_t>(kvh) * hd;
     for (uint32_t t = 0; t < T; ++t) {
-      std::memcpy(f + t * q_row,
-                  q_.data() + static_cast<size_t>(t) * c_.q_dim() + link.kv_head_begin * g * hd,
+      std::memcpy(s.q + t * q_row, q_.data() + t * static_cast<size_t>(c_.q_dim()) + s.kv_head_begin * g * hd,
                   q_row * sizeof(float));
-    }
-    f += T * q_row;
-    for (uint32_t t = 0; t < T; ++t) {
-      std::memcpy(f + t * kv_row,
-                  k_.data() + static_cast<size_t>(t) * c_.kv_dim() + link.kv_head_begin * hd,
+      std::memcpy(s.k + t * kv_row, k_.data() + t * static_cast<size_t>(c_.kv_dim()) + s.kv_head_begin * hd,
+                  kv_row * sizeof(float));
+      std::memcpy(s.v + t * kv_row, v_.data() + t * static_cast<size_t>(c_.kv_dim()) + s.kv_head_begin * hd,
                   kv_row * sizeof(float));
     }
-    f += T * kv_row;
-    for (uint32_t t = 0; t < T; ++t) {
-      std::memcpy(f + t * kv_row,
-                  v_.data() + static_cast<size_t>(t) * c_.kv_dim() + link.kv_head_begin * hd,
-                  kv_row * sizeof(float));
-    }
-    shm::FrameHeader h;
-    h.kind = static_cast<uint16_t>(shm::FrameKind::kAttnRequest);
-    h.step = step;
-    h.layer = static_cast<uint32_t>(layer);
-    h.n_seqs = static_cast<uint32_t>(slices.size());
-    h.n_tokens = T;
-    h.payload_bytes = shape.RequestBytes(h.n_seqs, T);
-    link.channel->requests().CommitWrite(h);
   }
-  return absl::OkStatus();
 }
 
-absl::Status StepRunner::GatherLayer(uint64_t step, int layer, uint32_t T) {
-  // Every shard's reply is read, even after a failure, so the rings stay in step.
-  absl::Status first_error;
+void StepRunner::CopyShardsToAttn(uint32_t T) {
   const int hd = c_.head_dim, g = c_.gqa_ratio();
-  for (const ShardLink& link : shards_) {
-    const int qh = (link.kv_head_end - link.kv_head_begin) * g;
-    absl::StatusOr<shm::Ring::Frame> frame = link.channel->replies().BeginRead(ShardWait(link));
-    if (!frame.ok()) {
-      if (first_error.ok()) first_error = ReadError(link, frame.status());
-      continue;
+  for (const MlpBackend::ShardIo& s : io_) {
+    const size_t row = static_cast<size_t>(s.kv_head_end - s.kv_head_begin) * g * hd;
+    for (uint32_t t = 0; t < T; ++t) {
+      std::memcpy(attn_.data() + t * static_cast<size_t>(c_.q_dim()) + s.kv_head_begin * g * hd,
+                  s.attn + t * row, row * sizeof(float));
     }
-    absl::Status st = CheckReply(link, frame->header, frame->payload, step, layer, T);
-    if (st.ok()) {
-      const float* out = reinterpret_cast<const float*>(frame->payload);
-      const size_t row = static_cast<size_t>(qh) * hd;
-      for (uint32_t t = 0; t < T; ++t) {
-        std::memcpy(attn_.data() + static_cast<size_t>(t) * c_.q_dim() + link.kv_head_begin * g * hd,
-                    out + t * row, row * sizeof(float));
-      }
-    }
-    link.channel->replies().EndRead();
-    if (!st.ok() && first_error.ok()) first_error = st;
   }
-  return first_error;
 }
 
-absl::Status StepRunner::RunLayerDirect(uint64_t step, int layer,
-                                        const std::vector<shm::SeqSlice>& slices, uint32_t T) {
-  RETURN_IF_ERROR(backend_->StageQkv(layer));
+absl::Status StepRunner::RunLayer(uint64_t step, int layer, const std::vector<shm::SeqSlice>& slices,
+                                  uint32_t T) {
+  // q, k, v: kept in the backend (direct I/O) or computed into q_, k_, v_.
+  RETURN_IF_ERROR(direct_ ? backend_->StageQkv(layer)
+                          : backend_->ComputeQkv(layer, q_.data(), k_.data(), v_.data()));
   const int hd = c_.head_dim, g = c_.gqa_ratio();
   const size_t n = shards_.size();
-  std::vector<MlpBackend::ShardIo> io(n);
-  std::vector<uint8_t*> slots;
-  // Take a request slot in every shard's ring; the backend writes q, k, v
-  // straight into them (the payload layout of shm/messages.h).
+  // Take a request slot in every shard's ring; q, k, v go straight into them
+  // (the payload layout of shm/messages.h).
   absl::Status st;
+  size_t taken = 0;
   for (const ShardLink& link : shards_) {
     absl::StatusOr<uint8_t*> slot = link.channel->requests().BeginWrite(ShardWait(link));
     if (!slot.ok()) {
@@ -192,16 +150,22 @@ absl::Status StepRunner::RunLayerDirect(uint64_t step, int layer,
     std::memcpy(p, slices.data(), slices.size() * sizeof(shm::SeqSlice));
     float* f = reinterpret_cast<float*>(p + slices.size() * sizeof(shm::SeqSlice));
     const size_t kvh = link.kv_head_end - link.kv_head_begin;
-    MlpBackend::ShardIo& s = io[slots.size()];
+    MlpBackend::ShardIo& s = io_[taken];
     s.kv_head_begin = link.kv_head_begin;
     s.kv_head_end = link.kv_head_end;
     s.q = f;
     s.k = s.q + T * kvh * g * hd;
     s.v = s.k + T * kvh * hd;
-    slots.push_back(p);
+    slots_[taken++] = p;
   }
-  if (st.ok()) st = backend_->WriteQkvShards(io.data(), static_cast<int>(n));
-  for (size_t i = 0; i < slots.size(); ++i) {
+  if (st.ok()) {
+    if (direct_) {
+      st = backend_->WriteQkvShards(io_.data(), static_cast<int>(n));
+    } else {
+      CopyQkvToShards(T);
+    }
+  }
+  for (size_t i = 0; i < taken; ++i) {
     const ShardLink& link = shards_[i];
     shm::Ring& ring = link.channel->requests();
     if (st.ok()) {
@@ -215,13 +179,13 @@ absl::Status StepRunner::RunLayerDirect(uint64_t step, int layer,
       h.payload_bytes = shm::AttnShape{kvh * g, kvh, hd}.RequestBytes(h.n_seqs, T);
       ring.CommitWrite(h);
     } else {
-      shm::CommitError(ring, slots[i], step, st);  // the ring stays usable
+      shm::CommitError(ring, slots_[i], step, st);  // the ring stays usable
     }
   }
   if (!st.ok()) {
     // The shards that got an error frame answer it; read those answers so the
     // next step does not take them for its own.
-    for (size_t i = 0; i < slots.size(); ++i) {
+    for (size_t i = 0; i < taken; ++i) {
       absl::StatusOr<shm::Ring::Frame> frame = shards_[i].channel->replies().BeginRead(ShardWait(shards_[i]));
       if (frame.ok()) shards_[i].channel->replies().EndRead();
     }
@@ -230,9 +194,9 @@ absl::Status StepRunner::RunLayerDirect(uint64_t step, int layer,
 
   // Every shard's reply is read, even after a failure, so the rings stay in step.
   absl::Status first_error;
-  std::vector<bool> held(n, false);
   for (size_t i = 0; i < n; ++i) {
     const ShardLink& link = shards_[i];
+    held_[i] = false;
     absl::StatusOr<shm::Ring::Frame> frame = link.channel->replies().BeginRead(ShardWait(link));
     if (!frame.ok()) {
       if (first_error.ok()) first_error = ReadError(link, frame.status());
@@ -244,13 +208,20 @@ absl::Status StepRunner::RunLayerDirect(uint64_t step, int layer,
       if (first_error.ok()) first_error = check;
       continue;
     }
-    held[i] = true;
-    io[i].attn = reinterpret_cast<const float*>(frame->payload);
+    held_[i] = true;
+    io_[i].attn = reinterpret_cast<const float*>(frame->payload);
   }
-  // The backend has read the reply slots when this returns; they are released after.
-  if (first_error.ok()) first_error = backend_->CompleteLayerFromShards(layer, io.data(), static_cast<int>(n));
+  // The reply slots have been read when this returns; they are released after.
+  if (first_error.ok()) {
+    if (direct_) {
+      first_error = backend_->CompleteLayerFromShards(layer, io_.data(), static_cast<int>(n));
+    } else {
+      CopyShardsToAttn(T);
+      first_error = backend_->CompleteLayer(layer, attn_.data());
+    }
+  }
   for (size_t i = 0; i < n; ++i) {
-    if (held[i]) shards_[i].channel->replies().EndRead();
+    if (held_[i]) shards_[i].channel->replies().EndRead();
   }
   return first_error;
 }
@@ -273,14 +244,7 @@ absl::StatusOr<std::vector<shm::SampledSeq>> StepRunner::Run(uint64_t step,
   }
   RETURN_IF_ERROR(backend_->BeginStep(plan.tokens.data(), positions.data(), T));
   for (int layer = 0; layer < c_.n_layers; ++layer) {
-    if (direct_) {
-      RETURN_IF_ERROR(RunLayerDirect(step, layer, slices, static_cast<uint32_t>(T)));
-      continue;
-    }
-    RETURN_IF_ERROR(backend_->ComputeQkv(layer, q_.data(), k_.data(), v_.data()));
-    RETURN_IF_ERROR(SendLayer(step, layer, slices));
-    RETURN_IF_ERROR(GatherLayer(step, layer, static_cast<uint32_t>(T)));
-    RETURN_IF_ERROR(backend_->CompleteLayer(layer, attn_.data()));
+    RETURN_IF_ERROR(RunLayer(step, layer, slices, static_cast<uint32_t>(T)));
   }
   std::vector<shm::SampledSeq> out;
   if (sample_rows.empty()) return out;

@@ -48,12 +48,14 @@ class StepRunner {
  private:
   StepRunner(const ModelConfig& config, MlpBackend* backend, std::vector<ShardLink> shards,
              int max_step_tokens);
-  absl::Status SendLayer(uint64_t step, int layer, const std::vector<shm::SeqSlice>& slices);
-  absl::Status GatherLayer(uint64_t step, int layer, uint32_t n_tokens);
-  // One layer with direct I/O: the backend writes q, k, v into the request
-  // slots and reads the attention output out of the reply slots.
-  absl::Status RunLayerDirect(uint64_t step, int layer, const std::vector<shm::SeqSlice>& slices,
-                              uint32_t n_tokens);
+  // One layer: q, k, v into every shard's request slot, the attention output
+  // out of every reply slot. With direct I/O the backend moves them itself;
+  // otherwise they pass through q_, k_, v_ and attn_ (CopyQkvToShards,
+  // CopyShardsToAttn over io_).
+  absl::Status RunLayer(uint64_t step, int layer, const std::vector<shm::SeqSlice>& slices,
+                        uint32_t n_tokens);
+  void CopyQkvToShards(uint32_t n_tokens);
+  void CopyShardsToAttn(uint32_t n_tokens);
   shm::WaitOptions ShardWait(const ShardLink& link) const;
   // The error of a failed BeginRead on `link`'s reply ring, naming the shard.
   absl::Status ReadError(const ShardLink& link, const absl::Status& status) const;
@@ -67,8 +69,13 @@ class StepRunner {
   std::vector<ShardLink> shards_;
   int max_tokens_;
   bool direct_ = false;
-  std::vector<void*> registered_;                 // ring segments registered with the backend
-  std::vector<float> q_, k_, v_, attn_, logits_;  // token-major, whole model
+  std::vector<void*> registered_;  // ring segments registered with the backend
+  // Per layer, one entry per shard (kept across layers: no allocation per hop).
+  std::vector<MlpBackend::ShardIo> io_;
+  std::vector<uint8_t*> slots_;
+  std::vector<bool> held_;
+  std::vector<float> q_, k_, v_, attn_;  // token-major, whole model; without direct I/O only
+  std::vector<float> logits_;
 };
 
 }  // namespace ellm::mlp
