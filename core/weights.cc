@@ -6,8 +6,12 @@
 
 namespace ellm {
 
-absl::StatusOr<std::vector<float>> ReadTensorF32(const GgufFile& file, const std::string& name,
-                                                 const std::vector<int64_t>& shape) {
+namespace {
+
+// The shape and type checks ReadTensorF32 and ReadTensorRaw share.
+absl::StatusOr<const GgufTensorInfo*> FindReadableTensor(const GgufFile& file,
+                                                         const std::string& name,
+                                                         const std::vector<int64_t>& shape) {
   const GgufTensorInfo* info = file.FindTensor(name);
   if (info == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("model file has no tensor '", name, "'"));
@@ -19,9 +23,18 @@ absl::StatusOr<std::vector<float>> ReadTensorF32(const GgufFile& file, const std
   }
   const DTypeTraits& traits = Traits(info->type);
   if (traits.dequantize == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' has type ", std::string(traits.name),
-                                                   ", which ellm cannot read yet"));
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' has type ",
+                                                   std::string(traits.name), ", which ellm cannot read yet"));
   }
+  return info;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<float>> ReadTensorF32(const GgufFile& file, const std::string& name,
+                                                 const std::vector<int64_t>& shape) {
+  ASSIGN_OR_RETURN(const GgufTensorInfo* info, FindReadableTensor(file, name, shape));
+  const DTypeTraits& traits = Traits(info->type);
   std::vector<float> out(static_cast<size_t>(info->elements()));
   const int64_t row = shape[0];
   const int64_t rows = info->elements() / row;
@@ -49,30 +62,6 @@ void QkvPostprocess(const ModelConfig& c, const LayerWeights& w, int pos, float*
   }
 }
 
-namespace {
-
-// The shape and type checks ReadTensorF32 and ReadTensorRaw share.
-absl::StatusOr<const GgufTensorInfo*> FindReadableTensor(const GgufFile& file,
-                                                         const std::string& name,
-                                                         const std::vector<int64_t>& shape) {
-  const GgufTensorInfo* info = file.FindTensor(name);
-  if (info == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("model file has no tensor '", name, "'"));
-  }
-  if (info->shape != shape) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor '", name, "' has shape {", absl::StrJoin(info->shape, ", "),
-                     "}, expected {", absl::StrJoin(shape, ", "), "}"));
-  }
-  if (Traits(info->type).dequantize == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' has type ",
-                                                   std::string(Traits(info->type).name),
-                                                   ", which ellm cannot read yet"));
-  }
-  return info;
-}
-
-}  // namespace
 
 absl::StatusOr<RawMatrix> ReadTensorRaw(const GgufFile& file, const std::string& name,
                                         int64_t cols, int64_t rows) {

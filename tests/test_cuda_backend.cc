@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/dtype.h"
 #include "core/kernels.h"
 #include "core/model_config.h"
 #include "core/weights.h"
@@ -41,9 +42,7 @@ namespace ellm::mlp {
 namespace {
 
 using cuda::bf16_t;
-using cuda::Bf16ToFloat;
 using cuda::DeviceArray;
-using cuda::FloatToBf16;
 
 #define CUDA_ASSERT_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 

@@ -763,13 +763,6 @@ absl::StatusOr<std::unique_ptr<MlpBackend>> CreateCudaBackend(ModelWeights weigh
   return std::unique_ptr<MlpBackend>(std::move(b));
 }
 
-absl::StatusOr<std::unique_ptr<MlpBackend>> CreateCudaBackend(ModelWeights weights,
-                                                              int max_step_tokens, int device) {
-  CudaBackendOptions options;
-  options.device = device;
-  return CreateCudaBackend(std::move(weights), max_step_tokens, options);
-}
-
 absl::StatusOr<std::unique_ptr<MlpBackend>> CreateCudaBackendRandom(
     const ModelConfig& config, uint64_t seed, int max_step_tokens,
     const CudaBackendOptions& options) {

@@ -45,8 +45,6 @@ bool CudaDeviceAvailable(std::string* why, int device = 0);
 absl::StatusOr<std::unique_ptr<MlpBackend>> CreateCudaBackend(ModelWeights weights,
                                                               int max_step_tokens,
                                                               const CudaBackendOptions& options);
-absl::StatusOr<std::unique_ptr<MlpBackend>> CreateCudaBackend(ModelWeights weights,
-                                                              int max_step_tokens, int device);
 
 // A backend for `config` with random bf16 weights generated on the device
 // (deterministic in `seed`; projections uniform with scale 1/sqrt(fan in),

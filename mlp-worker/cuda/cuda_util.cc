@@ -1,6 +1,5 @@
 #include "mlp-worker/cuda/cuda_util.h"
 
-#include <cstring>
 
 #include "absl/strings/str_format.h"
 
@@ -109,21 +108,6 @@ absl::Status GemmBf16(cublasHandle_t handle, const bf16_t* w, int n_out, int k, 
                                     w, CUDA_R_16BF, k, x, CUDA_R_16BF, k, &beta, y, CUDA_R_32F,
                                     n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return absl::OkStatus();
-}
-
-bf16_t FloatToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_t>((u >> 16) | 0x40);  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<bf16_t>(u >> 16);
-}
-
-float Bf16ToFloat(bf16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
 }
 
 }  // namespace ellm::mlp::cuda

@@ -178,8 +178,4 @@ class HostRegistration {
 absl::Status GemmBf16(cublasHandle_t handle, const bf16_t* w, int n_out, int k, const bf16_t* x,
                       int n_tokens, float* y, float beta);
 
-// Host-side bf16 <-> float (round to nearest even), for uploads and tests.
-bf16_t FloatToBf16(float f);
-float Bf16ToFloat(bf16_t b);
-
 }  // namespace ellm::mlp::cuda
