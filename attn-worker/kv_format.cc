@@ -50,7 +50,7 @@ std::string_view KvDTypeName(KvDType dtype) {
 
 absl::StatusOr<KvDType> ParseKvDType(absl::string_view name) {
   for (KvDType t : {KvDType::kF32, KvDType::kF16, KvDType::kInt8}) {
-    if (name == absl::string_view(KvDTypeName(t).data(), KvDTypeName(t).size())) return t;
+    if (name == ToAbsl(KvDTypeName(t))) return t;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown KV dtype '", name, "' (expected int8, f16 or f32)"));

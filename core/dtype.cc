@@ -12,7 +12,6 @@ namespace ellm {
 namespace {
 
 // Debian's abseil has its own string_view type, which StrCat wants.
-absl::string_view ToAbsl(std::string_view s) { return {s.data(), s.size()}; }
 
 static_assert(std::endian::native == std::endian::little,
               "ellm reads little-endian tensor data in place");

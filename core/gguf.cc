@@ -28,7 +28,6 @@ static_assert(std::endian::native == std::endian::little,
               "the GGUF reader reads little-endian fields in place");
 
 // Debian's abseil has its own string_view type, which StrCat wants.
-absl::string_view ToAbsl(std::string_view s) { return {s.data(), s.size()}; }
 
 constexpr uint32_t kGgufMagic = 0x46554747;  // "GGUF" read as a little-endian u32
 

@@ -15,7 +15,6 @@ namespace ellm {
 namespace {
 
 // Debian's abseil has its own string_view type, which StrCat wants.
-absl::string_view ToAbsl(std::string_view s) { return {s.data(), s.size()}; }
 
 constexpr uint32_t kGgufMagic = 0x46554747;  // "GGUF" as a little-endian u32
 constexpr uint32_t kGgufVersion = 3;

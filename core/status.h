@@ -2,8 +2,17 @@
 // with the two macros that Debian's abseil (20220623) does not ship.
 #pragma once
 
+#include <string_view>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace ellm {
+// Debian's abseil has its own absl::string_view (not std::string_view), which
+// absl::StrCat, StrSplit and the Status constructors take; this converts.
+inline absl::string_view ToAbsl(std::string_view s) { return {s.data(), s.size()}; }
+}  // namespace ellm
 
 #define ELLM_CONCAT_INNER_(a, b) a##b
 #define ELLM_CONCAT_(a, b) ELLM_CONCAT_INNER_(a, b)

@@ -49,7 +49,6 @@ int ParseByteToken(std::string_view text) {
 }
 
 // Debian's abseil has its own string_view type, distinct from std's.
-absl::string_view Absl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 void ReplaceAll(std::string& s, std::string_view from, std::string_view to) {
   std::string out;
@@ -299,12 +298,12 @@ absl::StatusOr<int32_t> Tokenizer::ReadTokenId(const GgufFile& file, std::string
   absl::StatusOr<int64_t> value = file.GetInt(key);
   if (!value.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("tokenizer: ", Absl(key), ": ", value.status().message()));
+        absl::StrCat("tokenizer: ", ToAbsl(key), ": ", value.status().message()));
   }
   if (*value == -1 || *value == kUnsetIdU32) return -1;
   if (*value < 0 || *value >= n_vocab) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "tokenizer: %s = %d is outside the vocabulary of %d tokens", Absl(key), *value, n_vocab));
+        "tokenizer: %s = %d is outside the vocabulary of %d tokens", ToAbsl(key), *value, n_vocab));
   }
   return static_cast<int32_t>(*value);
 }
@@ -315,7 +314,7 @@ absl::StatusOr<bool> Tokenizer::ReadBool(const GgufFile& file, std::string_view 
   absl::StatusOr<bool> value = file.GetBool(key);
   if (!value.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("tokenizer: ", Absl(key), ": ", value.status().message()));
+        absl::StrCat("tokenizer: ", ToAbsl(key), ": ", value.status().message()));
   }
   return *value;
 }
@@ -442,7 +441,7 @@ std::vector<Tokenizer::Fragment> Tokenizer::SplitOnSpecialTokens(std::string_vie
 }
 
 int32_t Tokenizer::FindToken(std::string_view text) const {
-  auto it = token_to_id_.find(Absl(text));
+  auto it = token_to_id_.find(ToAbsl(text));
   return it == token_to_id_.end() ? -1 : it->second;
 }
 

@@ -35,7 +35,6 @@
 namespace ellm {
 namespace {
 
-absl::string_view Absl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 // --- GPT-2 byte symbols -------------------------------------------------------
 
@@ -344,7 +343,7 @@ const PreTokenizerSpec* FindPreTokenizer(std::string_view name) {
 std::string PreTokenizerNames() {
   std::string names;
   for (const PreTokenizerSpec& spec : kPreTokenizers) {
-    absl::StrAppend(&names, names.empty() ? "" : ", ", Absl(spec.name));
+    absl::StrAppend(&names, names.empty() ? "" : ", ", ToAbsl(spec.name));
   }
   return names;
 }
@@ -490,7 +489,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> BpeTokenizer::Create(const GgufFile& 
     const std::string_view right = std::string_view(merge).substr(space + 1);
     const int32_t left_id = tok->FindToken(left);
     const int32_t right_id = tok->FindToken(right);
-    const int32_t merged_id = tok->FindToken(absl::StrCat(Absl(left), Absl(right)));
+    const int32_t merged_id = tok->FindToken(absl::StrCat(ToAbsl(left), ToAbsl(right)));
     if (left_id < 0 || right_id < 0 || merged_id < 0) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "tokenizer: merge %d ('%s') uses or makes a token that is not in the vocabulary", rank,
@@ -642,7 +641,7 @@ absl::StatusOr<std::vector<std::string>> BpePreTokenize(std::string_view pre,
                                                         std::string_view text) {
   const PreTokenizerSpec* spec = FindPreTokenizer(pre);
   if (spec == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown pre-tokenizer '", Absl(pre), "'"));
+    return absl::InvalidArgumentError(absl::StrCat("unknown pre-tokenizer '", ToAbsl(pre), "'"));
   }
   std::vector<std::string> words;
   for (std::string_view word : PreTokenize(*spec, text)) words.emplace_back(word);

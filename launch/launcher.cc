@@ -157,7 +157,7 @@ absl::Status Launch::Start() {
         " attention workers; choose --attn-workers from the divisors of ", model.n_kv_heads));
   }
   const int heads_each = model.n_kv_heads / n;
-  for (const std::string& bin : {"ellm-attn-worker", "ellm-mlp-worker", "ellm-coordinator"}) {
+  for (const char* bin : {"ellm-attn-worker", "ellm-mlp-worker", "ellm-coordinator"}) {
     if (!Executable(c_.bin_dir + "/" + bin)) {
       return absl::NotFoundError(absl::StrCat("cannot find ", c_.bin_dir, "/", bin,
                                               "; build ellm first or set ELLM_BIN_DIR"));

@@ -42,7 +42,9 @@ TEST(Qwen2, NeoxRopeMatchesComplexRotationOfHalves) {
           EXPECT_NEAR(neox[h * head_dim + i + half], z.imag(), 1e-4 * (1 + std::abs(z)));
         }
       }
-      if (pos > 0) EXPECT_NE(neox, interleaved);  // the two layouts differ
+      if (pos > 0) {
+        EXPECT_NE(neox, interleaved);  // the two layouts differ
+      }
     }
   }
 }

@@ -27,7 +27,6 @@
 namespace ellm::mlp {
 namespace {
 
-absl::string_view Absl(std::string_view s) { return {s.data(), s.size()}; }
 
 // Moves one matrix [rows, cols] out of the loaded weights into a QuantMatrix,
 // freeing the loaded copy.
@@ -36,18 +35,18 @@ absl::StatusOr<QuantMatrix> TakeMatrix(std::string_view name, int64_t rows, int6
   if (!raw->empty()) {
     if (raw->rows != rows || raw->cols != cols) {
       return absl::InvalidArgumentError(absl::StrCat(
-          Absl(name), " is [", raw->rows, ", ", raw->cols, "], expected [", rows, ", ", cols, "]"));
+          ToAbsl(name), " is [", raw->rows, ", ", raw->cols, "], expected [", rows, ", ", cols, "]"));
     }
     absl::StatusOr<QuantMatrix> m =
         QuantMatrix::FromRaw(raw->type, rows, cols, raw->data.data(), raw->data.size(), pool);
     if (!m.ok())
-      return absl::Status(m.status().code(), absl::StrCat(Absl(name), ": ", m.status().message()));
+      return absl::Status(m.status().code(), absl::StrCat(ToAbsl(name), ": ", m.status().message()));
     *raw = RawMatrix();
     return m;
   }
   if (f32->size() != static_cast<size_t>(rows * cols)) {
     return absl::InvalidArgumentError(
-        absl::StrCat(Absl(name), " has ", f32->size(), " values, expected ", rows * cols));
+        absl::StrCat(ToAbsl(name), " has ", f32->size(), " values, expected ", rows * cols));
   }
   QuantMatrix m = QuantMatrix::FromF32(f32->data(), rows, cols);
   *f32 = std::vector<float>();
@@ -66,7 +65,7 @@ class CpuBackend final : public MlpBackend {
 
   std::string name() const override {
     if (!native_) return absl::StrCat("cpu-f32 (", pool_.size(), " threads)");
-    return absl::StrCat("cpu-native ", Absl(MatIsaName(isa_)), " (",
+    return absl::StrCat("cpu-native ", ToAbsl(MatIsaName(isa_)), " (",
                         absl::StrJoin(type_names_, ", "), "; ", pool_.size(), " threads)");
   }
 

@@ -344,18 +344,18 @@ absl::StatusOr<QuantMatrix> QuantMatrix::FromRaw(DType type, int64_t rows, int64
   if (mt == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat("no CPU matrix kernels for type ",
-                     absl::string_view(traits.name.data(), traits.name.size())));
+                     ToAbsl(traits.name)));
   }
   if (rows <= 0 || cols <= 0 || cols % mt->layout->block != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("matrix [", rows, ", ", cols, "] is not a whole number of ",
-                     absl::string_view(traits.name.data(), traits.name.size()), " blocks per row"));
+                     ToAbsl(traits.name), " blocks per row"));
   }
   ASSIGN_OR_RETURN(const uint64_t row_bytes, DTypeBytes(type, static_cast<uint64_t>(cols)));
   if (row_bytes * static_cast<uint64_t>(rows) != bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("matrix [", rows, ", ", cols, "] of ",
-                     absl::string_view(traits.name.data(), traits.name.size()), " needs ",
+                     ToAbsl(traits.name), " needs ",
                      row_bytes * rows, " bytes, got ", bytes));
   }
   QuantMatrix m;
@@ -519,7 +519,6 @@ std::string_view ActFormatName(ActFormat f) {
   return "?";
 }
 
-absl::string_view Absl(std::string_view s) { return {s.data(), s.size()}; }
 
 }  // namespace
 
@@ -557,7 +556,7 @@ absl::StatusOr<MatIsa> ParseMatIsa(std::string_view name) {
     if (name == MatIsaName(isa)) return isa;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown matrix kernel set '", Absl(name),
+      absl::StrCat("unknown matrix kernel set '", ToAbsl(name),
                    "' (expected auto, ref, avx2, avx2vnni or avx512vnni)"));
 }
 
@@ -565,8 +564,8 @@ std::string KernelName(DType type, MatIsa isa) {
   const internal::MatType* mt = internal::FindMatType(type);
   if (mt == nullptr) return "none";
   const std::string_view tname = Traits(type).name;
-  if (type == DType::kF32) return absl::StrCat(Absl(MatIsaName(isa)), "/f32-exact");
-  return absl::StrCat(Absl(MatIsaName(isa)), "/", Absl(tname), "*", Absl(ActFormatName(mt->act)));
+  if (type == DType::kF32) return absl::StrCat(ToAbsl(MatIsaName(isa)), "/f32-exact");
+  return absl::StrCat(ToAbsl(MatIsaName(isa)), "/", ToAbsl(tname), "*", ToAbsl(ActFormatName(mt->act)));
 }
 
 void MatMul(const QuantMatrix& w, Activations& x, float* y, ThreadPool* pool, MatIsa isa) {
