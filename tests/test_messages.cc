@@ -75,6 +75,7 @@ TEST(StepPlan, RoundTrips) {
   EXPECT_EQ(header.n_tokens, 9u);
   EXPECT_EQ(header.payload_bytes, 3 * sizeof(PlanSeq) + 9 * sizeof(int32_t));
   EXPECT_TRUE(ValidateFrameHeader(header, header.payload_bytes).ok());
+  EXPECT_FALSE(ValidateFrameHeader(header, header.payload_bytes - 1).ok());  // it does check the size
   ASSERT_EQ(decoded->seqs.size(), plan.seqs.size());
   for (size_t i = 0; i < plan.seqs.size(); ++i) {
     const PlanSeq& a = plan.seqs[i];

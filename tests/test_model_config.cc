@@ -266,10 +266,25 @@ TEST(ModelConfigTest, ValueLengthMustMatchKeyLength) {
 }
 
 TEST(ModelConfigTest, ValidateHandMadeConfig) {
+  // Built in code, not read from a file (FromGguf validates on its own).
+  ModelConfig hand;
+  hand.arch = "llama";
+  hand.n_layers = 2;
+  hand.dim = 64;
+  hand.ffn_dim = 128;
+  hand.n_heads = 8;
+  hand.n_kv_heads = 2;
+  hand.head_dim = 8;
+  hand.rope_dims = 8;
+  hand.context_length = 32;
+  hand.vocab_size = 100;
+  EXPECT_TRUE(hand.Validate().ok()) << hand.Validate();
   absl::StatusOr<ModelConfig> c = ConfigOf(MinimalLlama());
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_TRUE(c->Validate().ok());
-  ModelConfig bad = *c;
+  ModelConfig bad = hand;
+  bad.n_heads = 7;  // not a multiple of n_kv_heads
+  EXPECT_TRUE(IsInvalid(bad.Validate(), "multiple"));
+  bad = *c;
   bad.n_kv_heads = 0;
   EXPECT_TRUE(IsInvalid(bad.Validate(), "n_kv_heads"));
   bad = *c;

@@ -213,7 +213,8 @@ TEST(RingTest, Geometry) {
   EXPECT_EQ(ring->slots(), 4u);
   EXPECT_GE(ring->max_payload_bytes(), 100u - sizeof(FrameHeader));
   EXPECT_EQ(ring->max_payload_bytes() % 64, 0u);
-  EXPECT_EQ(ring->slot_stride(), Ring::kPayloadOffset + ring->max_payload_bytes());
+  // The stride the ring uses is the per-slot memory BytesFor accounts.
+  EXPECT_EQ(ring->slot_stride(), Ring::BytesFor(5, 100) - Ring::BytesFor(4, 100));
   EXPECT_EQ(ring->Pending(), 0u);
 
   // Payload capacity is never below slot_bytes - header, at every size.

@@ -182,6 +182,7 @@ struct Outcome {
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
   std::string text;
+  std::vector<std::string> texts;  // each event's text
   int events = 0;
   bool finished = false;
   FinishInfo finish;
@@ -200,6 +201,7 @@ Outcome Collect(RequestStream& stream) {
     o.tokens.insert(o.tokens.end(), e->token_ids.begin(), e->token_ids.end());
     o.logprobs.insert(o.logprobs.end(), e->logprobs.begin(), e->logprobs.end());
     o.text += e->text;
+    o.texts.push_back(e->text);
     o.finished = e->finished;
     o.finish = e->finish;
     o.error = e->error;
@@ -562,6 +564,12 @@ TEST_F(SchedulerStopStrings, HeldBackPrefixIsFlushedWhenNoStopCompletes) {
   EXPECT_EQ(out.finish.reason, FinishReason::kMaxTokens);
   EXPECT_EQ(out.tokens, script);
   EXPECT_EQ(out.text, Tok().Decode(script));
+  // "mat and the" went out in one piece once the request ended, not token by
+  // token as it was generated.
+  size_t first = 0;
+  while (first < out.texts.size() && out.texts[first].find("mat") == std::string::npos) ++first;
+  ASSERT_LT(first, out.texts.size());
+  EXPECT_NE(out.texts[first].find("mat and the"), std::string::npos) << out.texts[first];
 }
 
 TEST_F(SchedulerTest, RequestLargerThanTheKvCacheIsRefusedAtSubmit) {

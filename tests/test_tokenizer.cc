@@ -140,8 +140,11 @@ TEST_F(LlamaSpmTest, ParseSpecialEmitsControlTokens) {
   // The text after a special token gets the space prefix, as at the start.
   EXPECT_EQ(std::vector<int32_t>(ids.begin() + 1, ids.end() - 1), tok_->Encode("hi", false));
   EXPECT_EQ(tok_->Decode(ids), "hi");
-  // The two-argument form does not parse them.
-  EXPECT_EQ(tok_->Encode("<s>hi</s>", false), tok_->Encode("<s>hi</s>", false, false));
+  // The two-argument form does not parse them: no control ids, the text comes back.
+  const std::vector<int32_t> plain = tok_->Encode("<s>hi</s>", false);
+  EXPECT_EQ(std::count(plain.begin(), plain.end(), 1), 0);
+  EXPECT_EQ(std::count(plain.begin(), plain.end(), 2), 0);
+  EXPECT_EQ(tok_->Decode(plain), "<s>hi</s>");
 }
 
 TEST_F(LlamaSpmTest, TokenBytesByType) {
