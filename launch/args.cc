@@ -63,6 +63,15 @@ absl::StatusOr<int> Args::GetInt(const std::string& name) const {
   return v;
 }
 
+absl::StatusOr<uint64_t> Args::GetUint64(const std::string& name) const {
+  uint64_t v = 0;
+  if (!absl::SimpleAtoi(Get(name), &v)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, " must be a non-negative integer, got '", Get(name), "'"));
+  }
+  return v;
+}
+
 absl::StatusOr<double> Args::GetDouble(const std::string& name) const {
   double v = 0;
   if (!absl::SimpleAtod(Get(name), &v)) {

@@ -3,6 +3,8 @@
 // arguments, and a generated --help.
 #pragma once
 
+#include <cstdint>
+
 #include <map>
 #include <utility>
 #include <string>
@@ -25,6 +27,7 @@ class Args {
   std::string Get(const std::string& name) const;
   absl::StatusOr<int> GetInt(const std::string& name) const;
   absl::StatusOr<double> GetDouble(const std::string& name) const;
+  absl::StatusOr<uint64_t> GetUint64(const std::string& name) const;  // e.g. --seed
   bool GetBool(const std::string& name) const;
   // Reads several integer flags at once; the first that does not parse is the error.
   absl::Status GetInts(const std::vector<std::pair<const char*, int*>>& flags) const;

@@ -136,9 +136,9 @@ int Main(int argc, char** argv) {
     if (!top_k.ok()) return Fail(std::string(top_k.status().message()));
     req.mutable_sampling()->set_top_k(*top_k);
     if (args.IsSet("seed")) {
-      absl::StatusOr<double> v = args.GetDouble("seed");
-      if (!v.ok() || *v < 0) return Fail("--seed must be a non-negative integer");
-      req.mutable_sampling()->set_seed(static_cast<uint64_t>(*v));
+      absl::StatusOr<uint64_t> v = args.GetUint64("seed");
+      if (!v.ok()) return Fail(std::string(v.status().message()));
+      req.mutable_sampling()->set_seed(*v);
     }
     if (args.IsSet("stop")) req.add_stop(args.Get("stop"));
     if (args.GetBool("no-bos")) req.set_add_bos(false);

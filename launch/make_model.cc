@@ -64,12 +64,12 @@ int Main(int argc, char** argv) {
   } else {
     o.head_dim = o.heads > 0 ? o.hidden / o.heads : 0;
   }
-  absl::StatusOr<double> seed = args.GetDouble("seed");
-  if (!seed.ok() || *seed < 0) {
-    LogError("--seed must be a non-negative integer");
+  absl::StatusOr<uint64_t> seed = args.GetUint64("seed");
+  if (!seed.ok()) {
+    LogError("%s", seed.status().message());
     return 2;
   }
-  o.seed = static_cast<uint64_t>(*seed);
+  o.seed = *seed;
   absl::StatusOr<DType> type = ParseWeightType(args.Get("weight-type"));
   if (!type.ok()) {
     LogError("%s", type.status().message());
