@@ -88,21 +88,29 @@ absl::StatusOr<std::vector<shm::SampledSeq>> WorkerLink::Run(uint64_t step,
   return result;
 }
 
-absl::Status WorkerLink::FreeSequences(const std::vector<uint64_t>& ids) {
-  ellm::v1::FreeSequencesRequest req;
-  for (uint64_t id : ids) req.add_sequence_ids(id);
+template <typename Rpc>
+absl::Status WorkerLink::ForEachAttnWorker(absl::Duration timeout, const Rpc& rpc) {
   for (WorkerHandle& w : workers_) {
     if (w.info.role() != "attn-worker") continue;
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    ellm::v1::FreeSequencesResponse resp;
-    grpc::Status st = w.stub->FreeSequences(&ctx, req, &resp);
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    const grpc::Status st = rpc(w, ctx);
     if (!st.ok()) {
-      return absl::UnavailableError(absl::StrCat("attn-worker ", w.info.shard(), " at ", w.address,
-                                                 ": ", st.error_message()));
+      const absl::Status remote = FromGrpcStatus(st);
+      return absl::Status(remote.code(), absl::StrCat("attn-worker ", w.info.shard(), " at ",
+                                                      w.address, ": ", remote.message()));
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status WorkerLink::FreeSequences(const std::vector<uint64_t>& ids) {
+  ellm::v1::FreeSequencesRequest req;
+  for (uint64_t id : ids) req.add_sequence_ids(id);
+  return ForEachAttnWorker(absl::Seconds(5), [&](WorkerHandle& w, grpc::ClientContext& ctx) {
+    ellm::v1::FreeSequencesResponse resp;
+    return w.stub->FreeSequences(&ctx, req, &resp);
+  });
 }
 
 absl::Status WorkerLink::FillSynthetic(uint64_t id, int positions) {
@@ -110,19 +118,10 @@ absl::Status WorkerLink::FillSynthetic(uint64_t id, int positions) {
   req.set_sequence_id(id);
   req.set_positions(positions);
   req.set_seed(id * 0x9e3779b97f4a7c15ULL + 1);
-  for (WorkerHandle& w : workers_) {
-    if (w.info.role() != "attn-worker") continue;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));
+  return ForEachAttnWorker(absl::Seconds(600), [&](WorkerHandle& w, grpc::ClientContext& ctx) {
     ellm::v1::FillSyntheticResponse resp;
-    grpc::Status st = w.stub->FillSynthetic(&ctx, req, &resp);
-    if (!st.ok()) {
-      const absl::Status remote = FromGrpcStatus(st);
-      return absl::Status(remote.code(),
-                          absl::StrCat("attn-worker ", w.info.shard(), ": ", remote.message()));
-    }
-  }
-  return absl::OkStatus();
+    return w.stub->FillSynthetic(&ctx, req, &resp);
+  });
 }
 
 absl::Status WorkerLink::CheckWorkers() {

@@ -43,6 +43,10 @@ class WorkerLink final : public StepExecutor {
   absl::Duration step_timeout = absl::Seconds(300);
 
  private:
+  // Calls rpc(worker, context) on every attention worker with `timeout`; the
+  // first failure, as its status naming the shard.
+  template <typename Rpc>
+  absl::Status ForEachAttnWorker(absl::Duration timeout, const Rpc& rpc);
   WorkerLink() = default;
   std::unique_ptr<shm::Channel> channel_;
   std::vector<WorkerHandle> workers_;
