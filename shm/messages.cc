@@ -3,7 +3,6 @@
 #include <algorithm>
 
 #include <cstring>
-#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 
@@ -13,7 +12,6 @@ absl::Status ValidateSlices(const SeqSlice* slices, uint32_t n_seqs, uint32_t n_
                             uint32_t max_positions) {
   if (n_seqs == 0) return absl::DataLossError("frame has an empty batch (0 sequences)");
   uint64_t total = 0;
-  std::unordered_set<uint64_t> seen;
   for (uint32_t i = 0; i < n_seqs; ++i) {
     const SeqSlice& s = slices[i];
     if (s.n_tokens == 0) {
@@ -24,8 +22,12 @@ absl::Status ValidateSlices(const SeqSlice* slices, uint32_t n_seqs, uint32_t n_
                                               ", ", s.start_pos + uint64_t{s.n_tokens},
                                               ") exceed the context of ", max_positions));
     }
-    if (!seen.insert(s.seq_id).second) {
-      return absl::DataLossError(absl::StrCat("sequence ", s.seq_id, " appears twice in a frame"));
+    // Pairwise: a batch holds a few sequences, and this runs on every layer's
+    // hop, where a hash set would allocate each time.
+    for (uint32_t j = 0; j < i; ++j) {
+      if (slices[j].seq_id == s.seq_id) {
+        return absl::DataLossError(absl::StrCat("sequence ", s.seq_id, " appears twice in a frame"));
+      }
     }
     total += s.n_tokens;
   }

@@ -430,7 +430,6 @@ void Activations::Set(const float* x, int T, int64_t cols) {
 namespace {
 
 void PrepareQ8(const float* x, int T, int64_t cols, int block, Activations::Q8* q) {
-  q->cols = cols;
   q->token_stride = (cols + 63) / 64 * 64;
   q->qs.Resize(static_cast<size_t>(T) * q->token_stride);
   const int64_t nb = cols / block;

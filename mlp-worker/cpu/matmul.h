@@ -69,7 +69,6 @@ enum class ActFormat { kF32, kQ8x32, kQ8x256 };
 class AlignedBytes {
  public:
   AlignedBytes() = default;
-  explicit AlignedBytes(size_t n) { Resize(n); }
   // Grows (old contents are lost when it reallocates; new bytes are zero).
   void Resize(size_t n);
   uint8_t* data() { return data_.get(); }
@@ -115,7 +114,6 @@ class QuantMatrix {
 
   // Group g's bytes (layout in matmul_layout.h).
   const uint8_t* group(int64_t g) const { return data_.data() + g * group_bytes_; }
-  size_t group_bytes() const { return group_bytes_; }
 
  private:
   DType type_ = DType::kF32;
@@ -137,7 +135,6 @@ class Activations {
   // The int8 forms, converted once per Set (kQ8x32: cols % 32 == 0;
   // kQ8x256: cols % 256 == 0).
   struct Q8 {
-    int64_t cols = 0;
     int64_t token_stride = 0;    // bytes of one token's codes (cols rounded up to 64)
     AlignedBytes qs;             // [T][token_stride] int8 codes, |code| <= 127
     std::vector<float> d;        // [T][cols / block] scales: x ≈ d * code
