@@ -38,6 +38,8 @@ constexpr DTypeTraits kTraits[] = {
 
 }  // namespace
 
+absl::Span<const DTypeTraits> AllDTypeTraits() { return kTraits; }
+
 const DTypeTraits* FindDTypeTraits(uint32_t type_id) {
   for (const DTypeTraits& t : kTraits) {
     if (static_cast<uint32_t>(t.type) == type_id) return &t;

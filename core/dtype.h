@@ -2,6 +2,8 @@
 // them. Values are the ggml type ids stored in GGUF tensor infos.
 #pragma once
 
+#include "absl/types/span.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
@@ -78,6 +80,8 @@ struct DTypeTraits {
 
 // The traits of `type`, or nullptr when the id is not a ggml type ellm knows.
 const DTypeTraits* FindDTypeTraits(uint32_t type_id);
+// Every type of the table, in its order (e.g. to look one up by name).
+absl::Span<const DTypeTraits> AllDTypeTraits();
 // The traits of a DType value (a programmer error, fatal, if `type` is not
 // one of the enumerators).
 const DTypeTraits& Traits(DType type);

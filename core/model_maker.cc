@@ -4,23 +4,24 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/sampler.h"
 
 namespace ellm {
 
 absl::StatusOr<DType> ParseWeightType(const std::string& name) {
-  static const struct {
-    const char* name;
-    DType type;
-  } kTypes[] = {{"f32", DType::kF32},   {"f16", DType::kF16},   {"bf16", DType::kBF16},
-                {"q8_0", DType::kQ8_0}, {"q4_0", DType::kQ4_0}, {"q4_k", DType::kQ4_K},
-                {"q5_k", DType::kQ5_K}, {"q6_k", DType::kQ6_K}};
-  for (const auto& t : kTypes) {
-    if (name == t.name) return t.type;
+  // Every type core/quants.h can write, by its name in the dtype table.
+  std::vector<std::string> names;
+  for (const DTypeTraits& t : AllDTypeTraits()) {
+    if (t.quantize == nullptr) continue;
+    if (absl::EqualsIgnoreCase(name, ToAbsl(t.name))) return t.type;
+    names.push_back(absl::AsciiStrToLower(ToAbsl(t.name)));
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown weight type '", name, "' (one of f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown weight type '", name, "' (one of ", absl::StrJoin(names, ", "), ")"));
 }
 
 namespace {
