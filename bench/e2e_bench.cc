@@ -153,15 +153,7 @@ int E2eMain(int argc, char** argv) {
   args.Flag("plot", "", "write a PNG of ms/token against context with the bound (needs gnuplot)");
   args.Flag("bin-dir", "", "folder of ellm-launch (default: this program's folder)");
   args.Flag("port", "50391", "port for the launched system");
-  absl::Status st = args.Parse(argc + 1, argv - 1);
-  if (args.help()) {
-    std::printf("%s", args.HelpText().c_str());
-    return 0;
-  }
-  if (!st.ok()) {
-    std::fprintf(stderr, "ellm-bench e2e: %s\n", std::string(st.message()).c_str());
-    return 2;
-  }
+  if (std::optional<int> exit = args.ParseFlagsOnly(argc + 1, argv - 1)) return *exit;
   const std::string model_path = args.Get("model");
   if (model_path.empty()) {
     std::fprintf(stderr, "ellm-bench e2e: --model is required (e.g. a model from ellm-make-model)\n");
@@ -244,7 +236,7 @@ int E2eMain(int argc, char** argv) {
         absl::StrCat("--port=", *port), "--kv-dtype=" + args.Get("kv-dtype"),
         absl::StrCat("--kv-cache-mb=", kv_mb), "--max-batch=2", "--ready-timeout=600",
         absl::StrCat("--attn-workers=", args.Get("attn-workers"))};
-    st = launched.Start(launch, *port);
+    absl::Status st = launched.Start(launch, *port);
     if (!st.ok()) {
       std::fprintf(stderr, "ellm-bench e2e: %s\n", std::string(st.message()).c_str());
       return 1;

@@ -1,7 +1,10 @@
 #include "launch/args.h"
 
+#include <cstdio>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "core/log.h"
 
 namespace ellm::launch {
 
@@ -9,6 +12,22 @@ void Args::Flag(const std::string& name, const std::string& default_value, const
                 bool is_bool) {
   order_.push_back(name);
   specs_[name] = Spec{default_value, help, is_bool};
+}
+
+std::optional<int> Args::ParseFlagsOnly(int argc, char** argv) {
+  absl::Status st = Parse(argc, argv);
+  if (help_) {
+    std::printf("%s", HelpText().c_str());
+    return 0;
+  }
+  if (st.ok() && !positional_.empty()) {
+    st = absl::InvalidArgumentError(absl::StrCat("unexpected argument '", positional_[0], "' (see --help)"));
+  }
+  if (!st.ok()) {
+    LogError("%s", st.message());
+    return 2;
+  }
+  return std::nullopt;
 }
 
 absl::Status Args::Parse(int argc, char** argv) {

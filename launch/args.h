@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include <map>
+#include <optional>
 #include <utility>
 #include <string>
 #include <vector>
@@ -23,6 +24,10 @@ class Args {
   // InvalidArgument naming an unknown flag or a missing value. Sets help() when
   // --help or -h is present.
   absl::Status Parse(int argc, char** argv);
+  // Parse for a tool's main() that takes no positional arguments: prints the
+  // help (exit status 0) or logs the error (2) and returns the status main
+  // should exit with, or nothing when it should go on.
+  std::optional<int> ParseFlagsOnly(int argc, char** argv);
 
   std::string Get(const std::string& name) const;
   absl::StatusOr<int> GetInt(const std::string& name) const;

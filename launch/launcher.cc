@@ -396,19 +396,7 @@ int Main(int argc, char** argv) {
   args.Flag("log-level", "info", "debug, info, warning or error");
   args.Flag("no-numactl", "", "do not wrap the attention workers in numactl", true);
   args.Flag("ready-timeout", "180", "seconds to wait for every process to become healthy");
-  absl::Status st = args.Parse(argc, argv);
-  if (args.help()) {
-    std::printf("%s", args.HelpText().c_str());
-    return 0;
-  }
-  if (!st.ok()) {
-    LogError("%s", st.message());
-    return 2;
-  }
-  if (!args.positional().empty()) {
-    LogError("unexpected argument '%s' (see --help)", args.positional()[0]);
-    return 2;
-  }
+  if (std::optional<int> exit = args.ParseFlagsOnly(argc, argv)) return *exit;
   LaunchConfig c;
   absl::StatusOr<std::string> model = FindModel(args.Get("model"));
   if (!model.ok()) {
@@ -439,7 +427,7 @@ int Main(int argc, char** argv) {
     LogError("--cpu-weights must be native or f32, got '%s'", c.cpu_weights);
     return 2;
   }
-  st = args.GetInts({{"port", &c.port}, {"attn-workers", &c.attn_workers},
+  absl::Status st = args.GetInts({{"port", &c.port}, {"attn-workers", &c.attn_workers},
                      {"kv-cache-mb", &c.kv_cache_mb}, {"max-batch", &c.max_batch},
                      {"max-step-tokens", &c.max_step_tokens}, {"mlp-threads", &c.mlp_threads},
                      {"ready-timeout", &c.ready_timeout_s}});

@@ -35,20 +35,12 @@ int Main(int argc, char** argv) {
   args.Flag("seed", "1", "random seed");
   args.Flag("chat-template", "", "chatml, llama2, llama3 or none (default: the vocab file's)");
   args.Flag("out", "", "output file");
-  absl::Status st = args.Parse(argc, argv);
-  if (args.help()) {
-    std::printf("%s", args.HelpText().c_str());
-    return 0;
-  }
-  if (!st.ok()) {
-    LogError("%s", st.message());
-    return 2;
-  }
+  if (std::optional<int> exit = args.ParseFlagsOnly(argc, argv)) return *exit;
   MakeModelOptions o;
   o.arch = args.Get("arch");
   o.vocab_from = args.Get("vocab-from");
   o.chat_template = args.Get("chat-template");
-  st = args.GetInts({{"layers", &o.layers}, {"hidden", &o.hidden}, {"heads", &o.heads},
+  absl::Status st = args.GetInts({{"layers", &o.layers}, {"hidden", &o.hidden}, {"heads", &o.heads},
                      {"kv-heads", &o.kv_heads}, {"ffn", &o.ffn}, {"context", &o.context}});
   if (!st.ok()) {
     LogError("%s (required: --hidden --heads --kv-heads --ffn)", st.message());
