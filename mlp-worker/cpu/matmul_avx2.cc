@@ -145,25 +145,6 @@ inline int ValidHalf(const QuantMatrix& w, int64_t g, int h) {
   return v < 0 ? 0 : v;
 }
 
-template <int NT>
-struct TileActs {
-  const int8_t* codes[NT];
-  const float* d[NT];
-  const int32_t* sum[NT];
-  const int16_t* sum16[NT];
-  const int16_t* sum32[NT];
-  TileActs(const KernelArgs& a, int t0, int block) {
-    const int64_t cols = a.w->cols(), nb = cols / block;
-    for (int t = 0; t < NT; ++t) {
-      codes[t] = a.q8->codes(t0 + t);
-      d[t] = a.q8->d.data() + (t0 + t) * nb;
-      sum[t] = block == 32 ? a.q8->sum.data() + (t0 + t) * nb : nullptr;
-      sum16[t] = block == 256 ? a.q8->sum16.data() + (t0 + t) * (cols / 16) : nullptr;
-      sum32[t] = block == 256 ? a.q8->sum32.data() + (t0 + t) * (cols / 32) : nullptr;
-    }
-  }
-};
-
 #if ELLM_AVX2_VNNI
 
 // --- AVX-VNNI int8 tiles ------------------------------------------------------

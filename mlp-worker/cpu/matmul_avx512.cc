@@ -65,26 +65,6 @@ ELLM_TARGET ELLM_INLINE void Store16(__m512 v, float* y, int valid) {
   }
 }
 
-// Per-token pointers of a tile.
-template <int NT>
-struct TileActs {
-  const int8_t* codes[NT];
-  const float* d[NT];
-  const int32_t* sum[NT];    // kQ8x32
-  const int16_t* sum16[NT];  // kQ8x256
-  const int16_t* sum32[NT];  // kQ8x256
-  TileActs(const KernelArgs& a, int t0, int block) {
-    const int64_t cols = a.w->cols(), nb = cols / block;
-    for (int t = 0; t < NT; ++t) {
-      codes[t] = a.q8->codes(t0 + t);
-      d[t] = a.q8->d.data() + (t0 + t) * nb;
-      sum[t] = block == 32 ? a.q8->sum.data() + (t0 + t) * nb : nullptr;
-      sum16[t] = block == 256 ? a.q8->sum16.data() + (t0 + t) * (cols / 16) : nullptr;
-      sum32[t] = block == 256 ? a.q8->sum32.data() + (t0 + t) * (cols / 32) : nullptr;
-    }
-  }
-};
-
 // Q8_0 (kQ4 = false) and Q4_0 (kQ4 = true). Bounds: |dot| <= 32 * 255 * 127.
 template <bool kQ4>
 struct Q32Tile {

@@ -73,6 +73,27 @@ struct KernelArgs {
   int64_t ldy = 0;
 };
 
+// The quantised activations of tokens [t0, t0 + NT) that an int8 kernel tile
+// reads, for blocks of `block` (32: kQ8x32, 256: kQ8x256).
+template <int NT>
+struct TileActs {
+  const int8_t* codes[NT];
+  const float* d[NT];
+  const int32_t* sum[NT];    // kQ8x32
+  const int16_t* sum16[NT];  // kQ8x256
+  const int16_t* sum32[NT];  // kQ8x256
+  TileActs(const KernelArgs& a, int t0, int block) {
+    const int64_t cols = a.w->cols(), nb = cols / block;
+    for (int t = 0; t < NT; ++t) {
+      codes[t] = a.q8->codes(t0 + t);
+      d[t] = a.q8->d.data() + (t0 + t) * nb;
+      sum[t] = block == 32 ? a.q8->sum.data() + (t0 + t) * nb : nullptr;
+      sum16[t] = block == 256 ? a.q8->sum16.data() + (t0 + t) * (cols / 16) : nullptr;
+      sum32[t] = block == 256 ? a.q8->sum32.data() + (t0 + t) * (cols / 32) : nullptr;
+    }
+  }
+};
+
 // Computes the rows of groups [g_begin, g_end) for all T tokens.
 using MatKernel = void (*)(const KernelArgs& args, int64_t g_begin, int64_t g_end);
 
