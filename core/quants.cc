@@ -315,20 +315,49 @@ void QuantizeRowQ4_0(const float* src, void* dst, int64_t n) {
 
 // --- Q4_K ------------------------------------------------------------------
 
+void UnpackLevelsQ4_K(const BlockQ4_K& b, int levels[kQK_K]) {
+  for (int c = 0; c < 4; ++c) {  // chunks of 64: sub-blocks 2c (low nibbles) and 2c + 1 (high)
+    for (int l = 0; l < 32; ++l) {
+      levels[64 * c + l] = b.qs[32 * c + l] & 15;
+      levels[64 * c + 32 + l] = b.qs[32 * c + l] >> 4;
+    }
+  }
+}
+
+void UnpackLevelsQ5_K(const BlockQ5_K& b, int levels[kQK_K]) {
+  for (int c = 0; c < 4; ++c) {  // as Q4_K, the 5th bit of sub-block s in bit s of qh
+    for (int l = 0; l < 32; ++l) {
+      levels[64 * c + l] = (b.qs[32 * c + l] & 15) | (((b.qh[l] >> (2 * c)) & 1) << 4);
+      levels[64 * c + 32 + l] = (b.qs[32 * c + l] >> 4) | (((b.qh[l] >> (2 * c + 1)) & 1) << 4);
+    }
+  }
+}
+
+void UnpackLevelsQ6_K(const BlockQ6_K& b, int levels[kQK_K]) {
+  for (int h = 0; h < 2; ++h) {
+    for (int k = 0; k < 4; ++k) {  // element 128h + 32k + l
+      const uint8_t* low = b.ql + 64 * h + (k & 1) * 32;
+      const int low_shift = (k >> 1) * 4;
+      for (int l = 0; l < 32; ++l) {
+        levels[128 * h + 32 * k + l] =
+            ((low[l] >> low_shift) & 15) | (((b.qh[32 * h + l] >> (2 * k)) & 3) << 4);
+      }
+    }
+  }
+}
+
 void DequantizeRowQ4_K(const void* src, float* dst, int64_t n) {
   const auto* b = static_cast<const BlockQ4_K*>(src);
+  int levels[kQK_K];
   for (int64_t ib = 0; ib < n / kQK_K; ++ib) {
     const float d = HalfToFloat(b[ib].d);
     const float dmin = HalfToFloat(b[ib].dmin);
-    for (int c = 0; c < 4; ++c) {  // chunks of 64: sub-blocks 2c and 2c + 1
-      const uint8_t* qs = b[ib].qs + 32 * c;
+    UnpackLevelsQ4_K(b[ib], levels);
+    for (int s = 0; s < 8; ++s) {
       uint8_t sc, m;
-      UnpackScaleMinK4(b[ib].scales, 2 * c, &sc, &m);
-      const float d_lo = d * sc, m_lo = dmin * m;
-      UnpackScaleMinK4(b[ib].scales, 2 * c + 1, &sc, &m);
-      const float d_hi = d * sc, m_hi = dmin * m;
-      for (int l = 0; l < 32; ++l) *dst++ = d_lo * (qs[l] & 15) - m_lo;
-      for (int l = 0; l < 32; ++l) *dst++ = d_hi * (qs[l] >> 4) - m_hi;
+      UnpackScaleMinK4(b[ib].scales, s, &sc, &m);
+      const float ds = d * sc, ms = dmin * m;
+      for (int l = 0; l < 32; ++l) *dst++ = ds * levels[32 * s + l] - ms;
     }
   }
 }
@@ -351,24 +380,16 @@ void QuantizeRowQ4_K(const float* src, void* dst, int64_t n) {
 
 void DequantizeRowQ5_K(const void* src, float* dst, int64_t n) {
   const auto* b = static_cast<const BlockQ5_K*>(src);
+  int levels[kQK_K];
   for (int64_t ib = 0; ib < n / kQK_K; ++ib) {
     const float d = HalfToFloat(b[ib].d);
     const float dmin = HalfToFloat(b[ib].dmin);
-    const uint8_t* qh = b[ib].qh;
-    for (int c = 0; c < 4; ++c) {
-      const uint8_t* qs = b[ib].qs + 32 * c;
+    UnpackLevelsQ5_K(b[ib], levels);
+    for (int s = 0; s < 8; ++s) {
       uint8_t sc, m;
-      UnpackScaleMinK4(b[ib].scales, 2 * c, &sc, &m);
-      const float d_lo = d * sc, m_lo = dmin * m;
-      UnpackScaleMinK4(b[ib].scales, 2 * c + 1, &sc, &m);
-      const float d_hi = d * sc, m_hi = dmin * m;
-      const int bit_lo = 2 * c, bit_hi = 2 * c + 1;
-      for (int l = 0; l < 32; ++l) {
-        *dst++ = d_lo * ((qs[l] & 15) | (((qh[l] >> bit_lo) & 1) << 4)) - m_lo;
-      }
-      for (int l = 0; l < 32; ++l) {
-        *dst++ = d_hi * ((qs[l] >> 4) | (((qh[l] >> bit_hi) & 1) << 4)) - m_hi;
-      }
+      UnpackScaleMinK4(b[ib].scales, s, &sc, &m);
+      const float ds = d * sc, ms = dmin * m;
+      for (int l = 0; l < 32; ++l) *dst++ = ds * levels[32 * s + l] - ms;
     }
   }
 }
@@ -393,21 +414,11 @@ void QuantizeRowQ5_K(const float* src, void* dst, int64_t n) {
 
 void DequantizeRowQ6_K(const void* src, float* dst, int64_t n) {
   const auto* b = static_cast<const BlockQ6_K*>(src);
+  int levels[kQK_K];
   for (int64_t ib = 0; ib < n / kQK_K; ++ib) {
     const float d = HalfToFloat(b[ib].d);
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* ql = b[ib].ql + 64 * h;
-      const uint8_t* qh = b[ib].qh + 32 * h;
-      for (int k = 0; k < 4; ++k) {  // element 128h + 32k + l
-        const uint8_t* low = ql + (k & 1) * 32;
-        const int low_shift = (k >> 1) * 4;
-        for (int l = 0; l < 32; ++l) {
-          const int e = 128 * h + 32 * k + l;
-          const int q = ((low[l] >> low_shift) & 15) | (((qh[l] >> (2 * k)) & 3) << 4);
-          dst[e] = d * b[ib].scales[e / 16] * (q - 32);
-        }
-      }
-    }
+    UnpackLevelsQ6_K(b[ib], levels);
+    for (int e = 0; e < kQK_K; ++e) dst[e] = d * b[ib].scales[e / 16] * (levels[e] - 32);
     dst += kQK_K;
   }
 }

@@ -42,6 +42,8 @@
 
 #include <cstdint>
 
+#include "core/dtype.h"
+
 namespace ellm {
 
 // Plain types: one element per block.
@@ -67,6 +69,14 @@ void QuantizeRowQ6_K(const float* src, void* dst, int64_t n);
 // The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K block's
 // packed scales[12] (the table above), and its inverse.
 void UnpackScaleMinK4(const uint8_t* scales, int j, uint8_t* sc, uint8_t* m);
+// The levels of a super-block's 256 elements, in element order, as the bits
+// store them: Q4_K 0..15, Q5_K 0..31 (x = d sc level - dmin m of the
+// element's sub-block of 32), Q6_K 0..63 (x = d scale (level - 32), scale of
+// its sub-block of 16). The one decoding of these bit layouts; the
+// dequantisers and the CPU kernels' repacking use it.
+void UnpackLevelsQ4_K(const BlockQ4_K& b, int levels[kQK_K]);
+void UnpackLevelsQ5_K(const BlockQ5_K& b, int levels[kQK_K]);
+void UnpackLevelsQ6_K(const BlockQ6_K& b, int levels[kQK_K]);
 void PackScaleMinK4(uint8_t* scales, int j, uint8_t sc, uint8_t m);
 
 }  // namespace ellm

@@ -33,26 +33,6 @@ constexpr int kMetaSc6 = 32;                                           // Q6_K
 // Byte (r, j) of a 64-byte line.
 inline int LineByte(int r, int j) { return 4 * r + j; }
 
-// --- Levels of one original block ------------------------------------------
-
-// Q4_K / Q5_K element e of a super-block: low 4 bits (and the 5th for Q5_K).
-int LevelQ4K(const BlockQ4_K& b, int e) {
-  const int c = e / 64, l = e % 64;
-  return l < 32 ? b.qs[32 * c + l] & 15 : b.qs[32 * c + l - 32] >> 4;
-}
-int LevelQ5K(const BlockQ5_K& b, int e) {
-  const int c = e / 64, l = e % 64;
-  const int low = l < 32 ? b.qs[32 * c + l] & 15 : b.qs[32 * c + l - 32] >> 4;
-  const int high = (b.qh[l % 32] >> (2 * c + (l >= 32))) & 1;
-  return low | high << 4;
-}
-int LevelQ6K(const BlockQ6_K& b, int e) {
-  const int h = e / 128, k = (e % 128) / 32, l = e % 32;
-  const int low = (b.ql[64 * h + (k & 1) * 32 + l] >> ((k >> 1) * 4)) & 15;
-  const int high = (b.qh[32 * h + l] >> (2 * k)) & 3;
-  return low | high << 4;
-}
-
 // Position of element w (0..31) of a 32-element unit in the nibble packing
 // of Q4_0 / Q4_K: line w % 16 / 4, byte j = w % 4, high nibble when w >= 16.
 inline int NibbleLine(int w) { return (w % 16) / 4; }
@@ -124,7 +104,7 @@ void RepackQ4_K(const uint8_t* src, int r, int64_t cols, uint8_t* g) {
     reinterpret_cast<uint16_t*>(meta + kMetaD)[r] = b[ib].d;
     reinterpret_cast<uint16_t*>(meta + kMetaDmin)[r] = b[ib].dmin;
     PackScalesK4(b[ib].scales, r, meta);
-    for (int e = 0; e < kQK_K; ++e) levels[e] = LevelQ4K(b[ib], e);
+    UnpackLevelsQ4_K(b[ib], levels);
     PackNibbles256(levels, r, g + ib * 2048);
   }
 }
@@ -139,7 +119,7 @@ void RepackQ5_K(const uint8_t* src, int r, int64_t cols, uint8_t* g) {
     reinterpret_cast<uint16_t*>(meta + kMetaD)[r] = b[ib].d;
     reinterpret_cast<uint16_t*>(meta + kMetaDmin)[r] = b[ib].dmin;
     PackScalesK4(b[ib].scales, r, meta);
-    for (int e = 0; e < kQK_K; ++e) levels[e] = LevelQ5K(b[ib], e);
+    UnpackLevelsQ5_K(b[ib], levels);
     PackNibbles256(levels, r, quant);
     for (int s = 0; s < 8; ++s) {
       for (int j = 0; j < 4; ++j) {
@@ -163,7 +143,7 @@ void RepackQ6_K(const uint8_t* src, int r, int64_t cols, uint8_t* g) {
     for (int s = 0; s < 16; ++s) {
       meta[kMetaSc6 + (s / 2) * 32 + 2 * r + s % 2] = static_cast<uint8_t>(b[ib].scales[s]);
     }
-    for (int e = 0; e < kQK_K; ++e) levels[e] = LevelQ6K(b[ib], e);
+    UnpackLevelsQ6_K(b[ib], levels);
     for (int k = 0; k < 4; ++k) {
       for (int j = 0; j < 4; ++j) {
         for (int P = 0; P < 8; ++P) {
