@@ -30,12 +30,7 @@ TEST_P(VocabVectorsTest, EncodesEveryCaseLikeLlamaCpp) {
   const std::string path = kVocabDir + GetParam();
   std::unique_ptr<Tokenizer> tok = LoadTokenizer(path);
   ASSERT_NE(tok, nullptr);
-  const std::vector<VocabCase> cases = LoadVocabCases(path);
-  ASSERT_EQ(cases.size(), 46u);
-  for (size_t i = 0; i < cases.size(); ++i) {
-    SCOPED_TRACE(testing::Message() << "case " << i << " '" << Escape(cases[i].text) << "'");
-    EXPECT_EQ(tok->Encode(cases[i].text, /*add_bos=*/false), cases[i].ids);
-  }
+  ExpectEncodesLikeLlamaCpp(*tok, LoadVocabCases(path));
 }
 
 TEST_P(VocabVectorsTest, DecodeInvertsEncode) {
@@ -57,18 +52,7 @@ TEST_P(VocabVectorsTest, StreamDecoderEmitsOnlyWholeUtf8) {
   const std::string path = kVocabDir + GetParam();
   std::unique_ptr<Tokenizer> tok = LoadTokenizer(path);
   ASSERT_NE(tok, nullptr);
-  for (const VocabCase& c : LoadVocabCases(path)) {
-    SCOPED_TRACE(Escape(c.text));
-    StreamDecoder stream(*tok);
-    std::string text;
-    for (int32_t id : c.ids) {
-      const std::string piece = stream.Push(id);
-      EXPECT_TRUE(IsStrictUtf8(piece)) << "token " << id;
-      text += piece;
-    }
-    text += stream.Finish();
-    EXPECT_EQ(text, c.text);
-  }
+  ExpectStreamDecodesWholeUtf8(*tok, LoadVocabCases(path));
 }
 
 INSTANTIATE_TEST_SUITE_P(Spm, VocabVectorsTest,

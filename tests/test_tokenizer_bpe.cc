@@ -42,12 +42,7 @@ class BpeVectorsTest : public ::testing::TestWithParam<VectorsParam> {};
 TEST_P(BpeVectorsTest, EncodesEveryCaseLikeLlamaCpp) {
   std::unique_ptr<Tokenizer> tok = LoadTokenizer(kVocabDir + GetParam().vocab);
   ASSERT_NE(tok, nullptr);
-  const std::vector<VocabCase> cases = LoadVocabCases(kVocabDir + GetParam().vectors);
-  ASSERT_EQ(cases.size(), 46u);
-  for (size_t i = 0; i < cases.size(); ++i) {
-    SCOPED_TRACE(testing::Message() << "case " << i << " '" << Escape(cases[i].text) << "'");
-    EXPECT_EQ(tok->Encode(cases[i].text, /*add_bos=*/false), cases[i].ids);
-  }
+  ExpectEncodesLikeLlamaCpp(*tok, LoadVocabCases(kVocabDir + GetParam().vectors));
 }
 
 TEST_P(BpeVectorsTest, DecodeInvertsEncode) {
@@ -69,18 +64,7 @@ TEST_P(BpeVectorsTest, DecodeInvertsEncode) {
 TEST_P(BpeVectorsTest, StreamDecoderEmitsOnlyWholeUtf8) {
   std::unique_ptr<Tokenizer> tok = LoadTokenizer(kVocabDir + GetParam().vocab);
   ASSERT_NE(tok, nullptr);
-  for (const VocabCase& c : LoadVocabCases(kVocabDir + GetParam().vectors)) {
-    SCOPED_TRACE(Escape(c.text));
-    StreamDecoder stream(*tok);
-    std::string text;
-    for (int32_t id : c.ids) {
-      const std::string piece = stream.Push(id);
-      EXPECT_TRUE(IsStrictUtf8(piece)) << "token " << id;
-      text += piece;
-    }
-    text += stream.Finish();
-    EXPECT_EQ(text, c.text);
-  }
+  ExpectStreamDecodesWholeUtf8(*tok, LoadVocabCases(kVocabDir + GetParam().vectors));
 }
 
 TEST_P(BpeVectorsTest, LongPromptEncodesQuickly) {

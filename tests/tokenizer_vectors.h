@@ -118,4 +118,29 @@ inline std::string Escape(std::string_view s) {
   return out;
 }
 
+// Every case encodes to llama.cpp's ids (46 cases per vector file).
+inline void ExpectEncodesLikeLlamaCpp(const Tokenizer& tok, const std::vector<VocabCase>& cases) {
+  ASSERT_EQ(cases.size(), 46u);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << "case " << i << " '" << Escape(cases[i].text) << "'");
+    EXPECT_EQ(tok.Encode(cases[i].text, /*add_bos=*/false), cases[i].ids);
+  }
+}
+
+// Streaming each case's ids gives only whole UTF-8 pieces and the case's text.
+inline void ExpectStreamDecodesWholeUtf8(const Tokenizer& tok, const std::vector<VocabCase>& cases) {
+  for (const VocabCase& c : cases) {
+    SCOPED_TRACE(Escape(c.text));
+    StreamDecoder stream(tok);
+    std::string text;
+    for (int32_t id : c.ids) {
+      const std::string piece = stream.Push(id);
+      EXPECT_TRUE(IsStrictUtf8(piece)) << "token " << id;
+      text += piece;
+    }
+    text += stream.Finish();
+    EXPECT_EQ(text, c.text);
+  }
+}
+
 }  // namespace ellm::tokenizer_testing
