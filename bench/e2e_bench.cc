@@ -65,7 +65,7 @@ class Launched {
       waitpid(pid_, nullptr, 0);
     }
   }
-  absl::Status Start(const std::vector<std::string>& args, int port) {
+  absl::Status Start(const std::vector<std::string>& args) {
     const std::string out_path = absl::StrCat("/tmp/ellm-bench-", getpid(), ".out");
     const std::string log_path = absl::StrCat("/tmp/ellm-bench-", getpid(), ".log");
     pid_ = fork();
@@ -236,7 +236,7 @@ int E2eMain(int argc, char** argv) {
         absl::StrCat("--port=", *port), "--kv-dtype=" + args.Get("kv-dtype"),
         absl::StrCat("--kv-cache-mb=", kv_mb), "--max-batch=2", "--ready-timeout=600",
         absl::StrCat("--attn-workers=", args.Get("attn-workers"))};
-    absl::Status st = launched.Start(launch, *port);
+    absl::Status st = launched.Start(launch);
     if (!st.ok()) {
       std::fprintf(stderr, "ellm-bench e2e: %s\n", std::string(st.message()).c_str());
       return 1;

@@ -1,7 +1,6 @@
 #include "core/model_maker.h"
 
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -55,10 +54,6 @@ absl::StatusOr<std::string> Encode(const std::vector<float>& values, int64_t col
   const DTypeTraits& t = Traits(type);
   ASSIGN_OR_RETURN(uint64_t bytes, DTypeBytes(type, values.size()));
   std::string out(bytes, '\0');
-  if (type == DType::kF32) {
-    std::memcpy(out.data(), values.data(), bytes);
-    return out;
-  }
   if (t.quantize == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("cannot write weight type ", std::string(t.name)));
   }
