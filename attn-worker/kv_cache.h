@@ -23,9 +23,10 @@
 // Measured with ellm-bench attention --positions=16K --threads=2 (3 shapes,
 // int8 and f16): consecutive blocks 0.80-0.95 of the read probe; blocks in
 // descending order, which a stack of freed ids hands to the next sequence,
-// 0.58-0.77. Four sequences taking 16-position blocks in turn
-// (--interleave=4, at 16K and 64K): 0.42-0.71 without zones, 0.71-0.88 with
-// zones of 64 blocks, 0.72-0.91 with 256.
+// 0.58-0.77 (with the old stack allocator forced to that order). Four
+// sequences taking 16-position blocks in turn (--interleave=4, at 16K and
+// 64K): 0.42-0.71 without zones (commit f699fc8), 0.71-0.88 with zones of 64
+// blocks, 0.72-0.91 with 256.
 #pragma once
 
 #include <cstdint>
