@@ -74,20 +74,25 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& o
 }
 
 absl::Status KvCache::Reserve(uint64_t seq, int start, int n) {
-  Sequence& s = seqs_[seq];
-  if (start != s.length) {
-    return absl::FailedPreconditionError(absl::StrCat("sequence ", seq, " holds ", s.length,
+  const auto found = seqs_.find(seq);
+  const int length = found == seqs_.end() ? 0 : found->second.length;
+  if (start != length) {
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", seq, " holds ", length,
                                                       " positions; cannot append at ", start));
   }
-  const int bt = options_.block_tokens;
-  const size_t need = static_cast<size_t>((start + n + bt - 1) / bt);
-  if (need > s.blocks.size() && static_cast<int64_t>(need - s.blocks.size()) > free_count_) {
-    if (s.length == 0 && s.blocks.empty()) seqs_.erase(seq);
+  if (n < 0) return absl::InvalidArgumentError(absl::StrCat("cannot reserve ", n, " positions"));
+  // 64-bit throughout: start + n may exceed int, and such a need is refused
+  // below before anything is taken.
+  const int64_t bt = options_.block_tokens;
+  const int64_t need = (int64_t{start} + n + bt - 1) / bt;
+  const int64_t held = found == seqs_.end() ? 0 : static_cast<int64_t>(found->second.blocks.size());
+  if (int64_t{start} + n > INT32_MAX || need - held > free_count_) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("KV cache full: sequence ", seq, " needs ", need - s.blocks.size(),
-                     " more blocks, ", free_count_, " free"));
+        absl::StrCat("KV cache full: sequence ", seq, " needs ", need - held, " more blocks, ",
+                     free_count_, " free of ", options_.blocks));
   }
-  while (s.blocks.size() < need) s.blocks.push_back(TakeBlock(s));
+  Sequence& s = seqs_[seq];
+  while (static_cast<int64_t>(s.blocks.size()) < need) s.blocks.push_back(TakeBlock(s));
   s.length = start + n;
   return absl::OkStatus();
 }

@@ -36,8 +36,9 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Submit(GenerateOptions
   if (options.synthetic_context < 0) {
     return absl::InvalidArgumentError("synthetic_context must not be negative");
   }
-  const int total = options.synthetic_context + static_cast<int>(options.prompt.size()) +
-                    options.max_tokens;
+  // 64-bit: each term is at most INT32_MAX, so the sum cannot wrap.
+  const int64_t total = int64_t{options.synthetic_context} +
+                        static_cast<int64_t>(options.prompt.size()) + options.max_tokens;
   if (options.prompt.empty() || options.max_tokens <= 0 || total > options_.context_length) {
     return absl::InvalidArgumentError(
         absl::StrCat("prompt of ", options.prompt.size(), " tokens + max_tokens ",

@@ -81,8 +81,14 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
     return absl::InvalidArgumentError("synthetic_context must not be negative");
   }
   if (r.synthetic_context() > 0) {
+    // Bounded like max_tokens, and summed in 64 bits: no term can make it wrap.
+    if (r.synthetic_context() >= ctx - n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "synthetic_context ", r.synthetic_context(), " leaves no room in the context of ", ctx,
+          " after a ", n, "-token prompt"));
+    }
     o.synthetic_context = r.synthetic_context();
-    if (n + o.max_tokens + o.synthetic_context > ctx) {
+    if (int64_t{n} + o.max_tokens + o.synthetic_context > ctx) {
       if (r.has_max_tokens()) {
         return absl::InvalidArgumentError(absl::StrCat(
             "synthetic_context ", o.synthetic_context, " + prompt ", n, " + max_tokens ",

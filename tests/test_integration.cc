@@ -141,6 +141,16 @@ TEST(Integration, BadRequestsGetClearErrorsAndTheServerGoesOn) {
   bad = Greedy("Once", 5);
   bad.add_stop("");
   expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "stop string");
+  // Sizes that would wrap a 32-bit sum (issue 13): refused, nothing allocated.
+  for (int32_t synthetic : {INT32_MAX, INT32_MAX - 3, 2048, 2047}) {
+    bad = Greedy("Once", 5);
+    bad.set_synthetic_context(synthetic);
+    expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "synthetic_context");
+    bad.clear_max_tokens();
+    expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "synthetic_context");
+  }
+  bad = Greedy("Once", INT32_MAX);
+  expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "exceeds");
 
   // The KV budget: 1 MiB per worker holds 102 blocks of 16 positions (1632).
   // A request that can never fit is refused; two that fit one at a time queue.

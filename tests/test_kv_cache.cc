@@ -101,6 +101,26 @@ TEST(KvCache, OutOfOrderAppendIsFailedPrecondition) {
   EXPECT_TRUE(cache->Reserve(2, 0, 1).ok());
 }
 
+TEST(KvCache, NeedsBeyondThePoolAreRefusedBeforeTakingAnything) {
+  auto cache = MakeCache({.layers = 1, .kv_heads = 1, .head_dim = 4, .block_tokens = 16,
+                          .blocks = 8});
+  ASSERT_NE(cache, nullptr);
+  // A count whose 32-bit end (start + n + block_tokens - 1) wraps negative.
+  for (int n : {INT32_MAX, INT32_MAX - 15, 1 << 30, 129}) {
+    const absl::Status st = cache->Reserve(1, 0, n);
+    EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << n << ": " << st;
+    EXPECT_EQ(cache->blocks_free(), 8) << n;
+    EXPECT_EQ(cache->Length(1), 0) << n;
+  }
+  ASSERT_TRUE(cache->Reserve(1, 0, 100).ok());
+  EXPECT_EQ(cache->Reserve(1, 100, INT32_MAX - 50).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(cache->Reserve(1, 100, -1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache->Length(1), 100);
+  EXPECT_EQ(cache->blocks_free(), 1);
+  EXPECT_TRUE(cache->Reserve(1, 100, 28).ok());  // exactly the pool
+  EXPECT_EQ(cache->blocks_free(), 0);
+}
+
 TEST(KvCache, RunningOutIsResourceExhaustedAndLeavesTheSequence) {
   auto cache = MakeCache({.layers = 1, .kv_heads = 2, .head_dim = 4, .block_tokens = 4,
                           .blocks = 4});

@@ -890,6 +890,13 @@ TEST_F(SchedulerTest, SyntheticContextIsFilledOnceAndPositionsFollowIt) {
   // It counts against the context.
   o.synthetic_context = options_.context_length;
   EXPECT_EQ(scheduler_->Submit(o).status().code(), absl::StatusCode::kInvalidArgument);
+  // Terms whose 32-bit sum wraps negative are refused, not admitted.
+  o.synthetic_context = INT32_MAX;
+  EXPECT_EQ(scheduler_->Submit(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.synthetic_context = INT32_MAX - 2;
+  o.max_tokens = INT32_MAX;
+  EXPECT_EQ(scheduler_->Submit(o).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(scheduler_->Stats().waiting, 0);
 }
 
 }  // namespace
