@@ -8,7 +8,9 @@ namespace ellm::coord {
 ChatTemplate ChatTemplate::FromGgufTemplate(const std::string& jinja) {
   ChatTemplate t;
   t.has_template_ = !jinja.empty();
-  if (jinja.find("<|im_start|>") != std::string::npos) {
+  if (jinja.find("<|im_start|>") != std::string::npos && jinja.find("<think>") != std::string::npos) {
+    t.format_ = ChatFormat::kQwen3;  // no default system message
+  } else if (jinja.find("<|im_start|>") != std::string::npos) {
     t.format_ = ChatFormat::kChatMl;
     // Qwen2.5 and Qwen2 templates insert a system message when none is given.
     for (const char* system : {"You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
@@ -29,6 +31,7 @@ ChatTemplate ChatTemplate::FromGgufTemplate(const std::string& jinja) {
 const char* ChatTemplate::name() const {
   switch (format_) {
     case ChatFormat::kChatMl: return "chatml";
+    case ChatFormat::kQwen3: return "qwen3";
     case ChatFormat::kLlama2: return "llama2";
     case ChatFormat::kLlama3: return "llama3";
     case ChatFormat::kNone: break;
@@ -36,10 +39,10 @@ const char* ChatTemplate::name() const {
   return "none";
 }
 
-absl::StatusOr<std::string> ChatTemplate::Render(const std::vector<ChatMessage>& messages) const {
+absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& messages) const {
   if (format_ == ChatFormat::kNone) {
     return absl::InvalidArgumentError(
-        has_template_ ? "the model's chat template is not one ellm knows (ChatML, Llama-2, "
+        has_template_ ? "the model's chat template is not one ellm knows (ChatML, Qwen3, Llama-2, "
                         "Llama-3); send a raw prompt instead"
                       : "the model has no chat template; send a raw prompt instead");
   }
@@ -57,45 +60,79 @@ absl::StatusOr<std::string> ChatTemplate::Render(const std::vector<ChatMessage>&
   if (messages.back().role != "user") {
     return absl::InvalidArgumentError("the last chat message must be from the user");
   }
-  std::string out;
+  ChatPrompt out;
+  // The template's own text (special tokens parsed) and a message's (plain).
+  auto markup = [&out](absl::string_view text) {
+    const size_t begin = out.text.size();
+    out.text.append(text.data(), text.size());
+    if (!out.markup.empty() && out.markup.back().second == begin) {
+      out.markup.back().second = out.text.size();
+    } else if (!text.empty()) {
+      out.markup.emplace_back(begin, out.text.size());
+    }
+  };
+  auto content = [&out](absl::string_view text) { out.text.append(text.data(), text.size()); };
   switch (format_) {
-    case ChatFormat::kChatMl: {
+    case ChatFormat::kChatMl:
+    case ChatFormat::kQwen3: {
       // <|im_start|>{role}\n{content}<|im_end|>\n ... <|im_start|>assistant\n
       if (messages[0].role != "system" && !default_system_.empty()) {
-        absl::StrAppend(&out, "<|im_start|>system\n", default_system_, "<|im_end|>\n");
+        markup("<|im_start|>system\n");
+        content(default_system_);
+        markup("<|im_end|>\n");
       }
       for (const ChatMessage& m : messages) {
-        absl::StrAppend(&out, "<|im_start|>", m.role, "\n", m.content, "<|im_end|>\n");
+        markup(absl::StrCat("<|im_start|>", m.role, "\n"));
+        absl::string_view text = m.content;
+        if (format_ == ChatFormat::kQwen3 && m.role == "assistant") {
+          // Earlier answers keep what follows their thinking.
+          const size_t end_think = text.rfind("</think>");
+          if (end_think != absl::string_view::npos) text.remove_prefix(end_think + 8);
+          while (!text.empty() && text.front() == '\n') text.remove_prefix(1);
+        }
+        content(text);
+        markup("<|im_end|>\n");
       }
-      absl::StrAppend(&out, "<|im_start|>assistant\n");
+      markup("<|im_start|>assistant\n");
       break;
     }
     case ChatFormat::kLlama3: {
       // <|begin_of_text|><|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|> ...
-      out = "<|begin_of_text|>";
+      markup("<|begin_of_text|>");
       for (const ChatMessage& m : messages) {
-        absl::StrAppend(&out, "<|start_header_id|>", m.role, "<|end_header_id|>\n\n",
-                        absl::StripAsciiWhitespace(m.content), "<|eot_id|>");
+        markup(absl::StrCat("<|start_header_id|>", m.role, "<|end_header_id|>\n\n"));
+        content(absl::StripAsciiWhitespace(m.content));
+        markup("<|eot_id|>");
       }
-      absl::StrAppend(&out, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+      markup("<|start_header_id|>assistant<|end_header_id|>\n\n");
       break;
     }
     case ChatFormat::kLlama2: {
       // <s>[INST] <<SYS>>\n{system}\n<</SYS>>\n\n{user} [/INST] {answer} </s><s>[INST] ...
       size_t i = 0;
-      std::string system;
-      if (messages[0].role == "system") {
-        system = absl::StrCat("<<SYS>>\n", absl::StripAsciiWhitespace(messages[0].content),
-                              "\n<</SYS>>\n\n");
+      absl::string_view system;
+      const bool has_system = messages[0].role == "system";
+      if (has_system) {
+        system = absl::StripAsciiWhitespace(messages[0].content);
         i = 1;
       }
+      bool first_user = true;
       for (; i < messages.size(); ++i) {
         const ChatMessage& m = messages[i];
         if (m.role == "user") {
-          absl::StrAppend(&out, "<s>[INST] ", system, absl::StripAsciiWhitespace(m.content), " [/INST]");
-          system.clear();
+          markup("<s>[INST] ");
+          if (has_system && first_user) {
+            markup("<<SYS>>\n");
+            content(system);
+            markup("\n<</SYS>>\n\n");
+          }
+          first_user = false;
+          content(absl::StripAsciiWhitespace(m.content));
+          markup(" [/INST]");
         } else {
-          absl::StrAppend(&out, " ", absl::StripAsciiWhitespace(m.content), " </s>");
+          markup(" ");
+          content(absl::StripAsciiWhitespace(m.content));
+          markup(" </s>");
         }
       }
       break;

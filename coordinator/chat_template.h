@@ -1,10 +1,12 @@
 // Chat prompts: renders a list of messages with the model's chat template.
 // ellm recognises the families it supports from the GGUF's
 // tokenizer.chat_template (a Jinja program it does not run): ChatML (Qwen2),
-// Llama-2 ([INST]) and Llama-3 (<|start_header_id|>).
+// Qwen3 (ChatML with <think> blocks), Llama-2 ([INST]) and Llama-3
+// (<|start_header_id|>).
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/status.h"
@@ -16,7 +18,16 @@ struct ChatMessage {
   std::string content;
 };
 
-enum class ChatFormat { kNone, kChatMl, kLlama2, kLlama3 };
+enum class ChatFormat { kNone, kChatMl, kQwen3, kLlama2, kLlama3 };
+
+// A rendered prompt: its text, and the byte ranges of it that the template
+// wrote (its markup: "<|im_start|>user\n", "[INST] ", ...), where special
+// tokens are parsed. The messages' contents lie outside them and are always
+// tokenized as plain text, so a message cannot inject control tokens.
+struct ChatPrompt {
+  std::string text;
+  std::vector<std::pair<size_t, size_t>> markup;  // sorted, disjoint [begin, end)
+};
 
 class ChatTemplate {
  public:
@@ -26,11 +37,14 @@ class ChatTemplate {
   ChatFormat format() const { return format_; }
   const char* name() const;
 
-  // The prompt text, ending where the assistant's answer begins; special
-  // tokens appear as text (tokenise with special tokens parsed).
-  // InvalidArgument for an unknown template, an unknown role, no messages,
-  // or a conversation that does not end with a user message.
-  absl::StatusOr<std::string> Render(const std::vector<ChatMessage>& messages) const;
+  // The prompt, ending where the assistant's answer begins; special tokens
+  // appear as text in its markup (tokenize with special tokens parsed in
+  // ChatPrompt::markup only). Qwen3: earlier answers lose their <think>
+  // part, and the answer opens its own thinking block (enable_thinking, the
+  // template's default). InvalidArgument for an unknown template, an unknown
+  // role, no messages, or a conversation that does not end with a user
+  // message.
+  absl::StatusOr<ChatPrompt> Render(const std::vector<ChatMessage>& messages) const;
 
  private:
   ChatFormat format_ = ChatFormat::kNone;

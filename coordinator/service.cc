@@ -42,9 +42,10 @@ absl::StatusOr<std::vector<int32_t>> EllmService::PromptTokens(
     }
     chat.push_back({m.role(), m.content()});
   }
-  ASSIGN_OR_RETURN(std::string text, options_.chat.Render(chat));
-  // The template writes BOS itself where the model wants one.
-  return tokenizer_.Encode(text, add_bos.value_or(false), /*parse_special=*/true);
+  ASSIGN_OR_RETURN(ChatPrompt rendered, options_.chat.Render(chat));
+  // The template writes BOS itself where the model wants one. Special tokens
+  // are parsed in its markup only: message contents are plain text.
+  return tokenizer_.Encode(rendered.text, add_bos.value_or(false), rendered.markup);
 }
 
 absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRequest& r) const {

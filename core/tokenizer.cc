@@ -80,7 +80,7 @@ class SpmTokenizer : public Tokenizer {
 
   using Tokenizer::Encode;
   std::vector<int32_t> Encode(std::string_view text, bool add_bos,
-                              bool parse_special) const override;
+                              const TextSpans& special_spans) const override;
   std::string TokenBytes(int32_t prev, int32_t id) const override;
 
  private:
@@ -147,14 +147,14 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> SpmTokenizer::Create(const GgufFile& 
 }
 
 std::vector<int32_t> SpmTokenizer::Encode(std::string_view text, bool add_bos,
-                                          bool parse_special) const {
+                                          const TextSpans& special_spans) const {
   std::vector<int32_t> out;
   if (add_bos && bos_id_ >= 0) out.push_back(bos_id_);
   if (text.empty()) return out;
 
   bool after_special = true;  // the start of the text counts as one
   std::string escaped;
-  for (const Fragment& f : SplitOnSpecialTokens(text, parse_special)) {
+  for (const Fragment& f : SplitOnSpecialTokens(text, special_spans)) {
     if (f.id >= 0) {
       out.push_back(f.id);
       after_special = true;
@@ -409,14 +409,22 @@ absl::Status Tokenizer::LoadEndOfGeneration(const GgufFile& file) {
   return absl::OkStatus();
 }
 
-std::vector<Tokenizer::Fragment> Tokenizer::SplitOnSpecialTokens(std::string_view text,
-                                                                 bool parse_special) const {
+std::vector<Tokenizer::Fragment> Tokenizer::SplitOnSpecialTokens(
+    std::string_view text, const TextSpans& special_spans) const {
   std::vector<Fragment> fragments;
   if (text.empty()) return fragments;
   fragments.push_back({text, -1});
+  // Whether [begin, end) of `text` lies inside one special span.
+  auto in_span = [&](size_t begin, size_t end) {
+    for (const auto& [b, e] : special_spans) {
+      if (begin >= b && end <= e) return true;
+    }
+    return false;
+  };
   std::vector<Fragment> split;
   for (const int32_t id : special_tokens_) {
-    if (!parse_special && types_[id] != TokenType::kUserDefined) continue;
+    const bool anywhere = types_[id] == TokenType::kUserDefined;
+    if (!anywhere && special_spans.empty()) continue;
     const std::string& piece = tokens_[id];
     split.clear();
     bool found = false;
@@ -425,9 +433,12 @@ std::vector<Tokenizer::Fragment> Tokenizer::SplitOnSpecialTokens(std::string_vie
         split.push_back(f);
         continue;
       }
+      const size_t base = static_cast<size_t>(f.text.data() - text.data());
       size_t start = 0;
       for (size_t pos = f.text.find(piece); pos != std::string_view::npos;
-           pos = f.text.find(piece, start)) {
+           pos = f.text.find(piece, pos + 1)) {
+        if (pos < start) continue;
+        if (!anywhere && !in_span(base + pos, base + pos + piece.size())) continue;
         found = true;
         if (pos > start) split.push_back({f.text.substr(start, pos - start), -1});
         split.push_back({f.text.substr(pos, piece.size()), id});

@@ -19,6 +19,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -40,15 +41,24 @@ class Tokenizer {
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromGguf(const GgufFile& file);
   virtual ~Tokenizer() = default;
 
+  // Byte ranges [begin, end) of a text, sorted and disjoint.
+  using TextSpans = std::vector<std::pair<size_t, size_t>>;
+
   // Text to ids. `add_bos` prepends the BOS id. Control tokens written in the
   // text are not parsed (they are encoded as plain text); user-defined ones are.
   std::vector<int32_t> Encode(std::string_view text, bool add_bos) const {
-    return Encode(text, add_bos, /*parse_special=*/false);
+    return Encode(text, add_bos, TextSpans());
   }
   // As above; with `parse_special` the vocabulary's control and unknown tokens
   // written in the text (e.g. "<|im_start|>", "<s>") become their ids too.
+  std::vector<int32_t> Encode(std::string_view text, bool add_bos, bool parse_special) const {
+    return Encode(text, add_bos, parse_special ? TextSpans{{0, text.size()}} : TextSpans());
+  }
+  // As above, parsing control and unknown tokens only where one lies wholly
+  // inside one of `special_spans` (a chat prompt's markup, never a message's
+  // content). The text is otherwise cut and encoded exactly as a whole.
   virtual std::vector<int32_t> Encode(std::string_view text, bool add_bos,
-                                      bool parse_special) const = 0;
+                                      const TextSpans& special_spans) const = 0;
 
   // The bytes a token stands for when it follows `prev` (-1 at the start):
   // control and unused tokens nothing, user-defined tokens their text. SPM:
@@ -85,8 +95,10 @@ class Tokenizer {
   // Fills eog_ids_ from eos_id_ (set it first), the eot/eom id keys and the
   // well-known end-of-turn texts.
   absl::Status LoadEndOfGeneration(const GgufFile& file);
-  // Cuts `text` at special tokens (see the top of this file).
-  std::vector<Fragment> SplitOnSpecialTokens(std::string_view text, bool parse_special) const;
+  // Cuts `text` at special tokens (see the top of this file): user-defined
+  // ones anywhere, control and unknown ones inside `special_spans` only.
+  std::vector<Fragment> SplitOnSpecialTokens(std::string_view text,
+                                             const TextSpans& special_spans) const;
   // The id of the token with exactly this text, -1 if none (a repeated text
   // maps to its last id, as in llama.cpp).
   int32_t FindToken(std::string_view text) const;

@@ -408,7 +408,7 @@ class BpeTokenizer : public Tokenizer {
 
   using Tokenizer::Encode;
   std::vector<int32_t> Encode(std::string_view text, bool add_bos,
-                              bool parse_special) const override;
+                              const TextSpans& special_spans) const override;
   std::string TokenBytes(int32_t prev, int32_t id) const override;
 
  private:
@@ -511,10 +511,10 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> BpeTokenizer::Create(const GgufFile& 
 }
 
 std::vector<int32_t> BpeTokenizer::Encode(std::string_view text, bool add_bos,
-                                          bool parse_special) const {
+                                          const TextSpans& special_spans) const {
   std::vector<int32_t> out;
   if (add_bos && bos_id_ >= 0) out.push_back(bos_id_);
-  for (const Fragment& f : SplitOnSpecialTokens(text, parse_special)) {
+  for (const Fragment& f : SplitOnSpecialTokens(text, special_spans)) {
     if (f.id >= 0) {
       out.push_back(f.id);
       continue;
