@@ -27,37 +27,6 @@ void RmsNorm(const float* x, const float* weight, float* out, int64_t n, float e
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * scale * weight[i];
 }
 
-void RopeInterleaved(float* x, int n_heads, int head_dim, int rope_dims, int pos, float base) {
-  for (int i = 0; i < rope_dims / 2; ++i) {
-    const double freq = std::pow(static_cast<double>(base), -2.0 * i / rope_dims);
-    const double angle = pos * freq;
-    const float c = static_cast<float>(std::cos(angle));
-    const float s = static_cast<float>(std::sin(angle));
-    for (int h = 0; h < n_heads; ++h) {
-      float* p = x + h * head_dim + 2 * i;
-      const float a = p[0], b = p[1];
-      p[0] = a * c - b * s;
-      p[1] = a * s + b * c;
-    }
-  }
-}
-
-void RopeNeox(float* x, int n_heads, int head_dim, int rope_dims, int pos, float base) {
-  const int half = rope_dims / 2;
-  for (int i = 0; i < half; ++i) {
-    const double freq = std::pow(static_cast<double>(base), -2.0 * i / rope_dims);
-    const double angle = pos * freq;
-    const float c = static_cast<float>(std::cos(angle));
-    const float s = static_cast<float>(std::sin(angle));
-    for (int h = 0; h < n_heads; ++h) {
-      float* p = x + h * head_dim;
-      const float a = p[i], b = p[i + half];
-      p[i] = a * c - b * s;
-      p[i + half] = a * s + b * c;
-    }
-  }
-}
-
 void AddBias(float* x, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += b[i];
 }

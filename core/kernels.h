@@ -19,15 +19,6 @@ void MatVec(const float* w, const float* x, float* y, int64_t rows, int64_t cols
 // out = x / sqrt(mean(x²) + eps) * weight, all [n].
 void RmsNorm(const float* x, const float* weight, float* out, int64_t n, float eps);
 
-// Rotary embedding in the llama (GGUF "norm") layout: within each head of
-// `head_dim`, pairs (2i, 2i+1) for i < rope_dims/2 rotate by
-// pos * base^(-2i / rope_dims). x is [n_heads, head_dim].
-void RopeInterleaved(float* x, int n_heads, int head_dim, int rope_dims, int pos, float base);
-
-// Rotary embedding in the NeoX layout (GGUF "neox", used by qwen2): pairs
-// (i, i + rope_dims/2) for i < rope_dims/2 rotate by pos * base^(-2i / rope_dims).
-void RopeNeox(float* x, int n_heads, int head_dim, int rope_dims, int pos, float base);
-
 // x[i] += b[i] for i < n.
 void AddBias(float* x, const float* b, int64_t n);
 

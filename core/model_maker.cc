@@ -1,5 +1,6 @@
 #include "core/model_maker.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -21,6 +22,26 @@ absl::StatusOr<DType> ParseWeightType(const std::string& name) {
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown weight type '", name, "' (one of ", absl::StrJoin(names, ", "), ")"));
+}
+
+std::vector<float> Llama3RopeFactors(int rope_dims, double base, double factor, double low_freq_factor,
+                                     double high_freq_factor, double original_context) {
+  std::vector<float> out;
+  const double low_wavelen = original_context / low_freq_factor;
+  const double high_wavelen = original_context / high_freq_factor;
+  for (int i = 0; i < rope_dims / 2; ++i) {
+    const double wavelen = 2 * M_PI * std::pow(base, 2.0 * i / rope_dims);
+    double f = 1;
+    if (wavelen > low_wavelen) {
+      f = factor;
+    } else if (wavelen >= high_wavelen) {
+      const double smooth =
+          (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+      f = 1 / ((1 - smooth) / factor + smooth);
+    }
+    out.push_back(static_cast<float>(f));
+  }
+  return out;
 }
 
 namespace {
@@ -69,8 +90,17 @@ absl::StatusOr<std::string> Encode(const std::vector<float>& values, int64_t col
 
 absl::StatusOr<GgufWriter> MakeRandomModel(const MakeModelOptions& o,
                                            const std::function<void(int, int)>& progress) {
-  if (o.arch != "llama" && o.arch != "qwen2") {
-    return absl::InvalidArgumentError(absl::StrCat("--arch must be llama or qwen2, got '", o.arch, "'"));
+  if (o.arch != "llama" && o.arch != "qwen2" && o.arch != "qwen3") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--arch must be llama, qwen2 or qwen3, got '", o.arch, "'"));
+  }
+  const std::string& scaling = o.rope_scaling;
+  if (!scaling.empty() && scaling != "linear" && scaling != "yarn" && scaling != "llama3") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown rope scaling '", scaling, "' (llama3, yarn, linear, or none given)"));
+  }
+  if (scaling == "llama3" && o.arch != "llama") {
+    return absl::InvalidArgumentError("llama3 rope scaling (rope_freqs.weight) is for --arch llama");
   }
   if (o.layers <= 0 || o.hidden <= 0 || o.heads <= 0 || o.kv_heads <= 0 || o.head_dim <= 0 ||
       o.ffn <= 0 || o.heads % o.kv_heads != 0 || o.head_dim % 2 != 0) {
@@ -101,11 +131,36 @@ absl::StatusOr<GgufWriter> MakeRandomModel(const MakeModelOptions& o,
   w.SetUint32(a + ".attention.key_length", o.head_dim);
   w.SetUint32(a + ".attention.value_length", o.head_dim);
   w.SetUint32(a + ".rope.dimension_count", o.head_dim);
-  w.SetFloat32(a + ".rope.freq_base", o.rope_base > 0 ? o.rope_base : a == "qwen2" ? 1e6f : 10000.0f);
-  w.SetFloat32(a + ".attention.layer_norm_rms_epsilon", a == "qwen2" ? 1e-6f : 1e-5f);
+  const bool qwen = a == "qwen2" || a == "qwen3";
+  const float rope_base = o.rope_base > 0 ? o.rope_base : qwen ? 1e6f : 10000.0f;
+  w.SetFloat32(a + ".rope.freq_base", rope_base);
+  w.SetFloat32(a + ".attention.layer_norm_rms_epsilon", qwen ? 1e-6f : 1e-5f);
+  const float rope_factor = o.rope_factor > 0                ? o.rope_factor
+                            : scaling == "llama3"            ? 8.0f
+                            : scaling == "yarn"              ? 4.0f
+                                                             : 2.0f;
+  const int original_context = o.rope_original_context > 0
+                                   ? o.rope_original_context
+                                   : std::max(1, static_cast<int>(context / rope_factor));
+  if (scaling == "linear" || scaling == "yarn") {
+    w.SetString(a + ".rope.scaling.type", scaling);
+    w.SetFloat32(a + ".rope.scaling.factor", rope_factor);
+    if (scaling == "yarn") w.SetUint32(a + ".rope.scaling.original_context_length", original_context);
+  }
+  if (o.rope_attn_factor > 0) w.SetFloat32(a + ".rope.scaling.attn_factor", o.rope_attn_factor);
   w.CopyMetadata(*vocab, "tokenizer.");
   // Minimal Jinja templates of each family (ellm recognises a family by its markers).
-  if (o.chat_template == "chatml") {
+  if (o.chat_template == "qwen3") {
+    // The shape of Qwen3's template: ChatML, earlier answers without their
+    // <think> part, the answer opens its own thinking block.
+    w.SetString("tokenizer.chat_template",
+                "{% for message in messages %}{% if message['role'] == 'assistant' %}{% set content = "
+                "message['content'].split('</think>')[-1].lstrip('\n') %}{% else %}{% set content = "
+                "message['content'] %}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + content + "
+                "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}"
+                "{% endif %}{% endif %}");
+  } else if (o.chat_template == "chatml") {
     w.SetString("tokenizer.chat_template",
                 "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
                 "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
@@ -125,12 +180,13 @@ absl::StatusOr<GgufWriter> MakeRandomModel(const MakeModelOptions& o,
     w.SetString("tokenizer.chat_template", "");
   } else if (!o.chat_template.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("unknown chat template '", o.chat_template,
-                                                   "' (chatml, llama2, llama3 or none)"));
+                                                   "' (chatml, qwen3, llama2, llama3 or none)"));
   }
 
-  const bool qwen = a == "qwen2";
+  const bool bias = a == "qwen2", qk_norm = a == "qwen3";
   const int64_t q_dim = int64_t{o.heads} * o.head_dim, kv_dim = int64_t{o.kv_heads} * o.head_dim;
-  const int total = 2 + (qwen ? 0 : 1) + o.layers * (qwen ? 12 : 9);
+  const int total = 2 + (qwen ? 0 : 1) + (scaling == "llama3" ? 1 : 0) +
+                    o.layers * (9 + (bias ? 3 : 0) + (qk_norm ? 2 : 0));
   int done = 0;
   Normal normal(o.seed);
 
@@ -157,16 +213,29 @@ absl::StatusOr<GgufWriter> MakeRandomModel(const MakeModelOptions& o,
 
   const float in_hidden = 1.0f / std::sqrt(static_cast<float>(o.hidden));
   RETURN_IF_ERROR(add_matrix("token_embd.weight", o.hidden, n_vocab, 2.0f * in_hidden));
+  if (scaling == "llama3") {
+    const std::vector<float> f = Llama3RopeFactors(o.head_dim, rope_base, rope_factor,
+                                                   o.rope_low_freq_factor, o.rope_high_freq_factor,
+                                                   original_context);
+    std::string bytes(reinterpret_cast<const char*>(f.data()), f.size() * sizeof(float));
+    RETURN_IF_ERROR(w.AddTensor("rope_freqs.weight", {static_cast<int64_t>(f.size())}, DType::kF32,
+                                std::move(bytes)));
+    if (progress) progress(++done, total);
+  }
   for (int l = 0; l < o.layers; ++l) {
     const std::string p = absl::StrCat("blk.", l, ".");
     RETURN_IF_ERROR(add_vector(p + "attn_norm.weight", o.hidden, 1.0f, 0));
     RETURN_IF_ERROR(add_matrix(p + "attn_q.weight", o.hidden, q_dim, in_hidden));
     RETURN_IF_ERROR(add_matrix(p + "attn_k.weight", o.hidden, kv_dim, in_hidden));
     RETURN_IF_ERROR(add_matrix(p + "attn_v.weight", o.hidden, kv_dim, in_hidden));
-    if (qwen) {
+    if (bias) {
       RETURN_IF_ERROR(add_vector(p + "attn_q.bias", q_dim, 0, 0.1f));
       RETURN_IF_ERROR(add_vector(p + "attn_k.bias", kv_dim, 0, 0.1f));
       RETURN_IF_ERROR(add_vector(p + "attn_v.bias", kv_dim, 0, 0.1f));
+    }
+    if (qk_norm) {
+      RETURN_IF_ERROR(add_vector(p + "attn_q_norm.weight", o.head_dim, 1.0f, 0.2f));
+      RETURN_IF_ERROR(add_vector(p + "attn_k_norm.weight", o.head_dim, 1.0f, 0.2f));
     }
     RETURN_IF_ERROR(add_matrix(p + "attn_output.weight", q_dim, o.hidden,
                                1.0f / std::sqrt(static_cast<float>(q_dim))));
@@ -177,7 +246,8 @@ absl::StatusOr<GgufWriter> MakeRandomModel(const MakeModelOptions& o,
                                1.0f / std::sqrt(static_cast<float>(o.ffn))));
   }
   RETURN_IF_ERROR(add_vector("output_norm.weight", o.hidden, 1.0f, 0));
-  // qwen2 ties the LM head to the embeddings (no output.weight), as Qwen2.5-0.5B does.
+  // qwen2 and qwen3 tie the LM head to the embeddings (no output.weight), as
+  // Qwen2.5-0.5B and Qwen3-0.6B do.
   if (!qwen) RETURN_IF_ERROR(add_matrix("output.weight", o.hidden, n_vocab, 2.0f * in_hidden));
   return w;
 }

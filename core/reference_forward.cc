@@ -19,13 +19,14 @@ absl::StatusOr<std::unique_ptr<ReferenceModel>> ReferenceModel::Create(ModelWeig
 }
 
 ReferenceModel::ReferenceModel(ModelWeights weights, int max_positions)
-    : w_(std::move(weights)), max_positions_(max_positions) {
+    : w_(std::move(weights)), rope_(w_.config), max_positions_(max_positions) {
   const ModelConfig& c = w_.config;
   x_.resize(c.dim);
   xb_.resize(c.dim);
   q_.resize(c.q_dim());
   k_.resize(c.kv_dim());
   v_.resize(c.kv_dim());
+  cos_sin_.resize(c.rope_dims);
   att_out_.resize(c.q_dim());
   proj_.resize(c.dim);
   hb_.resize(c.ffn_dim);
@@ -43,6 +44,7 @@ const std::vector<float>& ReferenceModel::Forward(int32_t token, int pos) {
   const ModelConfig& c = w_.config;
   const int dim = c.dim, kv_dim = c.kv_dim(), hd = c.head_dim;
   std::copy_n(w_.token_embd.data() + static_cast<size_t>(token) * dim, dim, x_.data());
+  rope_.CosSin(pos, cos_sin_.data());
 
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = w_.layers[l];
@@ -51,7 +53,7 @@ const std::vector<float>& ReferenceModel::Forward(int32_t token, int pos) {
     MatVec(L.wq.data(), xb_.data(), q_.data(), c.q_dim(), dim);
     MatVec(L.wk.data(), xb_.data(), k_.data(), kv_dim, dim);
     MatVec(L.wv.data(), xb_.data(), v_.data(), kv_dim, dim);
-    QkvPostprocess(c, L, pos, q_.data(), k_.data(), v_.data());
+    QkvPostprocess(c, rope_, L, cos_sin_.data(), q_.data(), k_.data(), v_.data());
 
     // Append k, v to the cache at `pos`.
     float* layer_k = key_cache_.data() + static_cast<size_t>(l) * max_positions_ * kv_dim;

@@ -30,9 +30,10 @@ class ReferenceModel {
   explicit ReferenceModel(ModelWeights weights, int max_positions);
 
   ModelWeights w_;
+  Rope rope_;
   int max_positions_;
   // Activations.
-  std::vector<float> x_, xb_, q_, k_, v_, att_out_, proj_, hb_, hb2_, scores_, logits_;
+  std::vector<float> x_, xb_, q_, k_, v_, cos_sin_, att_out_, proj_, hb_, hb2_, scores_, logits_;
   // KV cache: [layers, max_positions, kv_dim] each.
   std::vector<float> key_cache_, value_cache_;
   std::vector<const float*> k_rows_, v_rows_;

@@ -46,20 +46,20 @@ absl::StatusOr<std::vector<float>> ReadTensorF32(const GgufFile& file, const std
   return out;
 }
 
-void QkvPostprocess(const ModelConfig& c, const LayerWeights& w, int pos, float* q, float* k,
-                    float* v) {
+void QkvPostprocess(const ModelConfig& c, const Rope& rope, const LayerWeights& w,
+                    const float* cos_sin, float* q, float* k, float* v) {
   if (c.qkv_bias) {
     AddBias(q, w.bq.data(), c.q_dim());
     AddBias(k, w.bk.data(), c.kv_dim());
     AddBias(v, w.bv.data(), c.kv_dim());
   }
-  if (c.rope_neox) {
-    RopeNeox(q, c.n_heads, c.head_dim, c.rope_dims, pos, c.rope_base);
-    RopeNeox(k, c.n_kv_heads, c.head_dim, c.rope_dims, pos, c.rope_base);
-  } else {
-    RopeInterleaved(q, c.n_heads, c.head_dim, c.rope_dims, pos, c.rope_base);
-    RopeInterleaved(k, c.n_kv_heads, c.head_dim, c.rope_dims, pos, c.rope_base);
+  if (c.qk_norm) {
+    const int hd = c.head_dim;
+    for (int h = 0; h < c.n_heads; ++h) RmsNorm(q + h * hd, w.q_norm.data(), q + h * hd, hd, c.norm_eps);
+    for (int h = 0; h < c.n_kv_heads; ++h) RmsNorm(k + h * hd, w.k_norm.data(), k + h * hd, hd, c.norm_eps);
   }
+  rope.Rotate(cos_sin, q, c.n_heads, c.head_dim);
+  rope.Rotate(cos_sin, k, c.n_kv_heads, c.head_dim);
 }
 
 
@@ -87,7 +87,7 @@ absl::StatusOr<ModelWeights> LoadWeights(const GgufFile& file, const ModelConfig
   ModelWeights w;
   w.config = c;
   const int64_t dim = c.dim, q = c.q_dim(), kv = c.kv_dim(), ffn = c.ffn_dim;
-  const int total = 3 + (c.qkv_bias ? 12 : 9) * c.n_layers;
+  const int total = 3 + (9 + (c.qkv_bias ? 3 : 0) + (c.qk_norm ? 2 : 0)) * c.n_layers;
   int done = 0;
   auto tick = [&] {
     ++done;
@@ -120,6 +120,12 @@ absl::StatusOr<ModelWeights> LoadWeights(const GgufFile& file, const ModelConfig
       ASSIGN_OR_RETURN(L.bk, ReadTensorF32(file, p + "attn_k.bias", {kv}));
       tick();
       ASSIGN_OR_RETURN(L.bv, ReadTensorF32(file, p + "attn_v.bias", {kv}));
+      tick();
+    }
+    if (c.qk_norm) {
+      ASSIGN_OR_RETURN(L.q_norm, ReadTensorF32(file, p + "attn_q_norm.weight", {c.head_dim}));
+      tick();
+      ASSIGN_OR_RETURN(L.k_norm, ReadTensorF32(file, p + "attn_k_norm.weight", {c.head_dim}));
       tick();
     }
     RETURN_IF_ERROR(matrix(p + "attn_output.weight", q, dim, &L.wo, &L.raw_wo));

@@ -11,6 +11,7 @@
 
 #include "core/gguf.h"
 #include "core/model_config.h"
+#include "core/rope.h"
 #include "core/status.h"
 
 namespace ellm {
@@ -35,6 +36,7 @@ struct LayerWeights {
   std::vector<float> wk;         // [kv_dim, dim]
   std::vector<float> wv;         // [kv_dim, dim]
   std::vector<float> bq, bk, bv;  // [q_dim], [kv_dim], [kv_dim] when config.qkv_bias
+  std::vector<float> q_norm, k_norm;  // [head_dim] each when config.qk_norm
   std::vector<float> wo;         // [dim, q_dim]
   std::vector<float> ffn_norm;   // [dim]
   std::vector<float> w_gate;     // [ffn_dim, dim]
@@ -61,10 +63,12 @@ struct ModelWeights {
 // Called after each tensor with (tensors done, tensors total).
 using LoadProgress = std::function<void(int done, int total)>;
 
-// Applies q/k/v biases (when the model has them) and RoPE in the model's
-// layout to one token's q [n_heads, head_dim] and k [n_kv_heads, head_dim].
-void QkvPostprocess(const ModelConfig& c, const LayerWeights& w, int pos, float* q, float* k,
-                    float* v);
+// What follows the q, k, v projections of one token, in the model's order:
+// biases (qkv_bias), RMSNorm of each q and k head (qk_norm), then RoPE by
+// `cos_sin` (rope.CosSin at the token's position). q [n_heads, head_dim],
+// k and v [n_kv_heads, head_dim].
+void QkvPostprocess(const ModelConfig& c, const Rope& rope, const LayerWeights& w,
+                    const float* cos_sin, float* q, float* k, float* v);
 
 // Reads every tensor the config needs, checking names, shapes and types
 // (InvalidArgument naming the tensor: missing, wrong shape, type ellm cannot

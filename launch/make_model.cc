@@ -16,13 +16,18 @@ int Main(int argc, char** argv) {
   SetLogIdentity("make-model");
   Args args(
       "ellm-make-model: write a GGUF model with random weights.\n\n"
-      "Usage: ellm-make-model --arch qwen2|llama --layers N --hidden N --heads N --kv-heads N\n"
-      "         --head-dim N --ffn N --weight-type TYPE --vocab-from VOCAB.gguf --out FILE\n"
-      "         [--context N] [--seed N] [--chat-template chatml|llama2|llama3|none]\n"
-      "Weights are N(0, 1/fan_in) (norms 1, qwen2 biases small), so activations stay in a\n"
-      "realistic range; the same flags give the same bytes. qwen2 models tie the LM head to\n"
-      "the embeddings (no output.weight).");
-  args.Flag("arch", "llama", "llama or qwen2");
+      "Usage: ellm-make-model --arch llama|qwen2|qwen3 --layers N --hidden N --heads N\n"
+      "         --kv-heads N --head-dim N --ffn N --weight-type TYPE --vocab-from VOCAB.gguf\n"
+      "         --out FILE [--context N] [--seed N]\n"
+      "         [--chat-template chatml|qwen3|llama2|llama3|none]\n"
+      "         [--rope-scaling llama3|yarn|linear [--rope-factor F] [--rope-original-context N]\n"
+      "          [--rope-low-freq-factor F] [--rope-high-freq-factor F]] [--rope-attn-factor F]\n"
+      "Weights are N(0, 1/fan_in) (norms near 1, qwen2 biases small), so activations stay in\n"
+      "a realistic range; the same flags give the same bytes. qwen2 and qwen3 models tie the\n"
+      "LM head to the embeddings (no output.weight); qwen3 has q/k norms and no biases.\n"
+      "Rope scaling is written as llama.cpp's converters write it: llama3 as a\n"
+      "rope_freqs.weight tensor (llama only), yarn and linear as rope.scaling.* keys.");
+  args.Flag("arch", "llama", "llama, qwen2 or qwen3");
   args.Flag("layers", "2", "transformer blocks");
   args.Flag("hidden", "", "embedding width");
   args.Flag("heads", "", "query heads");
@@ -33,7 +38,14 @@ int Main(int argc, char** argv) {
   args.Flag("vocab-from", "", "GGUF whose tokenizer the model gets (e.g. a vocab-only file)");
   args.Flag("context", "0", "context length (0: the vocab file's, else 4096)");
   args.Flag("seed", "1", "random seed");
-  args.Flag("chat-template", "", "chatml, llama2, llama3 or none (default: the vocab file's)");
+  args.Flag("chat-template", "", "chatml, qwen3, llama2, llama3 or none (default: the vocab file's)");
+  args.Flag("rope-base", "0", "rope frequency base (0: 1e6 for qwen, 10000 for llama)");
+  args.Flag("rope-scaling", "", "llama3, yarn or linear (default: none)");
+  args.Flag("rope-factor", "0", "scaling factor (0: 8 for llama3, 4 for yarn, 2 for linear)");
+  args.Flag("rope-original-context", "0", "yarn, llama3: the trained context (0: context / factor)");
+  args.Flag("rope-low-freq-factor", "1", "llama3: low_freq_factor");
+  args.Flag("rope-high-freq-factor", "4", "llama3: high_freq_factor");
+  args.Flag("rope-attn-factor", "0", "rope.scaling.attn_factor to write (0: none)");
   args.Flag("out", "", "output file");
   if (std::optional<int> exit = args.ParseFlagsOnly(argc, argv)) return *exit;
   MakeModelOptions o;
@@ -55,6 +67,21 @@ int Main(int argc, char** argv) {
     o.head_dim = *v;
   } else {
     o.head_dim = o.heads > 0 ? o.hidden / o.heads : 0;
+  }
+  o.rope_scaling = args.Get("rope-scaling");
+  st = args.GetInts({{"rope-original-context", &o.rope_original_context}});
+  for (auto [flag, value] : {std::pair{"rope-base", &o.rope_base}, std::pair{"rope-factor", &o.rope_factor},
+                             std::pair{"rope-low-freq-factor", &o.rope_low_freq_factor},
+                             std::pair{"rope-high-freq-factor", &o.rope_high_freq_factor},
+                             std::pair{"rope-attn-factor", &o.rope_attn_factor}}) {
+    if (!st.ok()) break;
+    absl::StatusOr<double> v = args.GetDouble(flag);
+    if (v.ok()) *value = static_cast<float>(*v);
+    st = v.status();
+  }
+  if (!st.ok()) {
+    LogError("%s", st.message());
+    return 2;
   }
   absl::StatusOr<uint64_t> seed = args.GetUint64("seed");
   if (!seed.ok()) {

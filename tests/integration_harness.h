@@ -189,6 +189,7 @@ struct Generated {
   grpc::Status status;
   std::string text;
   std::vector<int32_t> tokens;
+  std::vector<float> logprobs;  // one per token
   ellm::v1::Finish finish;
   int messages = 0;
 };
@@ -212,6 +213,7 @@ inline Generated Generate(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRe
     ++g.messages;
     g.text += resp.text();
     g.tokens.insert(g.tokens.end(), resp.token_ids().begin(), resp.token_ids().end());
+    g.logprobs.insert(g.logprobs.end(), resp.logprobs().begin(), resp.logprobs().end());
     if (resp.has_finish()) g.finish = resp.finish();
     if (on_message) on_message(g);
   }

@@ -28,6 +28,8 @@
 #include "core/dtype.h"
 #include "core/kernels.h"
 #include "core/model_config.h"
+#include "core/model_maker.h"
+#include "core/rope.h"
 #include "core/weights.h"
 #include "gtest/gtest.h"
 #include "mlp-worker/backend.h"
@@ -180,13 +182,23 @@ TEST_F(CudaTest, RmsNormMatchesReference) {
 struct RopeCase {
   int n_heads, n_kv_heads, head_dim, rope_dims;
   bool neox, bias;
+  RopeScalingType scaling = RopeScalingType::kNone;
+  bool llama3_factors = false;
+  bool qk_norm = false;
 };
 
+// LaunchRopeTable + (LaunchQkHeadNorm) + LaunchQkvBiasRope against core's
+// QkvPostprocess, for every rope scaling and the qwen3 q/k norms.
 TEST_F(CudaTest, QkvBiasRopeMatchesQkvPostprocess) {
   const RopeCase cases[] = {
       {4, 2, 16, 16, false, false}, {4, 2, 16, 16, true, true},  {5, 1, 8, 4, false, true},
       {5, 1, 8, 4, true, false},    {40, 8, 128, 128, true, true}, {32, 8, 128, 128, false, false},
       {3, 3, 6, 2, true, true},
+      {32, 8, 128, 128, false, false, RopeScalingType::kNone, true},
+      {28, 4, 128, 128, true, true, RopeScalingType::kYarn},
+      {8, 2, 64, 64, false, false, RopeScalingType::kLinear},
+      {16, 8, 128, 128, true, false, RopeScalingType::kYarn, false, true},
+      {4, 2, 16, 16, true, false, RopeScalingType::kNone, false, true},
   };
   for (const RopeCase& rc : cases) {
     ModelConfig c;
@@ -194,9 +206,16 @@ TEST_F(CudaTest, QkvBiasRopeMatchesQkvPostprocess) {
     c.n_kv_heads = rc.n_kv_heads;
     c.head_dim = rc.head_dim;
     c.rope_dims = rc.rope_dims;
-    c.rope_base = rc.neox ? 1e6f : 10000.0f;
+    c.rope_base = rc.neox ? 1e6f : 500000.0f;
     c.rope_neox = rc.neox;
     c.qkv_bias = rc.bias;
+    c.qk_norm = rc.qk_norm;
+    c.norm_eps = 1e-6f;
+    c.rope_scaling.type = rc.scaling;
+    c.rope_scaling.factor = 4;
+    c.rope_scaling.original_context = 8192;
+    if (rc.llama3_factors) c.rope_freq_factors = Llama3RopeFactors(c.rope_dims, c.rope_base, 8, 1, 4, 8192);
+    const Rope rope(c);
     const int q_dim = c.q_dim(), kv_dim = c.kv_dim(), cols = q_dim + 2 * kv_dim;
     const int stride = cols + 3;  // rows padded: the kernel must honour the stride
     for (int T : {1, 3, 17}) {
@@ -210,16 +229,28 @@ TEST_F(CudaTest, QkvBiasRopeMatchesQkvPostprocess) {
       L.bq.assign(bias.begin(), bias.begin() + q_dim);
       L.bk.assign(bias.begin() + q_dim, bias.begin() + q_dim + kv_dim);
       L.bv.assign(bias.begin() + q_dim + kv_dim, bias.end());
-      std::vector<float> ref = qkv;
+      std::vector<float> norms = Uniform(2 * c.head_dim, 0.5f, 1.5f, rng_);
+      L.q_norm.assign(norms.begin(), norms.begin() + c.head_dim);
+      L.k_norm.assign(norms.begin() + c.head_dim, norms.end());
+      std::vector<float> ref = qkv, cos_sin(c.rope_dims);
       for (int t = 0; t < T; ++t) {
         float* row = ref.data() + static_cast<size_t>(t) * stride;
-        QkvPostprocess(c, L, pos[t], row, row + q_dim, row + q_dim + kv_dim);
+        rope.CosSin(pos[t], cos_sin.data());
+        QkvPostprocess(c, rope, L, cos_sin.data(), row, row + q_dim, row + q_dim + kv_dim);
       }
       auto dqkv = ToDevice(qkv);
       auto dbias = ToDevice(bias);
+      auto dnorms = ToDevice(norms);
       auto dpos = ToDevice(pos);
+      auto dfreq = ToDevice(rope.freq());
       auto table = Poisoned<float>(static_cast<size_t>(T) * rc.rope_dims);
-      CUDA_ASSERT_OK(cuda::LaunchRopeTable(dpos.get(), T, rc.rope_dims, c.rope_base, table.get(), stream()));
+      CUDA_ASSERT_OK(cuda::LaunchRopeTable(dpos.get(), T, rope.pairs(), dfreq.get(), rope.mscale(),
+                                           table.get(), stream()));
+      if (rc.qk_norm) {
+        CUDA_ASSERT_OK(cuda::LaunchQkHeadNorm(dqkv.get(), T, stride, c.n_heads, c.n_kv_heads,
+                                              c.head_dim, dnorms.get(), dnorms.get() + c.head_dim,
+                                              c.norm_eps, stream()));
+      }
       cuda::QkvRopeParams p;
       p.qkv = dqkv.get();
       p.n_tokens = T;
@@ -233,11 +264,14 @@ TEST_F(CudaTest, QkvBiasRopeMatchesQkvPostprocess) {
       p.neox = c.rope_neox;
       CUDA_ASSERT_OK(cuda::LaunchQkvBiasRope(p, stream()));
       // cos/sin of CUDA's fp64 functions may differ from libm's in the last
-      // fp64 ulp, which after rounding to float moves a result by an ulp at most.
-      ExpectClose(ToHost(dqkv, stream()), ref, 1e-6, 1e-6,
+      // fp64 ulp, which after rounding to float moves a result by an ulp at
+      // most; the norms' fp64 sums differ in order only.
+      ExpectClose(ToHost(dqkv, stream()), ref, 2e-6, 2e-6,
                   absl::StrCat("rope heads ", rc.n_heads, "/", rc.n_kv_heads, " hd ", rc.head_dim,
                                " rope ", rc.rope_dims, rc.neox ? " neox" : " interleaved",
-                               rc.bias ? " bias" : "", " T ", T));
+                               rc.bias ? " bias" : "", " scaling ", static_cast<int>(rc.scaling),
+                               rc.llama3_factors ? " llama3" : "", rc.qk_norm ? " qk_norm" : "",
+                               " T ", T));
     }
   }
 }

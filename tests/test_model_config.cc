@@ -6,6 +6,8 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "core/model_maker.h"
 #include "gtest/gtest.h"
 
 namespace ellm {
@@ -100,7 +102,7 @@ TEST(ModelConfigTest, UnsupportedArchitectureIsNamed) {
   GgufWriter w = MinimalLlama();
   w.SetString("general.architecture", "xyz");
   EXPECT_TRUE(IsInvalid(ConfigOf(w).status(),
-                        "unsupported architecture 'xyz' (ellm supports: llama, qwen2)"));
+                        "unsupported architecture 'xyz' (ellm supports: llama, qwen2, qwen3)"));
 }
 
 TEST(ModelConfigTest, Qwen2ReadsItsHyperparametersAndArchitectureTraits) {
@@ -290,6 +292,188 @@ TEST(ModelConfigTest, ValidateHandMadeConfig) {
   bad = *c;
   bad.arch = "mamba";
   EXPECT_TRUE(IsInvalid(bad.Validate(), "unsupported architecture 'mamba'"));
+}
+
+TEST(ModelConfigTest, RopeScalingKeysAsLlamaCppReadsThem) {
+  absl::StatusOr<ModelConfig> c = ConfigOf(MinimalLlama());
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->rope_scaling.type, RopeScalingType::kNone);
+  EXPECT_TRUE(c->rope_freq_factors.empty());
+
+  GgufWriter w = MinimalLlama();
+  w.SetString("llama.rope.scaling.type", "yarn");
+  w.SetFloat32("llama.rope.scaling.factor", 4);
+  w.SetUint32("llama.rope.scaling.original_context_length", 64);
+  w.SetBool("llama.rope.scaling.finetuned", true);  // informational
+  c = ConfigOf(w);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_scaling.type, RopeScalingType::kYarn);
+  EXPECT_EQ(c->rope_scaling.factor, 4);
+  EXPECT_EQ(c->rope_scaling.original_context, 64);
+  EXPECT_EQ(c->rope_scaling.attn_factor, 1);
+  EXPECT_NE(c->DebugString().find("yarn(x4, original context 64)"), std::string::npos);
+
+  // yarn without an original context: the model's context.
+  w = MinimalLlama();
+  w.SetString("llama.rope.scaling.type", "yarn");
+  w.SetFloat32("llama.rope.scaling.factor", 2);
+  w.SetFloat32("llama.rope.scaling.attn_factor", 0.75f);
+  c = ConfigOf(w);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_scaling.original_context, 256);
+  EXPECT_EQ(c->rope_scaling.attn_factor, 0.75f);
+
+  // A factor without a type is linear (llama.cpp's default); the old key too.
+  for (const char* key : {"llama.rope.scaling.factor", "llama.rope.scale_linear"}) {
+    w = MinimalLlama();
+    w.SetFloat32(key, 2);
+    c = ConfigOf(w);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->rope_scaling.type, RopeScalingType::kLinear) << key;
+    EXPECT_EQ(c->rope_scaling.factor, 2) << key;
+  }
+  // "none" ignores the factor.
+  w = MinimalLlama();
+  w.SetString("llama.rope.scaling.type", "none");
+  w.SetFloat32("llama.rope.scaling.factor", 8);
+  c = ConfigOf(w);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_scaling.type, RopeScalingType::kNone);
+}
+
+TEST(ModelConfigTest, RopeFreqsTensorIsRead) {
+  GgufWriter w = MinimalLlama();
+  const std::vector<float> f = Llama3RopeFactors(8, 10000, 8, 1, 4, 64);
+  ASSERT_TRUE(w.AddTensor("rope_freqs.weight", {4}, DType::kF32,
+                          std::string(reinterpret_cast<const char*>(f.data()), 16))
+                  .ok());
+  absl::StatusOr<ModelConfig> c = ConfigOf(w);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_freq_factors, f);
+  EXPECT_NE(c->DebugString().find("rope_freqs=llama3"), std::string::npos);
+
+  // Wrong length, non-positive factors, and an architecture that has none.
+  GgufWriter bad = MinimalLlama();
+  ASSERT_TRUE(bad.AddTensor("rope_freqs.weight", {3}, DType::kF32, std::string(12, '\0')).ok());
+  EXPECT_TRUE(IsInvalid(ConfigOf(bad).status(), "'rope_freqs.weight' has shape {3}, expected {4}"));
+  bad = MinimalLlama();
+  ASSERT_TRUE(bad.AddTensor("rope_freqs.weight", {4}, DType::kF32, std::string(16, '\0')).ok());
+  EXPECT_TRUE(IsInvalid(ConfigOf(bad).status(), "rope_freqs.weight[0] = 0 must be a positive factor"));
+  bad = MinimalLlama();
+  bad.SetString("general.architecture", "qwen2");
+  absl::StatusOr<std::unique_ptr<GgufFile>> llama_keys = GgufFile::FromBytes(MinimalLlama().ToBytes());
+  ASSERT_TRUE(llama_keys.ok());
+  GgufWriter qwen;
+  for (const auto& [k, v] : (*llama_keys)->metadata()) {
+    std::string key = k;
+    if (key.rfind("llama.", 0) == 0) key = "qwen2." + key.substr(6);
+    qwen.SetValue(key, v);
+  }
+  qwen.SetString("general.architecture", "qwen2");
+  ASSERT_TRUE(qwen.AddTensor("rope_freqs.weight", {4}, DType::kF32,
+                             std::string(reinterpret_cast<const char*>(f.data()), 16))
+                  .ok());
+  EXPECT_TRUE(IsInvalid(ConfigOf(qwen).status(), "tensor 'rope_freqs.weight'"));
+}
+
+// Every key and tensor that would change the computation, and that ellm
+// does not implement, is refused by name (a model ellm cannot compute
+// faithfully never serves).
+TEST(ModelConfigTest, UnimplementedFeaturesAreRefusedByName) {
+  struct Case {
+    const char* key;
+    GgufValue value;
+    const char* needle;
+  };
+  auto u32 = [](int64_t v) {
+    GgufValue g;
+    g.type = GgufValueType::kUint32;
+    g.i = v;
+    return g;
+  };
+  auto f32 = [](double v) {
+    GgufValue g;
+    g.type = GgufValueType::kFloat32;
+    g.f = v;
+    return g;
+  };
+  auto str = [](const char* v) {
+    GgufValue g;
+    g.type = GgufValueType::kString;
+    g.s = v;
+    return g;
+  };
+  auto boolean = [](bool v) {
+    GgufValue g;
+    g.type = GgufValueType::kBool;
+    g.b = v;
+    return g;
+  };
+  const Case cases[] = {
+      {"llama.rope.scaling.type", str("longrope"), "LongRoPE"},
+      {"llama.rope.scaling.type", str("dynamic"), "'dynamic'"},
+      {"llama.attention.sliding_window", u32(4096), "sliding attention window"},
+      {"llama.attn_logit_softcapping", f32(50), "attention logit soft-capping"},
+      {"llama.final_logit_softcapping", f32(30), "final logit soft-capping"},
+      {"llama.expert_count", u32(8), "mixture of experts"},
+      {"llama.attention.causal", boolean(false), "non-causal attention"},
+      {"llama.attention.layer_norm_epsilon", f32(1e-5), "LayerNorm"},
+      {"llama.attention.scale", f32(0.1), "attention scale"},
+      {"llama.embedding_scale", f32(12), "scaled embeddings"},
+      {"llama.logit_scale", f32(0.2), "scaled logits"},
+      {"llama.some_future_key", u32(1), "'llama.some_future_key' is unknown to ellm"},
+      {"gemma2.attention.sliding_window", u32(4096), "'gemma2.attention.sliding_window' is unknown"},
+      {"split.count", u32(3), "split over 3 GGUF files"},
+  };
+  for (const Case& k : cases) {
+    GgufWriter w = MinimalLlama();
+    w.SetValue(k.key, k.value);
+    const absl::Status st = ConfigOf(w).status();
+    EXPECT_TRUE(IsInvalid(st, k.needle)) << k.key;
+    EXPECT_NE(std::string(st.message()).find(k.key == std::string("split.count") ? "split" : k.key),
+              std::string::npos)
+        << st;
+  }
+  // Harmless values of the same keys load.
+  for (const Case& k : {Case{"llama.expert_count", u32(0), ""}, Case{"llama.attention.causal", boolean(true), ""},
+                        Case{"split.count", u32(1), ""}, Case{"llama.vocab_size", u32(10), ""},
+                        Case{"quantize.imatrix.file", str("x.dat"), ""}}) {
+    GgufWriter w = MinimalLlama();
+    w.SetValue(k.key, k.value);
+    EXPECT_TRUE(ConfigOf(w).ok()) << k.key << ": " << ConfigOf(w).status();
+  }
+  // Tensors outside the architecture: biases llama does not have, MoE
+  // routers, layers beyond block_count, q/k norms outside qwen3.
+  for (const char* name : {"blk.0.attn_q.bias", "blk.0.attn_output.bias", "blk.0.ffn_gate_inp.weight",
+                           "blk.2.attn_q.weight", "blk.x.attn_q.weight", "output.bias",
+                           "blk.1.attn_q_norm.weight", "rope_factors_long.weight"}) {
+    GgufWriter w = MinimalLlama();
+    ASSERT_TRUE(w.AddTensor(name, {4}, DType::kF32, std::string(16, '\0')).ok());
+    EXPECT_TRUE(IsInvalid(ConfigOf(w).status(), absl::StrCat("tensor '", name, "'"))) << name;
+  }
+}
+
+TEST(ModelConfigTest, Qwen3Traits) {
+  GgufWriter w;
+  w.SetString("general.architecture", "qwen3");
+  w.SetUint32("qwen3.block_count", 2);
+  w.SetUint32("qwen3.embedding_length", 64);
+  w.SetUint32("qwen3.feed_forward_length", 128);
+  w.SetUint32("qwen3.context_length", 256);
+  w.SetUint32("qwen3.attention.head_count", 4);
+  w.SetUint32("qwen3.attention.head_count_kv", 2);
+  w.SetUint32("qwen3.attention.key_length", 32);
+  w.SetUint32("qwen3.attention.value_length", 32);
+  w.SetStringArray("tokenizer.ggml.tokens", {"a", "b"});
+  absl::StatusOr<ModelConfig> c = ConfigOf(w);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->rope_neox);
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_FALSE(c->qkv_bias);
+  EXPECT_EQ(c->q_dim(), 128);  // wider than the embedding, as Qwen3 has it
+  ModelConfig both = *c;
+  both.qkv_bias = true;
+  EXPECT_TRUE(IsInvalid(both.Validate(), "biases together with q/k norms"));
 }
 
 }  // namespace

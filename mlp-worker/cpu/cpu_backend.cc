@@ -81,8 +81,13 @@ class CpuBackend final : public MlpBackend {
       }
     }
     for (int t = 0; t < n; ++t) {
+      if (positions[t] < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("position ", positions[t], " out of range"));
+      }
+    }
+    for (int t = 0; t < n; ++t) {
       token_embd_.DequantizeRow(tokens[t], x_.data() + static_cast<size_t>(t) * c.dim);
-      positions_[t] = positions[t];
+      rope_.CosSin(positions[t], cos_sin_.data() + static_cast<size_t>(t) * c.rope_dims);
     }
     n_ = n;
     return absl::OkStatus();
@@ -100,7 +105,7 @@ class CpuBackend final : public MlpBackend {
     MatMul(M.wk, act_, k, &pool_, isa_);
     MatMul(M.wv, act_, v, &pool_, isa_);
     ForTokens(n_, [&](int64_t t) {
-      QkvPostprocess(c, L, positions_[t], q + t * c.q_dim(), k + t * c.kv_dim(),
+      QkvPostprocess(c, rope_, L, cos_sin_.data() + t * c.rope_dims, q + t * c.q_dim(), k + t * c.kv_dim(),
                      v + t * c.kv_dim());
     });
     return absl::OkStatus();
@@ -158,7 +163,11 @@ class CpuBackend final : public MlpBackend {
   };
 
   CpuBackend(ModelWeights weights, int max_step_tokens, int threads)
-      : w_(std::move(weights)), max_tokens_(max_step_tokens), pool_(threads), isa_(BestMatIsa()) {
+      : w_(std::move(weights)),
+        rope_(w_.config),
+        max_tokens_(max_step_tokens),
+        pool_(threads),
+        isa_(BestMatIsa()) {
     const ModelConfig& c = w_.config;
     const size_t T = static_cast<size_t>(max_tokens_);
     x_.resize(T * c.dim);
@@ -166,7 +175,7 @@ class CpuBackend final : public MlpBackend {
     proj_.resize(T * c.dim);
     hb_.resize(T * c.ffn_dim);
     hb2_.resize(T * c.ffn_dim);
-    positions_.resize(max_tokens_);
+    cos_sin_.resize(T * c.rope_dims);
   }
 
   absl::Status TakeMatrices() {
@@ -240,6 +249,7 @@ class CpuBackend final : public MlpBackend {
   }
 
   ModelWeights w_;  // config, norms and biases (the matrices moved into QuantMatrix)
+  Rope rope_;
   int max_tokens_;
   ThreadPool pool_;
   MatIsa isa_;
@@ -253,7 +263,7 @@ class CpuBackend final : public MlpBackend {
   std::vector<float> xb_;        // [max_tokens, dim] normed
   std::vector<float> proj_;      // [max_tokens, dim]
   std::vector<float> hb_, hb2_;  // [max_tokens, ffn_dim]
-  std::vector<int32_t> positions_;
+  std::vector<float> cos_sin_;   // [max_tokens, rope_dims / 2, 2] of the step's positions
   int n_ = 0;
 };
 

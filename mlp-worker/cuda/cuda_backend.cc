@@ -43,6 +43,7 @@ constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
 struct DeviceLayer {
   DeviceArray<bf16_t> wqkv;       // [q_dim + 2 kv_dim, dim]: rows of wq | wk | wv
   DeviceArray<float> bqkv;        // [q_dim + 2 kv_dim] when config.qkv_bias
+  DeviceArray<float> qk_norm;     // [2, head_dim]: q_norm | k_norm when config.qk_norm
   DeviceArray<bf16_t> wo;         // [dim, q_dim]
   DeviceArray<bf16_t> w_gate_up;  // [2 ffn, dim]: rows of w_gate | w_up
   DeviceArray<bf16_t> w_down;     // [dim, ffn]
@@ -55,6 +56,7 @@ size_t WeightBytes(const ModelConfig& c, bool tied) {
   const size_t dim = c.dim, qkv = c.q_dim() + 2 * c.kv_dim(), ffn = c.ffn_dim;
   size_t layer = 2 * (qkv * dim + dim * c.q_dim() + 2 * ffn * dim + dim * ffn) + 4 * 2 * dim;
   if (c.qkv_bias) layer += 4 * qkv;
+  if (c.qk_norm) layer += 4 * 2 * static_cast<size_t>(c.head_dim);
   const size_t embd = 2 * static_cast<size_t>(c.vocab_size) * dim;
   return c.n_layers * layer + embd * (tied ? 1 : 2) + 4 * dim;
 }
@@ -131,7 +133,7 @@ class CudaBackend final : public MlpBackend {
     CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_.get(), s));
     CUDA_RETURN_IF_ERROR(cuda::LaunchEmbed(tokens_d(), embd_.get(), x_.get(), n, c_.dim, s));
     CUDA_RETURN_IF_ERROR(
-        cuda::LaunchRopeTable(positions_d(), n, c_.rope_dims, c_.rope_base, cos_sin_.get(), s));
+        cuda::LaunchRopeTable(positions_d(), n, rope_.pairs(), rope_freq_.get(), rope_.mscale(), cos_sin_.get(), s));
     n_ = n;
     return absl::OkStatus();
   }
@@ -280,7 +282,7 @@ class CudaBackend final : public MlpBackend {
   // once it is on the device.
   absl::Status UploadWeights(ModelWeights& w, bool tied, const LoadProgress& progress) {
     RETURN_IF_ERROR(Current());
-    const int total = 3 + (c_.qkv_bias ? 12 : 9) * c_.n_layers;
+    const int total = 3 + (9 + (c_.qkv_bias ? 3 : 0) + (c_.qk_norm ? 2 : 0)) * c_.n_layers;
     int done = 0;
     auto tick = [&] {
       ++done;
@@ -307,6 +309,12 @@ class CudaBackend final : public MlpBackend {
         RETURN_IF_ERROR(ToF32(L.bk, p + "attn_k.bias", kvd, D.bqkv.get() + qd));
         tick();
         RETURN_IF_ERROR(ToF32(L.bv, p + "attn_v.bias", kvd, D.bqkv.get() + qd + kvd));
+        tick();
+      }
+      if (c_.qk_norm) {
+        RETURN_IF_ERROR(ToF32(L.q_norm, p + "attn_q_norm", c_.head_dim, D.qk_norm.get()));
+        tick();
+        RETURN_IF_ERROR(ToF32(L.k_norm, p + "attn_k_norm", c_.head_dim, D.qk_norm.get() + c_.head_dim));
         tick();
       }
       RETURN_IF_ERROR(ToBf16(L.wo, p + "attn_output", dim * qd, D.wo.get()));
@@ -357,6 +365,10 @@ class CudaBackend final : public MlpBackend {
         CUDA_RETURN_IF_ERROR(cuda::LaunchFillRandom(
             D.bqkv.get(), static_cast<int64_t>(D.bqkv.size()), next(), 0.0f, 0.1f, s));
       }
+      if (c_.qk_norm) {
+        CUDA_RETURN_IF_ERROR(cuda::LaunchFillRandom(
+            D.qk_norm.get(), static_cast<int64_t>(D.qk_norm.size()), next(), 1.0f, 0.1f, s));
+      }
     }
     CUDA_RETURN_IF_ERROR(
         cuda::LaunchFillRandom(output_norm_.get(), c_.dim, next(), 1.0f, 0.1f, s));
@@ -383,7 +395,11 @@ class CudaBackend final : public MlpBackend {
   };
 
   CudaBackend(const ModelConfig& c, int max_step_tokens, const CudaBackendOptions& options)
-      : c_(c), max_tokens_(max_step_tokens), options_(options), graphs_enabled_(options.use_graphs) {
+      : c_(c),
+        rope_(c),
+        max_tokens_(max_step_tokens),
+        options_(options),
+        graphs_enabled_(options.use_graphs) {
     options_.progress = nullptr;  // only the factory's upload reports progress
   }
 
@@ -477,6 +493,11 @@ class CudaBackend final : public MlpBackend {
                                              c_.dim, c_.norm_eps, s));
     RETURN_IF_ERROR(cuda::GemmBf16(cublas_.get(), L.wqkv.get(), qkv_dim(), c_.dim, xb_.get(), n_,
                                    qkv_.get(), 0.0f));
+    if (c_.qk_norm) {
+      CUDA_RETURN_IF_ERROR(cuda::LaunchQkHeadNorm(qkv_.get(), n_, qkv_dim(), c_.n_heads,
+                                                  c_.n_kv_heads, c_.head_dim, L.qk_norm.get(),
+                                                  L.qk_norm.get() + c_.head_dim, c_.norm_eps, s));
+    }
     cuda::QkvRopeParams p;
     p.qkv = qkv_.get();
     p.n_tokens = n_;
@@ -585,6 +606,9 @@ class CudaBackend final : public MlpBackend {
       if (c_.qkv_bias) {
         ASSIGN_OR_RETURN(D.bqkv, DeviceArray<float>::Alloc(qkv));
       }
+      if (c_.qk_norm) {
+        ASSIGN_OR_RETURN(D.qk_norm, DeviceArray<float>::Alloc(2 * static_cast<size_t>(c_.head_dim)));
+      }
       ASSIGN_OR_RETURN(D.wo, DeviceArray<bf16_t>::Alloc(dim * qd));
       ASSIGN_OR_RETURN(D.w_gate_up, DeviceArray<bf16_t>::Alloc(2 * ffn * dim));
       ASSIGN_OR_RETURN(D.w_down, DeviceArray<bf16_t>::Alloc(dim * ffn));
@@ -600,6 +624,9 @@ class CudaBackend final : public MlpBackend {
     ASSIGN_OR_RETURN(h_, DeviceArray<bf16_t>::Alloc(T * ffn));
     ASSIGN_OR_RETURN(logits_, DeviceArray<float>::Alloc(T * vocab));
     ASSIGN_OR_RETURN(cos_sin_, DeviceArray<float>::Alloc(T * std::max(c_.rope_dims, 2)));
+    ASSIGN_OR_RETURN(rope_freq_, DeviceArray<double>::Alloc(std::max(rope_.pairs(), 1)));
+    CUDA_RETURN_IF_ERROR(cudaMemcpy(rope_freq_.get(), rope_.freq().data(),
+                                    rope_.pairs() * sizeof(double), cudaMemcpyHostToDevice));
     ASSIGN_OR_RETURN(ints_, DeviceArray<int32_t>::Alloc(3 * T));
     ASSIGN_OR_RETURN(staging_, PinnedArray<int32_t>::Alloc(3 * T));
     return absl::OkStatus();
@@ -652,6 +679,7 @@ class CudaBackend final : public MlpBackend {
   }
 
   ModelConfig c_;
+  Rope rope_;  // the rotation frequencies, computed once
   int max_tokens_;
   CudaBackendOptions options_;
   std::string device_name_;
@@ -682,6 +710,7 @@ class CudaBackend final : public MlpBackend {
   DeviceArray<bf16_t> h_;          // [T, ffn]
   DeviceArray<float> logits_;      // [T, vocab]
   DeviceArray<float> cos_sin_;     // [T, rope_dims / 2, 2]
+  DeviceArray<double> rope_freq_;  // [rope_dims / 2]: rope_.freq()
   DeviceArray<int32_t> ints_;      // tokens | positions | logits rows, max_tokens_ each
   PinnedArray<int32_t> staging_;   // the same, on the host
 

@@ -71,16 +71,33 @@ __global__ void RmsNormKernel(const float* x, const int32_t* rows, const float* 
   }
 }
 
-__global__ void RopeTableKernel(const int32_t* positions, int n_tokens, int rope_dims, float base,
-                                float* cos_sin) {
-  const int half = rope_dims / 2;
+__global__ void RopeTableKernel(const int32_t* positions, int n_tokens, int pairs, const double* freq,
+                                double mscale, float* cos_sin) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= static_cast<int64_t>(n_tokens) * half) return;
-  const int t = static_cast<int>(idx / half), i = static_cast<int>(idx % half);
-  const double freq = pow(static_cast<double>(base), -2.0 * i / rope_dims);
-  const double angle = positions[t] * freq;
-  cos_sin[2 * idx] = static_cast<float>(cos(angle));
-  cos_sin[2 * idx + 1] = static_cast<float>(sin(angle));
+  if (idx >= static_cast<int64_t>(n_tokens) * pairs) return;
+  const int t = static_cast<int>(idx / pairs), i = static_cast<int>(idx % pairs);
+  const double angle = static_cast<double>(positions[t]) * freq[i];
+  cos_sin[2 * idx] = static_cast<float>(cos(angle) * mscale);
+  cos_sin[2 * idx + 1] = static_cast<float>(sin(angle) * mscale);
+}
+
+// One block per (head, token); heads [0, n_heads) are q, then the k heads.
+__global__ void QkHeadNormKernel(float* qkv, int row_stride, int n_heads,
+                                 int head_dim, const float* q_norm, const float* k_norm, float eps) {
+  const int h = blockIdx.x, t = blockIdx.y;
+  const int64_t col = static_cast<int64_t>(h) * head_dim;
+  float* x = qkv + static_cast<int64_t>(t) * row_stride + col;
+  const float* w = h < n_heads ? q_norm : k_norm;
+  double ss = 0;
+  for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+    const double v = x[i];
+    ss += v * v;
+  }
+  ss = BlockSum(ss);
+  const float scale = static_cast<float>(1.0 / sqrt(ss / head_dim + static_cast<double>(eps)));
+  for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+    x[i] = __fmul_rn(__fmul_rn(x[i], scale), w[i]);
+  }
 }
 
 // grid (column blocks, tokens); one thread per column of q | k | v. The
@@ -248,12 +265,22 @@ cudaError_t LaunchRmsNorm(const float* x, const int32_t* rows, const float* weig
   return RmsNormImpl(x, rows, weight, out, n_rows, dim, eps, stream);
 }
 
-cudaError_t LaunchRopeTable(const int32_t* positions, int n_tokens, int rope_dims, float base,
-                            float* cos_sin, cudaStream_t stream) {
-  const int64_t n = static_cast<int64_t>(n_tokens) * (rope_dims / 2);
-  if (n <= 0) return cudaSuccess;
+cudaError_t LaunchRopeTable(const int32_t* positions, int n_tokens, int pairs, const double* freq,
+                            double mscale, float* cos_sin, cudaStream_t stream) {
+  const int64_t n = static_cast<int64_t>(n_tokens) * pairs;
+  if (n == 0) return cudaSuccess;
   RopeTableKernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      positions, n_tokens, rope_dims, base, cos_sin);
+      positions, n_tokens, pairs, freq, mscale, cos_sin);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchQkHeadNorm(float* qkv, int n_tokens, int row_stride, int n_heads, int n_kv_heads, int head_dim, const float* q_norm,
+                             const float* k_norm, float eps, cudaStream_t stream) {
+  if (n_tokens == 0) return cudaSuccess;
+  // A multiple of 32 (BlockSum), about one thread per element.
+  const int threads = std::min(1024, (head_dim + 31) / 32 * 32);
+  QkHeadNormKernel<<<dim3(n_heads + n_kv_heads, n_tokens), threads, 0, stream>>>(
+      qkv, row_stride, n_heads, head_dim, q_norm, k_norm, eps);
   return cudaGetLastError();
 }
 

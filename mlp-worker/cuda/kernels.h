@@ -30,11 +30,19 @@ cudaError_t LaunchRmsNorm(const float* x, const int32_t* rows, const float* weig
 cudaError_t LaunchRmsNorm(const float* x, const int32_t* rows, const float* weight, bf16_t* out,
                           int n_rows, int dim, float eps, cudaStream_t stream);
 
-// cos_sin[t, i] = {cos, sin}(positions[t] * base^(-2i / rope_dims)) for
-// i < rope_dims / 2, computed in fp64 and rounded to float as the CPU does.
-// cos_sin is [n_tokens, rope_dims / 2, 2].
-cudaError_t LaunchRopeTable(const int32_t* positions, int n_tokens, int rope_dims, float base,
-                            float* cos_sin, cudaStream_t stream);
+// cos_sin[t, i] = {cos, sin}(positions[t] * freq[i]) * mscale for i < pairs,
+// computed in fp64 and rounded to float as core Rope::CosSin does; freq
+// [pairs] is Rope::freq() (scaling included). cos_sin is [n_tokens, pairs, 2].
+cudaError_t LaunchRopeTable(const int32_t* positions, int n_tokens, int pairs, const double* freq,
+                            double mscale, float* cos_sin, cudaStream_t stream);
+
+// qwen3: in place on the q and k heads of qkv [n_tokens, row_stride] (q | k
+// | v as for LaunchQkvBiasRope), RMS-normalises each head: head =
+// RmsNorm(head) * weight, with q_norm [head_dim] for the q heads and k_norm
+// [head_dim] for the k heads (core RmsNorm's arithmetic). Runs before
+// LaunchQkvBiasRope; no architecture has both biases and q/k norms.
+cudaError_t LaunchQkHeadNorm(float* qkv, int n_tokens, int row_stride, int n_heads, int n_kv_heads, int head_dim, const float* q_norm,
+                             const float* k_norm, float eps, cudaStream_t stream);
 
 // In place on the rows of a projection output qkv [n_tokens, row_stride]
 // whose first q_dim + 2 * kv_dim columns are q | k | v: adds the bias

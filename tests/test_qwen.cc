@@ -1,6 +1,7 @@
-// qwen2 architecture: NeoX RoPE, Q/K/V biases, tied embeddings — the
-// reference forward checked against an independent double-precision forward
-// written here from the architecture's definition; and ellm's model maker.
+// The qwen2 and qwen3 architectures (NeoX RoPE and tied embeddings; qwen2's
+// Q/K/V biases, qwen3's per-head q/k RMSNorm before RoPE): the reference
+// forward checked against an independent double-precision forward written
+// here from the architectures' definitions; and ellm's model maker.
 #include <cmath>
 #include <complex>
 #include <random>
@@ -20,39 +21,11 @@ namespace {
 const std::string kQwenVocab = ELLM_MODELS_DIR "/vocab/qwen2.5-vocab-derived.gguf";
 const std::string kSpmVocab = ELLM_MODELS_DIR "/vocab/ggml-vocab-llama-spm.gguf";
 
-TEST(Qwen2, NeoxRopeMatchesComplexRotationOfHalves) {
-  std::mt19937 rng(7);
-  std::normal_distribution<float> normal;
-  for (int head_dim : {8, 64, 128}) {
-    for (int pos : {0, 1, 17, 4095}) {
-      const int heads = 3, rope_dims = head_dim;
-      std::vector<float> x(heads * head_dim);
-      for (float& v : x) v = normal(rng);
-      std::vector<float> neox = x, interleaved = x;
-      RopeNeox(neox.data(), heads, head_dim, rope_dims, pos, 1e6f);
-      RopeInterleaved(interleaved.data(), heads, head_dim, rope_dims, pos, 1e6f);
-      const int half = rope_dims / 2;
-      for (int h = 0; h < heads; ++h) {
-        for (int i = 0; i < half; ++i) {
-          // NeoX: element i and i + half form one complex number.
-          const double theta = pos * std::pow(1e6, -2.0 * i / rope_dims);
-          std::complex<double> z(x[h * head_dim + i], x[h * head_dim + i + half]);
-          z *= std::polar(1.0, theta);
-          EXPECT_NEAR(neox[h * head_dim + i], z.real(), 1e-4 * (1 + std::abs(z)));
-          EXPECT_NEAR(neox[h * head_dim + i + half], z.imag(), 1e-4 * (1 + std::abs(z)));
-        }
-      }
-      if (pos > 0) {
-        EXPECT_NE(neox, interleaved);  // the two layouts differ
-      }
-    }
-  }
-}
-
-// An independent qwen2 forward in double precision, straight from the GGUF.
-class NaiveQwen2 {
+// An independent qwen2 / qwen3 forward in double precision, straight from
+// the GGUF (biases and q/k norms where the file has them).
+class NaiveQwen {
  public:
-  explicit NaiveQwen2(const GgufFile& f, const ModelConfig& c) : f_(f), c_(c) {}
+  explicit NaiveQwen(const GgufFile& f, const ModelConfig& c) : f_(f), c_(c) {}
 
   std::vector<double> Tensor(const std::string& name) {
     const GgufTensorInfo* t = f_.FindTensor(name);
@@ -73,9 +46,18 @@ class NaiveQwen2 {
       for (int l = 0; l < c_.n_layers; ++l) {
         const std::string p = "blk." + std::to_string(l) + ".";
         auto xn = Norm(x, Tensor(p + "attn_norm.weight"));
-        auto q = Add(MatVec(Tensor(p + "attn_q.weight"), xn), Tensor(p + "attn_q.bias"));
-        auto k = Add(MatVec(Tensor(p + "attn_k.weight"), xn), Tensor(p + "attn_k.bias"));
-        auto v = Add(MatVec(Tensor(p + "attn_v.weight"), xn), Tensor(p + "attn_v.bias"));
+        auto q = MatVec(Tensor(p + "attn_q.weight"), xn);
+        auto k = MatVec(Tensor(p + "attn_k.weight"), xn);
+        auto v = MatVec(Tensor(p + "attn_v.weight"), xn);
+        if (f_.FindTensor(p + "attn_q.bias") != nullptr) {
+          q = Add(q, Tensor(p + "attn_q.bias"));
+          k = Add(k, Tensor(p + "attn_k.bias"));
+          v = Add(v, Tensor(p + "attn_v.bias"));
+        }
+        if (f_.FindTensor(p + "attn_q_norm.weight") != nullptr) {
+          NormHeads(q, nh, Tensor(p + "attn_q_norm.weight"));
+          NormHeads(k, nkv, Tensor(p + "attn_k_norm.weight"));
+        }
         Rope(q, nh, pos);
         Rope(k, nkv, pos);
         keys[l].push_back(k);
@@ -117,6 +99,15 @@ class NaiveQwen2 {
     std::vector<double> out(x.size());
     for (size_t i = 0; i < x.size(); ++i) out[i] = x[i] * s * w[i];
     return out;
+  }
+  // RMSNorm of each head of v [heads, head_dim] with weight w [head_dim].
+  void NormHeads(std::vector<double>& v, int heads, const std::vector<double>& w) {
+    const int hd = c_.head_dim;
+    for (int h = 0; h < heads; ++h) {
+      const std::vector<double> head(v.begin() + h * hd, v.begin() + (h + 1) * hd);
+      const std::vector<double> normed = Norm(head, w);
+      std::copy(normed.begin(), normed.end(), v.begin() + h * hd);
+    }
   }
   std::vector<double> MatVec(const std::vector<double>& w, const std::vector<double>& x) {
     const size_t rows = w.size() / x.size();
@@ -161,21 +152,19 @@ MakeModelOptions TinyQwen(DType type) {
   return o;
 }
 
-TEST(Qwen2, ReferenceForwardMatchesIndependentForward) {
-  auto writer = MakeRandomModel(TinyQwen(DType::kF32));
+// The reference forward's logits against NaiveQwen's at a few positions.
+void ExpectReferenceMatchesNaive(const MakeModelOptions& options) {
+  auto writer = MakeRandomModel(options);
   ASSERT_TRUE(writer.ok()) << writer.status();
   auto file = GgufFile::FromBytes(writer->ToBytes());
   ASSERT_TRUE(file.ok()) << file.status();
   auto config = ModelConfig::FromGguf(**file);
   ASSERT_TRUE(config.ok()) << config.status();
-  EXPECT_TRUE(config->rope_neox);
-  EXPECT_TRUE(config->qkv_bias);
-  EXPECT_EQ((*file)->FindTensor("output.weight"), nullptr);  // tied
   auto weights = LoadWeights(**file, *config);
   ASSERT_TRUE(weights.ok()) << weights.status();
   auto model = ReferenceModel::Create(*std::move(weights), 64);
   ASSERT_TRUE(model.ok());
-  NaiveQwen2 naive(**file, *config);
+  NaiveQwen naive(**file, *config);
   const std::vector<int> tokens = {14990, 1879, 40, 2776, 151643, 7, 99, 1000};
   std::vector<int> prefix;
   for (size_t pos = 0; pos < tokens.size(); ++pos) {
@@ -189,8 +178,40 @@ TEST(Qwen2, ReferenceForwardMatchesIndependentForward) {
       max_abs = std::max(max_abs, std::abs(expected[i]));
     }
     // fp32 accumulation over a 64-wide model: well under 1e-4 of the logit scale.
-    EXPECT_LT(max_err, 1e-4 * std::max(1.0, max_abs)) << "position " << pos;
+    EXPECT_LT(max_err, 1e-4 * std::max(1.0, max_abs)) << options.arch << " position " << pos;
   }
+}
+
+TEST(Qwen3, ReferenceForwardMatchesIndependentForward) {
+  MakeModelOptions o = TinyQwen(DType::kF32);
+  o.arch = "qwen3";
+  o.head_dim = 32;  // q_dim 128 != hidden 64, as Qwen3's models have it
+  auto writer = MakeRandomModel(o);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  auto file = GgufFile::FromBytes(writer->ToBytes());
+  ASSERT_TRUE(file.ok()) << file.status();
+  auto config = ModelConfig::FromGguf(**file);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_TRUE(config->rope_neox);
+  EXPECT_TRUE(config->qk_norm);
+  EXPECT_FALSE(config->qkv_bias);
+  EXPECT_EQ(config->q_dim(), 128);
+  EXPECT_EQ((*file)->FindTensor("attn_q.bias"), nullptr);
+  EXPECT_NE((*file)->FindTensor("blk.1.attn_k_norm.weight"), nullptr);
+  ExpectReferenceMatchesNaive(o);
+}
+
+TEST(Qwen2, ReferenceForwardMatchesIndependentForward) {
+  auto writer = MakeRandomModel(TinyQwen(DType::kF32));
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  auto file = GgufFile::FromBytes(writer->ToBytes());
+  ASSERT_TRUE(file.ok()) << file.status();
+  auto config = ModelConfig::FromGguf(**file);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_TRUE(config->rope_neox);
+  EXPECT_TRUE(config->qkv_bias);
+  EXPECT_EQ((*file)->FindTensor("output.weight"), nullptr);  // tied
+  ExpectReferenceMatchesNaive(TinyQwen(DType::kF32));
 }
 
 TEST(Qwen2, MakeModelIsDeterministicAndLoadsForEveryWeightType) {
