@@ -57,7 +57,7 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Submit(GenerateOptions
   auto seq = std::make_unique<Sequence>();
   seq->options = std::move(options);
   seq->stream = std::make_shared<RequestStream>();
-  seq->text = std::make_unique<TextOutput>(tokenizer_, seq->options.stop);
+  seq->text = std::make_unique<TextOutput>(tokenizer_, seq->options.stop, seq->options.prompt.back());
   seq->rng = SequenceRng(seq->options.seed);
   seq->blocks = blocks;
   seq->base = seq->fed = seq->options.synthetic_context;

@@ -4,8 +4,8 @@
 
 namespace ellm::coord {
 
-TextOutput::TextOutput(const Tokenizer& tokenizer, std::vector<std::string> stop)
-    : decoder_(tokenizer), stop_(std::move(stop)) {
+TextOutput::TextOutput(const Tokenizer& tokenizer, std::vector<std::string> stop, int32_t prev)
+    : decoder_(tokenizer, prev), stop_(std::move(stop)) {
   stop_.erase(std::remove(stop_.begin(), stop_.end(), std::string()), stop_.end());
 }
 

@@ -12,7 +12,9 @@ namespace ellm::coord {
 
 class TextOutput {
  public:
-  TextOutput(const Tokenizer& tokenizer, std::vector<std::string> stop);
+  // `prev` is the prompt's last token: the first answer token is decoded as
+  // its continuation (e.g. SPM keeps its leading space).
+  TextOutput(const Tokenizer& tokenizer, std::vector<std::string> stop, int32_t prev = -1);
   // Adds a token's text; returns the text now safe to send. Sets *stopped
   // when a stop string appeared (the returned text ends just before it).
   std::string Push(int32_t token, bool* stopped);

@@ -135,7 +135,11 @@ absl::StatusOr<std::vector<std::string>> BpePreTokenize(std::string_view pre,
 // (or flushed as U+FFFD by Finish when the stream ends mid-sequence).
 class StreamDecoder {
  public:
-  explicit StreamDecoder(const Tokenizer& tokenizer) : tokenizer_(tokenizer) {}
+  // `prev` is the token the stream follows (the prompt's last, for an
+  // answer; -1 at the start of a sequence): SPM's leading-space rule drops
+  // the space of a sequence's first piece, not of an answer's.
+  explicit StreamDecoder(const Tokenizer& tokenizer, int32_t prev = -1)
+      : tokenizer_(tokenizer), prev_(prev) {}
   // Text that became complete with `id` (possibly empty).
   std::string Push(int32_t id);
   std::string Finish();

@@ -69,6 +69,18 @@ TEST(Integration, GreedyMatchesReferenceWithTwoAttentionWorkers) {
   EXPECT_EQ(g.finish.prompt_tokens(), 5);
   EXPECT_GT(g.messages, 10);  // streamed, not sent in one piece
   EXPECT_NE(g.text.find("Lily"), std::string::npos) << g.text;
+  // The answer continues the prompt as text: the prompt plus the streamed
+  // text is the whole sequence decoded (an answer's first piece keeps its
+  // leading space; SPM drops only the sequence's first).
+  for (const char* prompt : {"Once upon a time", "Lily wanted to"}) {
+    Generated a = Generate(system.stub(), Greedy(prompt, 12));
+    ASSERT_TRUE(a.status.ok());
+    auto file = GgufFile::Open(kStories);
+    auto tokenizer = Tokenizer::FromGguf(**file);
+    std::vector<int32_t> all = (*tokenizer)->Encode(prompt, true);
+    all.insert(all.end(), a.tokens.begin(), a.tokens.end());
+    EXPECT_EQ(prompt + a.text, (*tokenizer)->Decode(all)) << prompt;
+  }
   ExpectCleanShutdown(system);
 }
 

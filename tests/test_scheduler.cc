@@ -56,6 +56,14 @@ const Tokenizer& Tok() {
   return *tokenizer;
 }
 
+// The text of `tokens` as an answer to `prompt`: what follows the prompt's
+// own text when the whole sequence is decoded.
+std::string Answer(const std::vector<int32_t>& prompt, const std::vector<int32_t>& tokens) {
+  std::vector<int32_t> all = prompt;
+  all.insert(all.end(), tokens.begin(), tokens.end());
+  return Tok().Decode(all).substr(Tok().Decode(prompt).size());
+}
+
 // The fake's default answer: a text piece chosen from the sequence id and the
 // position of the step's last token of that sequence. Never EOS.
 int32_t DefaultToken(uint64_t seq, uint32_t last_pos, int /*nth*/) {
@@ -369,7 +377,7 @@ TEST_F(SchedulerTest, YieldsExactlyMaxTokens) {
     EXPECT_EQ(out.tokens[n], DefaultToken(*id, last_pos, n)) << n;
     EXPECT_FLOAT_EQ(out.logprobs[n], -0.5f - 0.001f * n);
   }
-  EXPECT_EQ(out.text, Tok().Decode(out.tokens));
+  EXPECT_EQ(out.text, Answer(prompt, out.tokens));
   CheckPlans(plans, options_, {{*id, {prompt, out.tokens}}});
   // Every sampling slice carries the request's parameters and the next draw
   // of SequenceRng(seed); slices that do not sample carry u = 0.
@@ -493,7 +501,7 @@ TEST_F(SchedulerTest, EndOfSequenceTokenStops) {
   EXPECT_EQ(out.tokens.back(), kEos);
   EXPECT_EQ(out.finish.completion_tokens, 3);
   // EOS adds no text.
-  EXPECT_EQ(out.text, Tok().Decode({out.tokens[0], out.tokens[1]}));
+  EXPECT_EQ(out.text, Answer(Prompt(300, 4), {out.tokens[0], out.tokens[1]}));
   const uint64_t id = SeqIdOf(exec_.plans(), 300).value();
   EXPECT_TRUE(exec_.WaitForFree(id));
 }
@@ -516,10 +524,11 @@ class SchedulerStopStrings : public SchedulerTest {
 
 // The request's text and token count when stop strings end it: the shortest
 // prefix of `script` whose text holds a stop string, cut at the earliest one.
-std::pair<std::string, size_t> ExpectedStop(const std::vector<int32_t>& script,
+std::pair<std::string, size_t> ExpectedStop(const std::vector<int32_t>& prompt,
+                                            const std::vector<int32_t>& script,
                                             const std::vector<std::string>& stop) {
   for (size_t m = 1; m <= script.size(); ++m) {
-    const std::string text = Tok().Decode({script.begin(), script.begin() + m});
+    const std::string text = Answer(prompt, {script.begin(), script.begin() + m});
     size_t cut = std::string::npos;
     for (const std::string& s : stop) cut = std::min(cut, text.find(s));
     if (cut != std::string::npos) return {text.substr(0, cut), m};
@@ -530,7 +539,7 @@ std::pair<std::string, size_t> ExpectedStop(const std::vector<int32_t>& script,
 TEST_F(SchedulerStopStrings, StopStringEndsTheRequestAndIsNotSent) {
   ASSERT_GT(script_.size(), 8u);
   const std::vector<std::string> stop = {"sat on"};
-  const auto [text, count] = ExpectedStop(script_, stop);
+  const auto [text, count] = ExpectedStop(Prompt(300, 3), script_, stop);
   ASSERT_GT(count, 0u);
   ASSERT_FALSE(text.empty());
   const Outcome out = RunScript(script_, stop, 40);
@@ -544,7 +553,7 @@ TEST_F(SchedulerStopStrings, StopStringEndsTheRequestAndIsNotSent) {
 TEST_F(SchedulerStopStrings, EarliestOfSeveralStopStringsAcrossTokens) {
   // "t sat" spans the tokens of "cat" and "sat"; "mat" comes later.
   const std::vector<std::string> stop = {"mat", "t sat"};
-  const auto [text, count] = ExpectedStop(script_, stop);
+  const auto [text, count] = ExpectedStop(Prompt(300, 3), script_, stop);
   ASSERT_GT(count, 0u);
   const Outcome out = RunScript(script_, stop, 40);
   EXPECT_EQ(out.finish.reason, FinishReason::kStopString);
@@ -563,7 +572,7 @@ TEST_F(SchedulerStopStrings, HeldBackPrefixIsFlushedWhenNoStopCompletes) {
   ASSERT_TRUE(out.error.ok()) << out.error;
   EXPECT_EQ(out.finish.reason, FinishReason::kMaxTokens);
   EXPECT_EQ(out.tokens, script);
-  EXPECT_EQ(out.text, Tok().Decode(script));
+  EXPECT_EQ(out.text, Answer(Prompt(300, 3), script));
   // "mat and the" went out in one piece once the request ended, not token by
   // token as it was generated.
   size_t first = 0;

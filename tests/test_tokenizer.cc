@@ -164,6 +164,22 @@ TEST_F(LlamaSpmTest, StreamDecoderHoldsBackSplitEmoji) {
   EXPECT_EQ(stream.Finish(), "");
 }
 
+TEST_F(LlamaSpmTest, StreamDecoderAfterAPromptKeepsTheAnswersLeadingSpace) {
+  // "Lily wanted to" + " go on": the answer's first piece "▁go" is a
+  // continuation, so its space stays; at a sequence's start it is dropped.
+  const std::vector<int32_t> prompt = tok_->Encode("Lily wanted to", true);
+  const std::vector<int32_t> answer = tok_->Encode("go on", false);  // "▁go▁on"
+  ASSERT_EQ(tok_->token(answer[0]).rfind("\xE2\x96\x81", 0), 0u) << "a piece with the space prefix";
+  StreamDecoder after(*tok_, prompt.back());
+  std::string text;
+  for (int32_t id : answer) text += after.Push(id);
+  EXPECT_EQ(text, " go on");
+  StreamDecoder fresh(*tok_);
+  text.clear();
+  for (int32_t id : answer) text += fresh.Push(id);
+  EXPECT_EQ(text, "go on");
+}
+
 TEST_F(LlamaSpmTest, StreamDecoderFinishFlushesIncompleteAsReplacement) {
   StreamDecoder stream(*tok_);
   EXPECT_EQ(stream.Push(3 + 0xF0), "");
