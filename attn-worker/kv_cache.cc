@@ -70,6 +70,8 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& o
   if (options.blocks % 64 != 0) cache->free_bits_.back() = (uint64_t{1} << (options.blocks % 64)) - 1;
   cache->unclaimed_bits_ = cache->free_bits_;
   cache->free_count_ = options.blocks;
+  cache->refs_.assign(static_cast<size_t>(options.blocks), 0);
+  cache->is_cached_.assign(static_cast<size_t>(options.blocks), 0);
   return cache;
 }
 
@@ -154,7 +156,92 @@ int32_t KvCache::TakeBlock(Sequence& s) {
   SetBit(free_bits_, b, false);
   SetBit(unclaimed_bits_, b, true);
   --free_count_;
+  refs_[b] = 1;
   return static_cast<int32_t>(b);
+}
+
+void KvCache::Unref(int32_t b) {
+  if (--refs_[b] > 0 || is_cached_[b]) return;
+  SetBit(free_bits_, b, true);
+  ++free_count_;
+}
+
+absl::Status KvCache::Publish(uint64_t seq, int first, const std::vector<uint64_t>& keys) {
+  const auto it = seqs_.find(seq);
+  if (it == seqs_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot publish blocks of unknown sequence ", seq));
+  }
+  const Sequence& s = it->second;
+  const int64_t full = s.length / options_.block_tokens;
+  if (first < 0 || first + static_cast<int64_t>(keys.size()) > full) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence ", seq, " has ", full, " full blocks; cannot publish blocks [", first, ", ",
+        first + keys.size(), ")"));
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const int32_t b = s.blocks[first + i];
+    if (cached_.contains(keys[i]) || is_cached_[b]) {
+      return absl::InvalidArgumentError(absl::StrCat("block ", first + i, " of sequence ", seq,
+                                                     " or key ", keys[i], " is already cached"));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (keys[j] == keys[i]) return absl::InvalidArgumentError("a key is published twice");
+    }
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const int32_t b = s.blocks[first + i];
+    cached_[keys[i]] = b;
+    is_cached_[b] = 1;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvCache::Attach(uint64_t seq, const std::vector<uint64_t>& keys) {
+  const auto it = seqs_.find(seq);
+  if (it != seqs_.end() && (it->second.length > 0 || !it->second.blocks.empty())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence ", seq, " already holds positions; cached blocks start a sequence"));
+  }
+  std::vector<int32_t> blocks;
+  blocks.reserve(keys.size());
+  for (uint64_t key : keys) {
+    const auto found = cached_.find(key);
+    if (found == cached_.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cached block ", key, " for sequence ", seq, " is not in this worker's cache"));
+    }
+    blocks.push_back(found->second);
+  }
+  if (blocks.empty()) return absl::OkStatus();
+  for (int32_t b : blocks) ++refs_[b];
+  Sequence& s = seqs_[seq];
+  s.blocks = std::move(blocks);
+  s.length = static_cast<int>(s.blocks.size()) * options_.block_tokens;
+  s.zone_end = 0;
+  return absl::OkStatus();
+}
+
+absl::Status KvCache::Evict(const std::vector<uint64_t>& keys) {
+  for (uint64_t key : keys) {
+    const auto found = cached_.find(key);
+    if (found == cached_.end()) {
+      return absl::FailedPreconditionError(absl::StrCat("cannot evict block ", key, ": not cached"));
+    }
+    if (refs_[found->second] > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot evict block ", key, ": ", refs_[found->second], " sequences use it"));
+    }
+  }
+  for (uint64_t key : keys) {
+    const auto found = cached_.find(key);
+    if (found == cached_.end()) continue;  // listed twice
+    const int32_t b = found->second;
+    cached_.erase(found);
+    is_cached_[b] = 0;
+    SetBit(free_bits_, b, true);
+    ++free_count_;
+  }
+  return absl::OkStatus();
 }
 
 uint8_t* KvCache::BlockBase(int layer, int kv_head, int32_t block) const {
@@ -201,12 +288,22 @@ int KvCache::Length(uint64_t seq) const {
   return it == seqs_.end() ? 0 : it->second.length;
 }
 
+absl::Status KvCache::Apply(const KvOps& ops) {
+  for (const KvOps::SequenceBlocks& p : ops.publish) RETURN_IF_ERROR(Publish(p.seq, p.first_block, p.keys));
+  for (uint64_t seq : ops.free) Free(seq);
+  RETURN_IF_ERROR(Evict(ops.evict));
+  for (const KvOps::SequenceBlocks& a : ops.attach) {
+    if (a.first_block != 0) return absl::InvalidArgumentError("cached blocks start a sequence (first_block 0)");
+    RETURN_IF_ERROR(Attach(a.seq, a.keys));
+  }
+  return absl::OkStatus();
+}
+
 void KvCache::Free(uint64_t seq) {
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) return;
   ReleaseZone(it->second);
-  for (int32_t b : it->second.blocks) SetBit(free_bits_, b, true);
-  free_count_ += static_cast<int64_t>(it->second.blocks.size());
+  for (int32_t b : it->second.blocks) Unref(b);
   seqs_.erase(it);
 }
 

@@ -9,8 +9,17 @@
 // consecutive ids is therefore one contiguous run of memory, and a decode
 // kernel reads two sequential streams front to back (with software prefetch
 // ahead of both).
-// Positions are appended in order and quantised once, when stored; a
-// sequence's blocks return to the pool when it is freed.
+// Positions are appended in order and quantised once, when stored.
+//
+// Prefix cache: a full block can be published under a key (the coordinator's
+// chain hash of the tokens up to its end). A new sequence may start with a
+// run of cached blocks (Attach) instead of computing them; blocks carry
+// reference counts (the sequences whose table holds them), are never written
+// once full, and a published block stays in the pool, unreferenced, after its
+// sequences are freed, until the coordinator evicts it. The coordinator
+// decides every key, attach and eviction; a call this cache cannot honour
+// (an unknown key, a referenced block to evict, a partial block to publish)
+// is an error that changes nothing.
 //
 // Block choice keeps each sequence's blocks ascending and in long
 // consecutive runs, so that its K and V read as long forward streams of
@@ -35,7 +44,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "attn-worker/kv_format.h"
+#include "core/kv_ops.h"
 #include "core/status.h"
 
 namespace ellm::attn {
@@ -90,10 +101,33 @@ class KvCache {
   KvSeqView View(uint64_t seq, int layer, int kv_head) const;
   // Positions held for `seq` (0 if unknown).
   int Length(uint64_t seq) const;
+  // Releases the sequence's blocks: each loses a reference, and returns to
+  // the pool when it has none left and is not cached.
   void Free(uint64_t seq);
 
+  // Publishes blocks [first, first + keys.size()) of `seq` (full ones) under
+  // `keys`. InvalidArgument (and nothing published) for an unknown sequence,
+  // a block past its last full one, a key already cached or a block already
+  // published under another key.
+  absl::Status Publish(uint64_t seq, int first, const std::vector<uint64_t>& keys);
+  // Starts the new sequence `seq` with the cached blocks of `keys`, in order
+  // (its length becomes keys.size() * block_tokens). InvalidArgument (and
+  // nothing changed) when `seq` already holds positions or a key is not
+  // cached.
+  absl::Status Attach(uint64_t seq, const std::vector<uint64_t>& keys);
+  // Drops cached blocks that no sequence references, returning them to the
+  // pool. FailedPrecondition (and nothing dropped) for a key that is not
+  // cached or whose block is still referenced.
+  absl::Status Evict(const std::vector<uint64_t>& keys);
+  // The coordinator's operations, in KvOps order (publish, free, evict,
+  // attach); stops at the first that fails and returns its error.
+  absl::Status Apply(const KvOps& ops);
+
   int64_t blocks_total() const { return options_.blocks; }
+  // Blocks in no sequence and not cached.
   int64_t blocks_free() const { return free_count_; }
+  // Cached blocks (referenced or not).
+  int64_t blocks_cached() const { return static_cast<int64_t>(cached_.size()); }
   const KvCacheOptions& options() const { return options_; }
   const KvFormat& format() const { return format_; }
 
@@ -122,7 +156,14 @@ class KvCache {
   // Releases the unused rest of s's zone.
   void ReleaseZone(Sequence& s);
 
+  // Drops one reference to block b; returns it to the pool when none is
+  // left and it is not cached.
+  void Unref(int32_t b);
+
   std::unique_ptr<NodeMemory> memory_;
+  std::vector<int32_t> refs_;             // sequences whose table holds block b
+  std::vector<uint8_t> is_cached_;        // block b is published under a key
+  absl::flat_hash_map<uint64_t, int32_t> cached_;  // key -> block
   std::vector<uint64_t> free_bits_;       // bit b: block b is free
   std::vector<uint64_t> unclaimed_bits_;  // bit b: block b is in no sequence's zone
   int64_t free_count_ = 0;

@@ -31,6 +31,7 @@
 #include "core/topology.h"
 #include "proto/ellm.grpc.pb.h"
 #include "proto/grpc_status.h"
+#include "proto/kv_ops_proto.h"
 #include "shm/channel.h"
 #include "shm/messages.h"
 
@@ -144,12 +145,14 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status FreeSequences(grpc::ServerContext*, const ellm::v1::FreeSequencesRequest* req,
-                             ellm::v1::FreeSequencesResponse* resp) override {
+  grpc::Status UpdateKv(grpc::ServerContext*, const ellm::v1::UpdateKvRequest* req,
+                        ellm::v1::UpdateKvResponse* resp) override {
     std::lock_guard<std::mutex> lock(*cache_mu_);
-    for (uint64_t id : req->sequence_ids()) cache_->Free(id);
+    const absl::Status st = cache_->Apply(FromProto(*req));
+    if (!st.ok()) LogError("KV update refused: %s", st.ToString());
     resp->set_kv_blocks_free(cache_->blocks_free());
-    return grpc::Status::OK;
+    resp->set_kv_blocks_cached(cache_->blocks_cached());
+    return ToGrpcStatus(st);
   }
 
   grpc::Status Shutdown(grpc::ServerContext*, const ellm::v1::ShutdownRequest*,

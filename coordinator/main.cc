@@ -33,6 +33,7 @@ ABSL_FLAG(int, max_batch, 16, "most sequences in one step");
 ABSL_FLAG(int, max_step_tokens, 256, "most tokens in one step");
 ABSL_FLAG(int, max_queue, 64, "most requests waiting for admission (more: RESOURCE_EXHAUSTED)");
 ABSL_FLAG(int, default_max_tokens, 128, "max_tokens of a request that does not say");
+ABSL_FLAG(bool, prefix_cache, true, "share the KV blocks of equal prompt prefixes across requests");
 ABSL_FLAG(int, connect_timeout_s, 120, "how long to wait for the workers at start-up");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
 
@@ -47,6 +48,7 @@ struct CoordinatorConfig {
   int max_batch = 16;
   int max_step_tokens = 256;
   int max_queue = 64;
+  bool prefix_cache = true;
   int default_max_tokens = 128;
   absl::Duration connect_timeout;
 };
@@ -60,6 +62,7 @@ absl::StatusOr<CoordinatorConfig> ConfigFromFlags() {
   c.max_batch = absl::GetFlag(FLAGS_max_batch);
   c.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
   c.max_queue = absl::GetFlag(FLAGS_max_queue);
+  c.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
   c.default_max_tokens = absl::GetFlag(FLAGS_default_max_tokens);
   c.connect_timeout = absl::Seconds(absl::GetFlag(FLAGS_connect_timeout_s));
   if (c.model_path.empty()) return absl::InvalidArgumentError("--model is required");
@@ -105,6 +108,7 @@ absl::Status Run(const CoordinatorConfig& config) {
   so.kv_blocks = kv_blocks;
   so.kv_block_tokens = block_tokens;
   so.max_queue = config.max_queue;
+  so.prefix_cache = config.prefix_cache;
   so.context_length = model.context_length;
   Scheduler scheduler(so, *tokenizer, link.get());
 
@@ -127,6 +131,7 @@ absl::Status Run(const CoordinatorConfig& config) {
   info.set_kv_blocks_total(kv_blocks);
   info.set_kv_block_tokens(block_tokens);
   info.set_max_batch(config.max_batch);
+  info.set_prefix_cache(config.prefix_cache);
   service_options.chat = ChatTemplate::FromGgufTemplate(
       file->Has("tokenizer.chat_template") ? file->GetString("tokenizer.chat_template").value_or("")
                                            : "");
@@ -149,8 +154,8 @@ absl::Status Run(const CoordinatorConfig& config) {
     LogError("not serving any more: %s", status.message());
     health->SetServingStatus(false);
   };
-  LogInfo("serving on %s (%d KV blocks of %d positions, batch up to %d)", config.listen, kv_blocks,
-          block_tokens, config.max_batch);
+  LogInfo("serving on %s (%d KV blocks of %d positions, batch up to %d, prefix cache %s)",
+          config.listen, kv_blocks, block_tokens, config.max_batch, config.prefix_cache ? "on" : "off");
 
   // Watch the workers; a dead one turns the whole system NOT_SERVING.
   bool reported = false;

@@ -25,6 +25,7 @@ struct FinishInfo {
   double time_to_first_token_ms = 0;
   double decode_ms_per_token = 0;
   double queue_ms = 0;
+  int cached_tokens = 0;  // prompt tokens whose KV came from the prefix cache
 };
 
 struct StreamEvent {

@@ -9,7 +9,11 @@ namespace ellm::coord {
 
 Scheduler::Scheduler(const SchedulerOptions& options, const Tokenizer& tokenizer,
                      StepExecutor* executor)
-    : options_(options), tokenizer_(tokenizer), executor_(executor), blocks_free_(options.kv_blocks) {
+    : options_(options),
+      tokenizer_(tokenizer),
+      executor_(executor),
+      cache_(options.kv_block_tokens),
+      blocks_free_(options.kv_blocks) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -59,7 +63,7 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Submit(GenerateOptions
   seq->stream = std::make_shared<RequestStream>();
   seq->text = std::make_unique<TextOutput>(tokenizer_, seq->options.stop, seq->options.prompt.back());
   seq->rng = SequenceRng(seq->options.seed);
-  seq->blocks = blocks;
+  seq->need = blocks;
   seq->base = seq->fed = seq->options.synthetic_context;
   seq->needs_fill = seq->base > 0;
   seq->submitted = absl::Now();
@@ -91,21 +95,79 @@ void Scheduler::MarkBroken(const absl::Status& status) {
 
 SchedulerStats Scheduler::Stats() {
   std::lock_guard<std::mutex> lock(mu_);
-  return {static_cast<int>(running_.size()), static_cast<int>(waiting_.size()), blocks_free_,
-          static_cast<int64_t>(step_)};
+  SchedulerStats st;
+  st.running = static_cast<int>(running_.size());
+  st.waiting = static_cast<int>(waiting_.size());
+  st.kv_blocks_free = blocks_free_;
+  st.kv_blocks_cached = cache_.size();
+  st.steps = static_cast<int64_t>(step_);
+  st.prefix_hits = prefix_hits_;
+  st.prefix_misses = prefix_misses_;
+  st.cached_tokens = cached_tokens_;
+  return st;
 }
 
 void Scheduler::Admit() {
-  while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_batch &&
-         waiting_.front()->blocks <= blocks_free_) {
-    std::unique_ptr<Sequence> seq = std::move(waiting_.front());
-    waiting_.pop_front();
-    blocks_free_ -= seq->blocks;
+  const int bt = options_.kv_block_tokens;
+  while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_batch) {
+    Sequence* seq = waiting_.front().get();
+    // The longest cached run of whole blocks, short of the block that holds
+    // the last prompt token (its logits must be computed).
+    std::vector<uint64_t> keys;
+    if (Cacheable(*seq)) {
+      keys = cache_.Lookup(seq->options.prompt,
+                           (static_cast<int>(seq->options.prompt.size()) - 1) / bt);
+    }
+    cache_.Acquire(keys);
+    const int64_t own = seq->need - static_cast<int64_t>(keys.size());
+    if (own > blocks_free_ + cache_.evictable()) {
+      cache_.Release(keys);
+      break;  // first come, first served: wait for room
+    }
+    if (own > blocks_free_) {
+      const std::vector<uint64_t> evicted = cache_.Evict(own - blocks_free_);
+      pending_.evict.insert(pending_.evict.end(), evicted.begin(), evicted.end());
+      blocks_free_ += static_cast<int64_t>(evicted.size());
+      LogDebug("evicted %d cached KV blocks for sequence %d", evicted.size(), seq->id);
+    }
+    blocks_free_ -= own;
+    seq->blocks = own;
+    seq->keys = keys;
+    seq->attached = static_cast<int>(keys.size());
+    seq->fed += seq->attached * bt;
+    if (!keys.empty()) {
+      pending_.attach.push_back({seq->id, 0, keys});
+      seq->in_kv = true;
+      ++prefix_hits_;
+      cached_tokens_ += int64_t{seq->attached} * bt;
+    } else if (Cacheable(*seq)) {
+      ++prefix_misses_;
+    }
     seq->admitted = absl::Now();
-    LogDebug("admitted sequence %d (%d prompt tokens, %d KV blocks)", seq->id,
-             seq->options.prompt.size(), seq->blocks);
-    running_.push_back(std::move(seq));
+    LogDebug("admitted sequence %d (%d prompt tokens, %d of them cached; %d KV blocks)", seq->id,
+             seq->options.prompt.size(), seq->attached * bt, own);
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
   }
+}
+
+void Scheduler::Publish(Sequence* s, int blocks) {
+  const int bt = options_.kv_block_tokens;
+  // The sequence's tokens: its prompt, then the generated tokens fed so far.
+  std::vector<int32_t> tokens = s->options.prompt;
+  tokens.insert(tokens.end(), s->generated.begin(), s->generated.end());
+  blocks = std::min<int>(blocks, static_cast<int>(tokens.size()) / bt);
+  KvOps::SequenceBlocks published{s->id, static_cast<int>(s->keys.size()), {}};
+  while (static_cast<int>(s->keys.size()) < blocks) {
+    const uint64_t parent = s->keys.empty() ? 0 : s->keys.back();
+    const int32_t* t = tokens.data() + s->keys.size() * static_cast<size_t>(bt);
+    const uint64_t key = ChainKey(parent, t, bt);
+    if (!cache_.Insert(key, parent, t)) break;  // another sequence cached this prefix first
+    s->keys.push_back(key);
+    published.keys.push_back(key);
+    --s->blocks;  // the block now counts as a cache entry
+  }
+  if (!published.keys.empty()) pending_.publish.push_back(std::move(published));
 }
 
 shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
@@ -152,6 +214,7 @@ void Scheduler::Finish(Sequence* s, FinishReason reason) {
   f.prompt_tokens = static_cast<int>(s->options.prompt.size());
   f.completion_tokens = static_cast<int>(s->generated.size());
   f.queue_ms = absl::ToDoubleMilliseconds(s->admitted - s->submitted);
+  f.cached_tokens = s->attached * options_.kv_block_tokens;
   if (!s->generated.empty()) {
     f.time_to_first_token_ms = absl::ToDoubleMilliseconds(s->first_token - s->submitted);
     if (s->generated.size() > 1) {
@@ -176,7 +239,7 @@ void Scheduler::Loop() {
       // Not `broken_`: once broken and drained there is nothing to wake for,
       // and waking on it would spin the thread.
       cv_.wait_for(lock, std::chrono::milliseconds(100), [this] {
-        return stop_ || !running_.empty() || !waiting_.empty() || !done_.empty();
+        return stop_ || !running_.empty() || !waiting_.empty() || !pending_.empty();
       });
       if (stop_) return;
       if (broken_) {
@@ -184,29 +247,28 @@ void Scheduler::Loop() {
         for (auto& s : running_) Fail(s.get(), broken_status_);
         waiting_.clear();
         running_.clear();
-        done_.clear();
+        pending_ = KvOps();
         continue;
       }
-      // Drop cancelled requests.
-      for (auto it = running_.begin(); it != running_.end();) {
-        if ((*it)->stream->cancelled()) {
-          LogInfo("sequence %d cancelled by the client", (*it)->id);
-          done_.push_back(std::move(*it));
-          it = running_.erase(it);
-        } else {
-          ++it;
-        }
+      // Drop cancelled requests (their KV so far is whole: it can be cached).
+      std::vector<Sequence*> cancelled;
+      for (auto& s : running_) {
+        if (s->stream->cancelled()) cancelled.push_back(s.get());
+      }
+      for (Sequence* s : cancelled) {
+        LogInfo("sequence %d cancelled by the client", s->id);
+        Retire(s, /*publish=*/true);
       }
       for (auto it = waiting_.begin(); it != waiting_.end();) {
         it = (*it)->stream->cancelled() ? waiting_.erase(it) : it + 1;
       }
+      Admit();
     }
-    ReleaseFinished();
+    FlushKvOps();
     std::vector<Sequence*> to_fill;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (broken_ || stop_) continue;
-      Admit();
       for (auto& s : running_) {
         if (s->needs_fill) to_fill.push_back(s.get());
       }
@@ -220,7 +282,7 @@ void Scheduler::Loop() {
       s->in_kv = true;
       if (!st.ok()) {
         Fail(s, st);
-        Retire(s);
+        Retire(s, /*publish=*/false);
       }
     }
     {
@@ -250,7 +312,7 @@ void Scheduler::Loop() {
       for (Sequence* s : in_step) {
         Fail(s, absl::InternalError(absl::StrCat("step failed: ", result.status().message())));
         s->in_kv = true;
-        Retire(s);
+        Retire(s, /*publish=*/false);
       }
       continue;
     }
@@ -258,28 +320,34 @@ void Scheduler::Loop() {
     // sequence that asked for a token and got none ends with an error (the
     // workers' reply is checked, not trusted).
     for (size_t i = 0; i < plan.seqs.size(); ++i) {
-      in_step[i]->fed += static_cast<int>(plan.seqs[i].slice.n_tokens);
-      in_step[i]->in_kv = true;
+      Sequence* s = in_step[i];
+      s->fed += static_cast<int>(plan.seqs[i].slice.n_tokens);
+      s->in_kv = true;
+      // The prompt is in: its full blocks can serve other requests now.
+      if (Cacheable(*s) && s->fed == static_cast<int>(s->options.prompt.size())) {
+        Publish(s, s->fed / options_.kv_block_tokens);
+      }
       if (!plan.seqs[i].sample) continue;
       const uint64_t id = plan.seqs[i].slice.seq_id;
       const bool answered = std::any_of(result->begin(), result->end(),
                                         [id](const shm::SampledSeq& r) { return r.seq_id == id; });
       if (answered) continue;
       Fail(in_step[i], absl::InternalError("the mlp-worker returned no token for this request"));
-      Retire(in_step[i]);
+      Retire(in_step[i], /*publish=*/false);
     }
     for (const shm::SampledSeq& r : *result) Deliver(r, now);
   }
 }
 
-void Scheduler::Retire(Sequence* s) {
-  for (auto it = running_.begin(); it != running_.end(); ++it) {
-    if (it->get() == s) {
-      done_.push_back(std::move(*it));
-      running_.erase(it);
-      return;
-    }
-  }
+void Scheduler::Retire(Sequence* s, bool publish) {
+  auto it = std::find_if(running_.begin(), running_.end(), [s](const auto& r) { return r.get() == s; });
+  if (it == running_.end()) return;
+  if (publish && Cacheable(*s) && s->in_kv) Publish(s, (s->fed - s->base) / options_.kv_block_tokens);
+  if (s->in_kv) pending_.free.push_back(s->id);
+  cache_.Release(s->keys);
+  blocks_free_ += s->blocks;
+  running_.erase(it);
+  cv_.notify_all();
 }
 
 void Scheduler::Deliver(const shm::SampledSeq& r, absl::Time now) {
@@ -316,26 +384,27 @@ void Scheduler::Deliver(const shm::SampledSeq& r, absl::Time now) {
   if (reason != FinishReason::kStopString) e.text += s->text->Flush();
   s->stream->Push(std::move(e));
   Finish(s, reason);
-  done_.push_back(std::move(*it));
-  running_.erase(it);
+  Retire(s, /*publish=*/true);
 }
 
-void Scheduler::ReleaseFinished() {
-  std::vector<std::unique_ptr<Sequence>> done;
+void Scheduler::FlushKvOps() {
+  KvOps ops;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    done.swap(done_);
+    if (pending_.empty() || broken_) return;
+    std::swap(ops, pending_);
   }
-  if (done.empty()) return;
-  std::vector<uint64_t> ids;
-  for (auto& s : done) {
-    if (s->in_kv) ids.push_back(s->id);
-  }
-  absl::Status st = ids.empty() ? absl::OkStatus() : executor_->FreeSequences(ids);
-  if (!st.ok()) LogError("freeing %d sequences: %s", ids.size(), st.ToString());
+  const absl::Status st = executor_->UpdateKv(ops);
+  if (st.ok()) return;
+  // A worker that did not apply them no longer holds what the scheduler
+  // believes: nothing it computes can be trusted.
+  LogError("KV update failed: %s", st.ToString());
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& s : done) blocks_free_ += s->blocks;
-  cv_.notify_all();
+  if (!broken_) {
+    broken_status_ = absl::UnavailableError(absl::StrCat("a worker failed: ", st.message()));
+    broken_ = true;
+    if (on_broken) on_broken(broken_status_);
+  }
 }
 
 }  // namespace ellm::coord

@@ -2,6 +2,18 @@
 // coordinator, free of transport types. Requests join the running batch at
 // the next step (their prompt in chunks of the step's token budget) and leave
 // it when they finish; every step is one StepExecutor::Run.
+//
+// Prefix cache (SchedulerOptions::prefix_cache): a request starts with the
+// longest run of cached whole KV blocks that matches its prompt (never the
+// block holding its last prompt token) and prefills only the rest. A
+// sequence's full blocks are published to the cache when its prompt is in
+// and when it ends (its answer's blocks too, for the next turn of a
+// conversation). KV accounting: the pool holds every running sequence's own
+// reserved blocks (prompt + max_tokens, less what it attached) and one block
+// per cached entry; unreferenced entries are evicted, least recently used
+// first, only when an admission needs their room, so caching never costs
+// capacity. Every decision reaches the attention workers as KvOps, flushed
+// (StepExecutor::UpdateKv) before the next step.
 #pragma once
 
 #include <atomic>
@@ -16,8 +28,10 @@
 #include <thread>
 #include <vector>
 
+#include "coordinator/prefix_cache.h"
 #include "coordinator/request_stream.h"
 #include "coordinator/text_output.h"
+#include "core/kv_ops.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"
 #include "shm/messages.h"
@@ -30,8 +44,10 @@ class StepExecutor {
   virtual ~StepExecutor() = default;
   virtual absl::StatusOr<std::vector<shm::SampledSeq>> Run(uint64_t step,
                                                            const shm::StepPlan& plan) = 0;
-  // Releases the KV blocks of finished sequences on every attention worker.
-  virtual absl::Status FreeSequences(const std::vector<uint64_t>& ids) = 0;
+  // Applies the scheduler's KV operations (publish, free, evict, attach) on
+  // every attention worker. Any failure means a worker's KV no longer
+  // matches the scheduler's view.
+  virtual absl::Status UpdateKv(const KvOps& ops) = 0;
   // Benchmarks: gives a new sequence `positions` positions of random K/V.
   virtual absl::Status FillSynthetic(uint64_t id, int positions) {
     return absl::UnimplementedError("synthetic context is not supported by this executor");
@@ -45,6 +61,7 @@ struct SchedulerOptions {
   int kv_block_tokens = 16;
   int max_queue = 64;            // requests waiting for admission
   int context_length = 0;
+  bool prefix_cache = true;      // share whole KV blocks of equal prompt prefixes
 };
 
 struct GenerateOptions {
@@ -59,8 +76,12 @@ struct GenerateOptions {
 struct SchedulerStats {
   int running = 0;
   int waiting = 0;
-  int64_t kv_blocks_free = 0;
+  int64_t kv_blocks_free = 0;    // neither reserved nor cached
+  int64_t kv_blocks_cached = 0;  // prefix-cache entries (referenced or not)
   int64_t steps = 0;
+  int64_t prefix_hits = 0;       // admitted requests that started with cached blocks
+  int64_t prefix_misses = 0;     // admitted requests that found none (cache on)
+  int64_t cached_tokens = 0;     // prompt tokens served from the cache, in all
 };
 
 class Scheduler {
@@ -89,9 +110,14 @@ class Scheduler {
     std::shared_ptr<RequestStream> stream;
     std::unique_ptr<TextOutput> text;
     SequenceRng rng{0};
-    int64_t blocks = 0;     // KV blocks reserved
+    int64_t blocks = 0;     // own KV blocks reserved (not counting cached entries)
+    int64_t need = 0;       // blocks for prompt + max_tokens in all
     int fed = 0;            // positions written to the KV cache (incl. synthetic ones)
     int base = 0;           // synthetic positions before the prompt
+    // Prefix-cache keys of its first keys.size() blocks: attached, then
+    // published; it holds one reference to each.
+    std::vector<uint64_t> keys;
+    int attached = 0;       // blocks it started with from the cache
     bool needs_fill = false;
     std::vector<int32_t> generated;
     absl::Time submitted, admitted, first_token, last_token;
@@ -104,12 +130,20 @@ class Scheduler {
   void Admit();  // locked
   // The final event (reason, counts, timings) of a finished sequence.
   void Finish(Sequence* seq, FinishReason reason);
-  // Moves `seq` from running_ to done_; ReleaseFinished frees its KV. Locked.
-  void Retire(Sequence* seq);
+  // Takes `seq` out of running_ and releases its KV: its full blocks go to
+  // the prefix cache when `publish` (its KV is complete), its own blocks
+  // back to the pool; the workers learn it at the next FlushKvOps. Locked.
+  void Retire(Sequence* seq, bool publish);
   // Hands a sampled token to its sequence: text, stop conditions. Locked.
   void Deliver(const shm::SampledSeq& sampled, absl::Time now);
   void Fail(Sequence* seq, const absl::Status& status);
-  void ReleaseFinished();  // frees finished sequences' KV (unlocked call to executor)
+  // Publishes `seq`'s full blocks up to `blocks` to the prefix cache (those
+  // not cached yet, stopping at one another sequence cached first). Locked.
+  void Publish(Sequence* seq, int blocks);
+  bool Cacheable(const Sequence& seq) const { return options_.prefix_cache && seq.base == 0; }
+  // Sends pending_ to the workers (unlocked call to the executor); a failure
+  // breaks the scheduler.
+  void FlushKvOps();
 
   const SchedulerOptions options_;
   const Tokenizer& tokenizer_;
@@ -119,8 +153,10 @@ class Scheduler {
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::list<std::unique_ptr<Sequence>> running_;
-  std::vector<std::unique_ptr<Sequence>> done_;  // finished, KV not yet freed
-  int64_t blocks_free_;
+  KvOps pending_;         // decided, not yet sent to the workers
+  PrefixCache cache_;
+  int64_t blocks_free_;   // neither reserved by a sequence nor cached
+  int64_t prefix_hits_ = 0, prefix_misses_ = 0, cached_tokens_ = 0;
   uint64_t next_id_ = 1;
   uint64_t step_ = 0;
   bool stop_ = false;

@@ -140,6 +140,7 @@ grpc::Status EllmService::Generate(grpc::ServerContext* context,
       f->set_time_to_first_token_ms(e->finish.time_to_first_token_ms);
       f->set_decode_ms_per_token(e->finish.decode_ms_per_token);
       f->set_queue_ms(e->finish.queue_ms);
+      f->set_cached_tokens(e->finish.cached_tokens);
     }
     if (!e->finished && resp.text().empty() && resp.token_ids_size() == 0) continue;
     if (!writer->Write(resp)) {
@@ -174,6 +175,14 @@ grpc::Status EllmService::Tokenize(grpc::ServerContext*, const ellm::v1::Tokeniz
 grpc::Status EllmService::GetModelInfo(grpc::ServerContext*, const ellm::v1::GetModelInfoRequest*,
                                        ellm::v1::ModelInfo* response) {
   *response = options_.model_info;
+  const SchedulerStats st = scheduler_->Stats();
+  response->set_kv_blocks_free(st.kv_blocks_free);
+  response->set_kv_blocks_cached(st.kv_blocks_cached);
+  response->set_prefix_cache_hits(st.prefix_hits);
+  response->set_prefix_cache_misses(st.prefix_misses);
+  response->set_prefix_cached_tokens(st.cached_tokens);
+  response->set_running(st.running);
+  response->set_waiting(st.waiting);
   return grpc::Status::OK;
 }
 

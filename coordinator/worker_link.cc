@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "proto/grpc_status.h"
+#include "proto/kv_ops_proto.h"
 
 namespace ellm::coord {
 
@@ -104,12 +105,11 @@ absl::Status WorkerLink::ForEachAttnWorker(absl::Duration timeout, const Rpc& rp
   return absl::OkStatus();
 }
 
-absl::Status WorkerLink::FreeSequences(const std::vector<uint64_t>& ids) {
-  ellm::v1::FreeSequencesRequest req;
-  for (uint64_t id : ids) req.add_sequence_ids(id);
+absl::Status WorkerLink::UpdateKv(const KvOps& ops) {
+  const ellm::v1::UpdateKvRequest req = ToProto(ops);
   return ForEachAttnWorker(absl::Seconds(5), [&](WorkerHandle& w, grpc::ClientContext& ctx) {
-    ellm::v1::FreeSequencesResponse resp;
-    return w.stub->FreeSequences(&ctx, req, &resp);
+    ellm::v1::UpdateKvResponse resp;
+    return w.stub->UpdateKv(&ctx, req, &resp);
   });
 }
 

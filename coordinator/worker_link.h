@@ -30,7 +30,7 @@ class WorkerLink final : public StepExecutor {
       absl::Duration wait);
 
   absl::StatusOr<std::vector<shm::SampledSeq>> Run(uint64_t step, const shm::StepPlan& plan) override;
-  absl::Status FreeSequences(const std::vector<uint64_t>& ids) override;
+  absl::Status UpdateKv(const KvOps& ops) override;
   absl::Status FillSynthetic(uint64_t id, int positions) override;
   // Checks every worker: the mlp-worker's process and each control endpoint.
   // Unavailable naming the first that does not answer.

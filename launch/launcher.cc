@@ -57,6 +57,7 @@ struct LaunchConfig {
   std::string bin_dir;
   std::string log_level;
   bool use_numactl = true;
+  bool prefix_cache = true;
   int ready_timeout_s = 180;
 };
 
@@ -261,7 +262,8 @@ absl::Status Launch::Start() {
       {"coordinator",
        Spawn({c_.bin_dir + "/ellm-coordinator", "--model=" + c_.model_path, "--listen=" + public_address,
               "--mlp_channel=" + mlp_channel, "--workers=" + absl::StrJoin(worker_addresses, ","),
-              common_limits, step_limit, "--log_level=" + c_.log_level}),
+              common_limits, step_limit, "--log_level=" + c_.log_level,
+              c_.prefix_cache ? "--prefix_cache" : "--noprefix_cache"}),
        public_address});
 
   // Wait until every process answers its health check.
@@ -395,6 +397,8 @@ int Main(int argc, char** argv) {
   args.Flag("bin-dir", "", "folder holding ellm-attn-worker, ellm-mlp-worker, ellm-coordinator");
   args.Flag("log-level", "info", "debug, info, warning or error");
   args.Flag("no-numactl", "", "do not wrap the attention workers in numactl", true);
+  args.Flag("no-prefix-cache", "", "do not share KV blocks of equal prompt prefixes across requests",
+            true);
   args.Flag("ready-timeout", "180", "seconds to wait for every process to become healthy");
   if (std::optional<int> exit = args.ParseFlagsOnly(argc, argv)) return *exit;
   LaunchConfig c;
@@ -409,6 +413,7 @@ int Main(int argc, char** argv) {
   c.bin_dir = FindBinDir(args.Get("bin-dir"), argv[0]);
   c.log_level = args.Get("log-level");
   c.use_numactl = !args.GetBool("no-numactl");
+  c.prefix_cache = !args.GetBool("no-prefix-cache");
   c.kv_dtype = args.Get("kv-dtype");
   if (!args.IsSet("kv-dtype")) {
     if (const char* env = std::getenv("ELLM_KV_DTYPE"); env != nullptr && *env) c.kv_dtype = env;

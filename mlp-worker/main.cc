@@ -145,10 +145,6 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
     info->set_numa_node(-1);
     return grpc::Status::OK;
   }
-  grpc::Status FreeSequences(grpc::ServerContext*, const ellm::v1::FreeSequencesRequest*,
-                             ellm::v1::FreeSequencesResponse*) override {
-    return grpc::Status::OK;  // the mlp-worker keeps no per-sequence state
-  }
   grpc::Status Shutdown(grpc::ServerContext*, const ellm::v1::ShutdownRequest*,
                         ellm::v1::ShutdownResponse*) override {
     RequestStop();

@@ -213,6 +213,82 @@ TEST(Integration, StopStringAndCancelledClient) {
   ExpectCleanShutdown(system);
 }
 
+// The prefix cache: a request served from cached blocks gives what a fresh
+// server without the cache gives (bit for bit with f32 KV, the same tokens
+// with int8), for a repeated prompt, a shared prefix with another tail, and
+// the next turn of a conversation over the first one's answer.
+TEST(Integration, PrefixCacheHitsGiveWhatAFreshServerGives) {
+  std::string doc;
+  for (int i = 0; i < 12; ++i) doc += "Lily and Ben went to the park to play with the big red ball. ";
+  const std::vector<std::string> prompts = {doc + "One day,", doc + "One day,", doc + "Then the sun",
+                                            doc + "Then the sun came out and"};
+  for (const char* kv : {"--kv-dtype=f32", "--kv-dtype=int8"}) {
+    SCOPED_TRACE(kv);
+    std::vector<Generated> cached, fresh;
+    {
+      EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", kv});
+      ASSERT_TRUE(system.ready()) << system.Log();
+      for (const std::string& p : prompts) cached.push_back(Generate(system.stub(), Greedy(p, 24)));
+      // The next turn: the first prompt, its answer and a new line.
+      cached.push_back(Generate(system.stub(), Greedy(prompts[0] + cached[0].text + " The end.", 16)));
+      ellm::v1::ModelInfo info;
+      grpc::ClientContext ctx;
+      ASSERT_TRUE(system.stub()->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info).ok());
+      EXPECT_TRUE(info.prefix_cache());
+      EXPECT_EQ(info.prefix_cache_misses(), 1);
+      EXPECT_EQ(info.prefix_cache_hits(), 4);
+      EXPECT_GT(info.kv_blocks_cached(), 12);  // the ~190-token document alone fills 11
+      EXPECT_EQ(info.kv_blocks_free() + info.kv_blocks_cached(), info.kv_blocks_total());
+      ExpectCleanShutdown(system);
+    }
+    {
+      EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", kv, "--no-prefix-cache"});
+      ASSERT_TRUE(system.ready()) << system.Log();
+      for (const std::string& p : prompts) fresh.push_back(Generate(system.stub(), Greedy(p, 24)));
+      fresh.push_back(Generate(system.stub(), Greedy(prompts[0] + fresh[0].text + " The end.", 16)));
+      ExpectCleanShutdown(system);
+    }
+    ASSERT_EQ(cached.size(), fresh.size());
+    EXPECT_EQ(cached[0].finish.cached_tokens(), 0);
+    for (size_t i = 0; i < cached.size(); ++i) {
+      ASSERT_TRUE(cached[i].status.ok() && fresh[i].status.ok()) << i;
+      EXPECT_EQ(fresh[i].finish.cached_tokens(), 0);
+      if (i > 0) EXPECT_GE(cached[i].finish.cached_tokens(), 160) << i;
+      EXPECT_EQ(cached[i].tokens, fresh[i].tokens) << i;
+      if (std::string(kv) == "--kv-dtype=f32") EXPECT_EQ(cached[i].logprobs, fresh[i].logprobs) << i;
+    }
+    // The next turn reuses the first turn's answer too.
+    EXPECT_GT(cached.back().finish.cached_tokens(), cached[1].finish.cached_tokens());
+  }
+}
+
+// An attention worker killed while streams share cached blocks: every stream
+// ends with UNAVAILABLE, and the launcher still cleans up.
+TEST(Integration, KilledWorkerWhileBlocksAreShared) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  std::string doc;
+  for (int i = 0; i < 8; ++i) doc += "The little dog ran to the big tree and sat down. ";
+  ASSERT_TRUE(Generate(system.stub(), Greedy(doc, 4)).status.ok());  // caches the prefix
+  std::vector<std::future<Generated>> streams;
+  std::atomic<int> started{0};
+  for (int i = 0; i < 3; ++i) {
+    streams.push_back(std::async(std::launch::async, [&] {
+      return Generate(system.stub(), Greedy(doc + " Then", 1500), [&](const Generated& g) {
+        if (g.tokens.size() == 2) ++started;
+      });
+    }));
+  }
+  for (int i = 0; i < 200 && started < 3; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  kill(system.FindChild("ellm-attn-worker"), SIGKILL);
+  for (auto& f : streams) {
+    Generated g = f.get();
+    EXPECT_EQ(g.status.error_code(), grpc::StatusCode::UNAVAILABLE) << g.status.error_message();
+    EXPECT_GE(g.tokens.size(), 2u);
+  }
+  ExpectCleanShutdown(system);
+}
+
 TEST(Integration, KilledAttentionWorkerEndsStreamsWithUnavailable) {
   EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl"});
   ASSERT_TRUE(system.ready()) << system.Log();

@@ -187,6 +187,81 @@ std::vector<int32_t> Range(int32_t begin, int32_t end) {
 // side by side (decode, chunked prefill) do not interleave their blocks; a
 // sequence reusing freed blocks gets them in ascending order; zones never
 // cost capacity (a full pool hands out claimed blocks too).
+// Prefix cache: publish, attach, reference counts, eviction, and every call
+// a worker must refuse (leaving its state as it was).
+TEST(KvCache, PublishedBlocksAreSharedCountedAndEvictedOnlyWhenUnused) {
+  auto cache = MakeCache({.layers = 2, .kv_heads = 1, .head_dim = 4, .block_tokens = 4,
+                          .blocks = 10});
+  ASSERT_NE(cache, nullptr);
+  std::vector<float> k(4), v(4);
+  ASSERT_TRUE(cache->Reserve(1, 0, 10).ok());  // blocks: 2 full + 1 partial
+  for (int p = 0; p < 10; ++p) {
+    for (int d = 0; d < 4; ++d) k[d] = v[d] = 100.0f * p + d;
+    for (int l = 0; l < 2; ++l) cache->Store(1, l, 0, p, k.data(), v.data());
+  }
+  EXPECT_EQ(cache->blocks_free(), 7);
+  // Only full blocks can be published.
+  EXPECT_EQ(cache->Publish(1, 1, {11, 12}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache->Publish(9, 0, {11}).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(cache->Publish(1, 0, {11, 12}).ok());
+  EXPECT_EQ(cache->blocks_cached(), 2);
+  EXPECT_EQ(cache->Publish(1, 1, {13}).code(), absl::StatusCode::kInvalidArgument) << "already published";
+  // Sequence 2 starts with both cached blocks: the same rows, no copy.
+  EXPECT_EQ(cache->Attach(2, {11, 99}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache->Length(2), 0);
+  ASSERT_TRUE(cache->Attach(2, {11, 12}).ok());
+  EXPECT_EQ(cache->Length(2), 8);
+  EXPECT_EQ(cache->blocks_free(), 7);
+  for (int l = 0; l < 2; ++l) {
+    for (int p = 0; p < 8; ++p) EXPECT_EQ(cache->KeyRow(2, l, 0, p), cache->KeyRow(1, l, 0, p));
+  }
+  EXPECT_EQ(cache->Attach(2, {11}).code(), absl::StatusCode::kInvalidArgument) << "already holds";
+  // It appends after them, into blocks of its own.
+  ASSERT_TRUE(cache->Reserve(2, 8, 3).ok());
+  EXPECT_EQ(cache->blocks_free(), 6);
+  EXPECT_NE(cache->KeyRow(2, 0, 0, 8), cache->KeyRow(1, 0, 0, 8));
+  // Referenced blocks cannot be evicted; freeing the publisher keeps them.
+  EXPECT_EQ(cache->Evict({11}).code(), absl::StatusCode::kFailedPrecondition);
+  cache->Free(1);
+  EXPECT_EQ(cache->blocks_free(), 7);  // its partial block only
+  EXPECT_EQ(cache->Evict({12}).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(*cache->KeyRow(2, 1, 0, 5), 500.0f);
+  cache->Free(2);
+  EXPECT_EQ(cache->blocks_free(), 8);
+  EXPECT_EQ(cache->blocks_cached(), 2);
+  EXPECT_EQ(cache->Evict({11, 77}).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache->blocks_cached(), 2) << "a refused eviction drops nothing";
+  ASSERT_TRUE(cache->Evict({11, 12}).ok());
+  EXPECT_EQ(cache->blocks_free(), 10);
+  EXPECT_EQ(cache->blocks_cached(), 0);
+  EXPECT_EQ(cache->Attach(3, {11}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(KvCache, ApplyRunsPublishFreeEvictAttachInOrder) {
+  auto cache = MakeCache({.layers = 1, .kv_heads = 1, .head_dim = 4, .block_tokens = 4,
+                          .blocks = 4});
+  ASSERT_NE(cache, nullptr);
+  ASSERT_TRUE(cache->Reserve(1, 0, 8).ok());
+  // Publish then free sequence 1, and in the same call start sequence 2 on
+  // its blocks: the order lets a finishing request's blocks serve the next.
+  KvOps ops;
+  ops.publish.push_back({1, 0, {5, 6}});
+  ops.free.push_back(1);
+  ops.attach.push_back({2, 0, {5, 6}});
+  ASSERT_TRUE(cache->Apply(ops).ok());
+  EXPECT_EQ(cache->Length(2), 8);
+  EXPECT_EQ(cache->Length(1), 0);
+  KvOps bad;
+  bad.evict = {5};  // still used by sequence 2
+  EXPECT_FALSE(cache->Apply(bad).ok());
+  KvOps done;
+  done.free = {2};
+  done.evict = {6};
+  ASSERT_TRUE(cache->Apply(done).ok());
+  EXPECT_EQ(cache->blocks_cached(), 1);
+  EXPECT_EQ(cache->blocks_free(), 3);
+}
+
 TEST(KvCache, SequencesGrowInConsecutiveZones) {
   constexpr int32_t kZ = static_cast<int32_t>(kZoneBlocks), kPool = 3 * kZ;
   auto cache = MakeCache({.layers = 2, .kv_heads = 1, .head_dim = 2, .block_tokens = 4,

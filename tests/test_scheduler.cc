@@ -103,12 +103,77 @@ class FakeExecutor : public StepExecutor {
     return out;
   }
 
-  absl::Status FreeSequences(const std::vector<uint64_t>& ids) override {
+  // Applies the ops to a model of a worker's prefix cache (sequences' cached
+  // blocks, each key's references) and refuses, as a worker would, what one
+  // could not honour.
+  absl::Status UpdateKv(const KvOps& ops) override {
     std::lock_guard<std::mutex> lock(mu_);
-    log_.push_back({true, 0, {}, ids});
-    for (uint64_t id : ids) freed_.insert(id);
+    log_.push_back({true, 0, {}, ops.free});
+    all_ops_.push_back(ops);
     cv_.notify_all();
+    if (fail_kv_) return absl::FailedPreconditionError("injected UpdateKv failure");
+    for (const KvOps::SequenceBlocks& p : ops.publish) {
+      std::vector<uint64_t>& held = seq_keys_[p.seq];
+      if (p.first_block != static_cast<int>(held.size())) {
+        return Refuse("publish out of order for sequence ", p.seq);
+      }
+      for (uint64_t k : p.keys) {
+        if (refs_.count(k)) return Refuse("publish of a cached key by sequence ", p.seq);
+        refs_[k] = 1;
+        held.push_back(k);
+      }
+    }
+    for (uint64_t id : ops.free) {
+      freed_.insert(id);
+      for (uint64_t k : seq_keys_[id]) --refs_[k];
+      seq_keys_.erase(id);
+    }
+    for (uint64_t k : ops.evict) {
+      if (!refs_.count(k) || refs_[k] != 0) return Refuse("evict of a referenced or unknown key by ", 0);
+      refs_.erase(k);
+      ++evicted_;
+    }
+    for (const KvOps::SequenceBlocks& a : ops.attach) {
+      if (seq_keys_.count(a.seq) || a.first_block != 0) return Refuse("attach to a live sequence ", a.seq);
+      for (uint64_t k : a.keys) {
+        if (!refs_.count(k)) return Refuse("attach of an unknown key to sequence ", a.seq);
+        ++refs_[k];
+      }
+      seq_keys_[a.seq] = a.keys;
+      attached_[a.seq] = static_cast<int>(a.keys.size());
+    }
     return absl::OkStatus();
+  }
+  absl::Status Refuse(const char* what, uint64_t seq) {
+    refusals_.push_back(absl::StrCat(what, seq));
+    return absl::FailedPreconditionError(refusals_.back());
+  }
+  // No op was refused, and once every sequence is freed no cached key is
+  // still referenced.
+  void ExpectConsistent(bool all_freed) {
+    std::unique_lock<std::mutex> lock(mu_);
+    EXPECT_TRUE(refusals_.empty()) << refusals_[0];
+    if (!all_freed) return;
+    // The last frees reach the workers at the scheduler's next flush.
+    cv_.wait_for(lock, kWait, [&] { return seq_keys_.empty(); });
+    EXPECT_TRUE(seq_keys_.empty()) << seq_keys_.size() << " sequences still hold cached blocks";
+    for (const auto& [k, r] : refs_) EXPECT_EQ(r, 0) << "key " << k;
+  }
+  int attached(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return attached_.count(id) ? attached_[id] : 0;
+  }
+  int64_t cached_keys() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(refs_.size());
+  }
+  int64_t evicted() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return evicted_;
+  }
+  void FailKvUpdates() {
+    std::lock_guard<std::mutex> lock(mu_);
+    fail_kv_ = true;
   }
 
   absl::Status FillSynthetic(uint64_t id, int positions) override {
@@ -173,6 +238,13 @@ class FakeExecutor : public StepExecutor {
 
  private:
   std::map<uint64_t, int> filled_;
+  std::map<uint64_t, std::vector<uint64_t>> seq_keys_;  // cached blocks each sequence holds
+  std::map<uint64_t, int> refs_;                          // cached key -> sequences holding it
+  std::map<uint64_t, int> attached_;
+  std::vector<KvOps> all_ops_;
+  std::vector<std::string> refusals_;
+  int64_t evicted_ = 0;
+  bool fail_kv_ = false;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Event> log_;
@@ -396,7 +468,7 @@ TEST_F(SchedulerTest, YieldsExactlyMaxTokens) {
   // The finished sequence's KV is freed and its blocks return.
   EXPECT_TRUE(exec_.WaitForFree(*id));
   EXPECT_TRUE(WaitForStats([&](const SchedulerStats& s) {
-    return s.running == 0 && s.waiting == 0 && s.kv_blocks_free == options_.kv_blocks;
+    return s.running == 0 && s.waiting == 0 && s.kv_blocks_free + s.kv_blocks_cached == options_.kv_blocks;
   }));
 }
 
@@ -754,7 +826,7 @@ TEST_F(SchedulerTest, FailedStepFailsOnlyItsRequests) {
   EXPECT_TRUE(ob.error.ok()) << ob.error;
   EXPECT_EQ(ob.tokens.size(), 10u);
   EXPECT_TRUE(WaitForStats([&](const SchedulerStats& s) {
-    return s.running == 0 && s.kv_blocks_free == options_.kv_blocks;
+    return s.running == 0 && s.kv_blocks_free + s.kv_blocks_cached == options_.kv_blocks;
   }));
 }
 
@@ -768,7 +840,7 @@ TEST_F(SchedulerTest, CancelledRunningRequestIsDroppedAndFreed) {
   const uint64_t id = SeqIdOf(exec_.plans(), 300).value();
   ASSERT_TRUE(exec_.WaitForFree(id));
   EXPECT_TRUE(WaitForStats([&](const SchedulerStats& s) {
-    return s.running == 0 && s.waiting == 0 && s.kv_blocks_free == options_.kv_blocks;
+    return s.running == 0 && s.waiting == 0 && s.kv_blocks_free + s.kv_blocks_cached == options_.kv_blocks;
   }));
   // A ran in step 1 only; nothing after its free mentions it.
   int runs_with_a = 0;
@@ -805,7 +877,7 @@ TEST_F(SchedulerTest, CancelledWaitingRequestNeverRuns) {
   exec_.Release();
   EXPECT_TRUE(Collect(*a).error.ok());
   EXPECT_TRUE(WaitForStats([&](const SchedulerStats& s) {
-    return s.running == 0 && s.waiting == 0 && s.kv_blocks_free == options_.kv_blocks;
+    return s.running == 0 && s.waiting == 0 && s.kv_blocks_free + s.kv_blocks_cached == options_.kv_blocks;
   }));
   EXPECT_FALSE(SeqIdOf(exec_.plans(), 301).has_value()) << "a cancelled waiting request ran";
 }
@@ -906,6 +978,205 @@ TEST_F(SchedulerTest, SyntheticContextIsFilledOnceAndPositionsFollowIt) {
   o.max_tokens = INT32_MAX;
   EXPECT_EQ(scheduler_->Submit(o).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(scheduler_->Stats().waiting, 0);
+}
+
+}  // namespace
+}  // namespace ellm::coord
+
+namespace ellm::coord {
+namespace {
+
+// The prefix cache, seen from the scheduler: which blocks a request attaches,
+// what it publishes, what is evicted, and that every way of ending leaves the
+// workers' reference counts balanced (FakeExecutor models a worker's cache
+// and refuses any op a worker would refuse).
+class PrefixCacheTest : public SchedulerTest {
+ protected:
+  // Runs one request to its end; returns its outcome and sequence id.
+  std::pair<Outcome, uint64_t> RunOne(const std::vector<int32_t>& prompt, int max_tokens,
+                                      std::vector<std::string> stop = {}) {
+    std::shared_ptr<RequestStream> s = Submit(prompt, max_tokens, std::move(stop));
+    const Outcome out = Collect(*s);
+    const uint64_t id = IdOf(prompt);
+    return {out, id};
+  }
+  // The newest sequence whose plans fed the end of `prompt` (its last token).
+  uint64_t IdOf(const std::vector<int32_t>& prompt) {
+    uint64_t id = 0;
+    for (const auto& [seq, trace] : Traces(exec_.plans())) {
+      const uint32_t end = trace.slices.back().slice.start_pos + trace.slices.back().slice.n_tokens;
+      if (trace.slices.front().slice.start_pos < prompt.size() && end >= prompt.size()) id = std::max(id, seq);
+    }
+    return id;
+  }
+  bool AllReleased() {
+    return WaitForStats([&](const SchedulerStats& s) {
+      return s.running == 0 && s.waiting == 0 &&
+             s.kv_blocks_free + s.kv_blocks_cached == options_.kv_blocks;
+    });
+  }
+};
+
+TEST_F(PrefixCacheTest, SamePromptAttachesItsWholeBlocksAndPrefillsTheRest) {
+  Start();
+  const std::vector<int32_t> prompt = Prompt(300, 40);  // 2 whole blocks + 8
+  const auto [first, id1] = RunOne(prompt, 4);
+  ASSERT_TRUE(first.error.ok()) << first.error;
+  EXPECT_EQ(first.finish.cached_tokens, 0);
+  const auto [second, id2] = RunOne(prompt, 4);
+  ASSERT_TRUE(second.error.ok()) << second.error;
+  EXPECT_EQ(second.finish.cached_tokens, 32);
+  EXPECT_EQ(exec_.attached(id2), 2);
+  // The second request's first slice starts after the cached blocks.
+  const SeqTrace t = Traces(exec_.plans()).at(id2);
+  EXPECT_EQ(t.slices.front().slice.start_pos, 32u);
+  EXPECT_EQ(std::vector<int32_t>(t.fed.begin(), t.fed.begin() + 8),
+            std::vector<int32_t>(prompt.begin() + 32, prompt.end()));
+  const SchedulerStats st = scheduler_->Stats();
+  EXPECT_EQ(st.prefix_hits, 1);
+  EXPECT_EQ(st.prefix_misses, 1);
+  EXPECT_EQ(st.cached_tokens, 32);
+  EXPECT_TRUE(AllReleased());
+  exec_.ExpectConsistent(true);
+}
+
+TEST_F(PrefixCacheTest, ALastTokenAtABlockEndIsStillComputed) {
+  Start();
+  const std::vector<int32_t> prompt = Prompt(310, 32);  // exactly 2 blocks
+  RunOne(prompt, 3);
+  const auto [again, id] = RunOne(prompt, 3);
+  ASSERT_TRUE(again.error.ok());
+  // Only the first block: the second holds the token whose logits are needed.
+  EXPECT_EQ(again.finish.cached_tokens, 16);
+  EXPECT_EQ(Traces(exec_.plans()).at(id).slices.front().slice.start_pos, 16u);
+  exec_.ExpectConsistent(true);
+}
+
+TEST_F(PrefixCacheTest, TheAnswerIsCachedForTheNextTurn) {
+  Start();
+  const std::vector<int32_t> turn1 = Prompt(320, 20);
+  const auto [a, id1] = RunOne(turn1, 30);  // 20 + 29 fed: 3 whole blocks
+  ASSERT_TRUE(a.error.ok());
+  std::vector<int32_t> turn2 = turn1;
+  turn2.insert(turn2.end(), a.tokens.begin(), a.tokens.end());
+  for (int i = 0; i < 10; ++i) turn2.push_back(kFirstPiece + i);
+  const auto [b, id2] = RunOne(turn2, 5);
+  ASSERT_TRUE(b.error.ok());
+  EXPECT_EQ(b.finish.cached_tokens, 48);
+  exec_.ExpectConsistent(true);
+}
+
+TEST_F(PrefixCacheTest, OffMeansNoAttachNoPublish) {
+  options_.prefix_cache = false;
+  Start();
+  const std::vector<int32_t> prompt = Prompt(330, 40);
+  RunOne(prompt, 4);
+  const auto [again, id] = RunOne(prompt, 4);
+  EXPECT_EQ(again.finish.cached_tokens, 0);
+  EXPECT_EQ(exec_.cached_keys(), 0);
+  const SchedulerStats st = scheduler_->Stats();
+  EXPECT_EQ(st.kv_blocks_cached, 0);
+  EXPECT_EQ(st.prefix_hits + st.prefix_misses, 0);
+}
+
+TEST_F(PrefixCacheTest, ConcurrentSharersAndOneCancelledMidway) {
+  Start();
+  const std::vector<int32_t> prompt = Prompt(340, 50);  // 3 whole blocks + 2
+  std::shared_ptr<RequestStream> a = Submit(prompt, 200);
+  // Once a's prompt is in, its blocks are published and b can share them.
+  ASSERT_TRUE(WaitForStats([](const SchedulerStats& s) { return s.kv_blocks_cached >= 3; }));
+  std::shared_ptr<RequestStream> b = Submit(prompt, 30);
+  std::shared_ptr<RequestStream> c = Submit(prompt, 200);
+  ASSERT_TRUE(WaitForStats([](const SchedulerStats& s) { return s.prefix_hits >= 2; }));
+  a->Cancel();  // the publisher goes away while others use its blocks
+  const Outcome ob = Collect(*b);
+  ASSERT_TRUE(ob.error.ok());
+  EXPECT_EQ(ob.finish.cached_tokens, 48);
+  c->Cancel();  // a cancelled stream gets no more events: the client has gone
+  EXPECT_TRUE(AllReleased());
+  exec_.ExpectConsistent(true);
+}
+
+TEST_F(PrefixCacheTest, EveryWayOfEndingLeavesTheCountsRight) {
+  Start();
+  const std::vector<int32_t> prompt = Prompt(350, 40);
+  RunOne(prompt, 3);
+  // max_tokens, a stop string, an end-of-sequence token, a cancellation, a
+  // failed step: each attaches the cached blocks and releases them.
+  RunOne(prompt, 5);
+  exec_.SetTokenFn([](uint64_t, uint32_t, int nth) { return nth == 1 ? kEos : kFirstPiece + 7; });
+  const auto [eos, id_eos] = RunOne(prompt, 10);
+  EXPECT_EQ(eos.finish.reason, FinishReason::kStopToken);
+  exec_.SetTokenFn(nullptr);
+  const std::string stop = Tok().TokenBytes(prompt.back(), DefaultToken(0, 0, 0));
+  std::shared_ptr<RequestStream> cancelled = Submit(prompt, 500);
+  ASSERT_TRUE(WaitForStats([](const SchedulerStats& s) { return s.steps >= 8; }));
+  cancelled->Cancel();
+  ASSERT_TRUE(WaitForStats([](const SchedulerStats& s) { return s.running == 0; }));
+  exec_.FailAtRun(exec_.runs() + 1, absl::InternalError("injected step failure"));
+  const auto [failed, id_failed] = RunOne(prompt, 5);
+  EXPECT_FALSE(failed.error.ok());
+  EXPECT_FALSE(scheduler_->broken());  // a failed step ends its requests only
+  EXPECT_TRUE(AllReleased());
+  exec_.ExpectConsistent(true);
+  EXPECT_GE(scheduler_->Stats().prefix_hits, 4);
+}
+
+TEST_F(PrefixCacheTest, EvictsLeastRecentlyUsedUnreferencedBlocksOnlyWhenRoomIsNeeded) {
+  options_.kv_blocks = 8;
+  Start();
+  // Three prompts of 2 whole blocks each fill 6 blocks of cache.
+  for (int32_t first : {360, 361, 362}) RunOne(Prompt(first, 33), 1);
+  EXPECT_TRUE(AllReleased());
+  EXPECT_EQ(scheduler_->Stats().kv_blocks_cached, 6);
+  EXPECT_EQ(exec_.evicted(), 0);
+  // Touch 360 again so 361 is the least recently used.
+  RunOne(Prompt(360, 33), 1);
+  // A request of 4 blocks: 2 free + evict 2 (361's chain: deepest first).
+  const auto [big, id] = RunOne(Prompt(370, 60), 1);
+  ASSERT_TRUE(big.error.ok());
+  EXPECT_EQ(exec_.evicted(), 2);
+  EXPECT_EQ(RunOne(Prompt(360, 33), 1).first.finish.cached_tokens, 32);  // kept
+  EXPECT_EQ(RunOne(Prompt(361, 33), 1).first.finish.cached_tokens, 0);   // evicted
+  exec_.ExpectConsistent(true);
+}
+
+TEST_F(PrefixCacheTest, AFailedKvUpdateBreaksTheScheduler) {
+  Start();
+  const auto [first, id] = RunOne(Prompt(380, 40), 2);
+  ASSERT_TRUE(exec_.WaitForFree(id));
+  exec_.FailKvUpdates();
+  std::shared_ptr<RequestStream> s = Submit(Prompt(380, 40), 4);  // attaches: an update
+  const Outcome out = Collect(*s);
+  EXPECT_EQ(out.error.code(), absl::StatusCode::kUnavailable) << out.error;
+  EXPECT_TRUE(scheduler_->broken());
+}
+
+TEST(PrefixCacheIndex, ChainKeysLookupAndLeafFirstEviction) {
+  PrefixCache cache(4);
+  const std::vector<int32_t> t = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  const uint64_t k0 = ChainKey(0, t.data(), 4), k1 = ChainKey(k0, t.data() + 4, 4);
+  EXPECT_NE(k0, k1);
+  EXPECT_NE(ChainKey(1, t.data(), 4), k0);  // the parent is part of the key
+  EXPECT_TRUE(cache.Lookup(t, 3).empty());
+  ASSERT_TRUE(cache.Insert(k0, 0, t.data()));
+  ASSERT_TRUE(cache.Insert(k1, k0, t.data() + 4));
+  EXPECT_FALSE(cache.Insert(k1, k0, t.data() + 4));
+  EXPECT_EQ(cache.Lookup(t, 3), (std::vector<uint64_t>{k0, k1}));
+  EXPECT_EQ(cache.Lookup(t, 1), (std::vector<uint64_t>{k0}));
+  std::vector<int32_t> other = t;
+  other[5] = 99;  // differs in the second block
+  EXPECT_EQ(cache.Lookup(other, 3), (std::vector<uint64_t>{k0}));
+  EXPECT_EQ(cache.evictable(), 0);  // both referenced by their publisher
+  EXPECT_TRUE(cache.Evict(5).empty());
+  cache.Release({k0, k1});
+  EXPECT_EQ(cache.evictable(), 2);
+  EXPECT_EQ(cache.Evict(1), (std::vector<uint64_t>{k1}));  // the deeper block first
+  EXPECT_EQ(cache.Lookup(t, 3), (std::vector<uint64_t>{k0}));
+  cache.Acquire({k0});
+  EXPECT_TRUE(cache.Evict(1).empty());
+  EXPECT_EQ(cache.refs(k0), 1);
+  EXPECT_EQ(cache.refs(k1), -1);
 }
 
 }  // namespace

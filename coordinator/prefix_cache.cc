@@ -1,0 +1,87 @@
+#include "coordinator/prefix_cache.h"
+
+#include <algorithm>
+
+namespace ellm::coord {
+namespace {
+
+// splitmix64's finaliser: a bijective 64-bit mix.
+uint64_t Mix(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ULL;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+uint64_t ChainKey(uint64_t parent, const int32_t* tokens, int n) {
+  uint64_t h = Mix(parent + 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(n + 1));
+  for (int i = 0; i < n; ++i) h = Mix(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(tokens[i])) + (uint64_t{i} << 32)));
+  return h;
+}
+
+std::vector<uint64_t> PrefixCache::Lookup(const std::vector<int32_t>& tokens, int max_blocks) const {
+  std::vector<uint64_t> keys;
+  const int bt = block_tokens_;
+  const int blocks = std::min<int64_t>(max_blocks, static_cast<int64_t>(tokens.size()) / bt);
+  uint64_t parent = 0;
+  for (int i = 0; i < blocks; ++i) {
+    const int32_t* t = tokens.data() + static_cast<size_t>(i) * bt;
+    const uint64_t key = ChainKey(parent, t, bt);
+    const auto it = entries_.find(key);
+    if (it == entries_.end() || it->second.parent != parent ||
+        !std::equal(t, t + bt, it->second.tokens.begin())) {
+      break;
+    }
+    keys.push_back(key);
+    parent = key;
+  }
+  return keys;
+}
+
+void PrefixCache::Acquire(const std::vector<uint64_t>& keys) {
+  for (uint64_t key : keys) {
+    Entry& e = entries_.at(key);
+    if (e.refs++ == 0) lru_.erase(e.stamp);
+  }
+}
+
+void PrefixCache::Release(const std::vector<uint64_t>& keys) {
+  // Deepest first: the chain's last block gets the oldest stamp.
+  for (auto it = keys.rbegin(); it != keys.rend(); ++it) {
+    Entry& e = entries_.at(*it);
+    if (--e.refs == 0) {
+      e.stamp = next_stamp_++;
+      lru_[e.stamp] = *it;
+    }
+  }
+}
+
+bool PrefixCache::Insert(uint64_t key, uint64_t parent, const int32_t* tokens) {
+  if (entries_.contains(key)) return false;
+  Entry& e = entries_[key];
+  e.parent = parent;
+  e.tokens.assign(tokens, tokens + block_tokens_);
+  e.refs = 1;
+  return true;
+}
+
+std::vector<uint64_t> PrefixCache::Evict(int64_t n) {
+  std::vector<uint64_t> out;
+  while (n-- > 0 && !lru_.empty()) {
+    const uint64_t key = lru_.begin()->second;
+    lru_.erase(lru_.begin());
+    entries_.erase(key);
+    out.push_back(key);
+  }
+  return out;
+}
+
+int PrefixCache::refs(uint64_t key) const {
+  const auto it = entries_.find(key);
+  return it == entries_.end() ? -1 : it->second.refs;
+}
+
+}  // namespace ellm::coord

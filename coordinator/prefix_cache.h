@@ -1,0 +1,67 @@
+// The prefix cache's index, kept by the coordinator: which whole KV blocks the
+// attention workers hold under which key, how many running sequences use
+// each, and which unused ones to evict first. Free of transport types; the
+// scheduler turns its decisions into KvOps for the workers.
+//
+// A block's key is a chain hash of the token ids up to its end: key_i =
+// ChainKey(key_{i-1}, tokens of block i), key_{-1} = 0. Entries also keep
+// their parent key and their tokens, and a lookup compares them, so a hash
+// collision can never map a sequence onto another prefix's KV.
+//
+// Unreferenced entries are evicted least recently used first. A released
+// chain is stamped from its last block back to its first, so of one chain
+// the deepest blocks go first and a kept block's parents are always kept.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+
+namespace ellm::coord {
+
+// The key of a block of `n` tokens whose predecessor has key `parent`
+// (0 for the first block). Stable across processes and runs.
+uint64_t ChainKey(uint64_t parent, const int32_t* tokens, int n);
+
+class PrefixCache {
+ public:
+  explicit PrefixCache(int block_tokens) : block_tokens_(block_tokens) {}
+
+  int block_tokens() const { return block_tokens_; }
+
+  // Keys of the longest run of cached blocks that starts `tokens`, at most
+  // `max_blocks` of them (no reference taken).
+  std::vector<uint64_t> Lookup(const std::vector<int32_t>& tokens, int max_blocks) const;
+  // A sequence starts (or stops) using these cached blocks.
+  void Acquire(const std::vector<uint64_t>& keys);
+  void Release(const std::vector<uint64_t>& keys);
+  // Adds block `key` (child of `parent`, holding `tokens`), referenced once
+  // by the sequence that publishes it. False when the key is already cached
+  // (another sequence published the same prefix first).
+  bool Insert(uint64_t key, uint64_t parent, const int32_t* tokens);
+  bool Contains(uint64_t key) const { return entries_.contains(key); }
+  // Drops up to `n` unreferenced blocks, least recently used first; returns
+  // their keys (for the workers' KvOps::evict).
+  std::vector<uint64_t> Evict(int64_t n);
+
+  int64_t size() const { return static_cast<int64_t>(entries_.size()); }
+  int64_t evictable() const { return static_cast<int64_t>(lru_.size()); }
+  int refs(uint64_t key) const;  // -1 when not cached
+
+ private:
+  struct Entry {
+    uint64_t parent = 0;
+    std::vector<int32_t> tokens;
+    int refs = 0;
+    uint64_t stamp = 0;  // its place in lru_ while refs == 0
+  };
+
+  int block_tokens_;
+  absl::flat_hash_map<uint64_t, Entry> entries_;
+  std::map<uint64_t, uint64_t> lru_;  // stamp -> key of unreferenced entries, oldest first
+  uint64_t next_stamp_ = 1;
+};
+
+}  // namespace ellm::coord
