@@ -288,10 +288,72 @@ int KvCache::Length(uint64_t seq) const {
   return it == seqs_.end() ? 0 : it->second.length;
 }
 
+void KvCache::Discard(const std::vector<uint64_t>& keys) {
+  for (uint64_t key : keys) {
+    const auto found = cached_.find(key);
+    if (found == cached_.end() || refs_[found->second] > 0) continue;
+    const int32_t b = found->second;
+    cached_.erase(found);
+    is_cached_[b] = 0;
+    SetBit(free_bits_, b, true);
+    ++free_count_;
+  }
+}
+
+absl::StatusOr<std::string> KvCache::CachedBlockBytes(uint64_t key) const {
+  const auto found = cached_.find(key);
+  if (found == cached_.end()) return absl::NotFoundError(absl::StrCat("block ", key, " is not cached"));
+  const size_t seg = static_cast<size_t>(segment_bytes_);
+  std::string out;
+  out.reserve(2 * seg * options_.layers * options_.kv_heads);
+  for (int l = 0; l < options_.layers; ++l) {
+    for (int h = 0; h < options_.kv_heads; ++h) {
+      const uint8_t* k = BlockBase(l, h, found->second);
+      out.append(reinterpret_cast<const char*>(k), seg);
+      out.append(reinterpret_cast<const char*>(k + ValueOffset()), seg);
+    }
+  }
+  return out;
+}
+
+absl::Status KvCache::InsertCached(uint64_t key, std::string_view bytes) {
+  const size_t seg = static_cast<size_t>(segment_bytes_);
+  if (bytes.size() != 2 * seg * options_.layers * options_.kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat("a block of this cache holds ",
+                                                   2 * seg * options_.layers * options_.kv_heads,
+                                                   " bytes, not ", bytes.size()));
+  }
+  if (cached_.contains(key)) return absl::InvalidArgumentError(absl::StrCat("block ", key, " is already cached"));
+  if (free_count_ == 0) return absl::ResourceExhaustedError("no free KV block to load into");
+  // Blocks of one run of inserts come from one zone, ascending, as a
+  // sequence's would (EndInserts releases the zone's rest).
+  const int32_t b = TakeBlock(inserting_);
+  inserting_.blocks.push_back(b);
+  refs_[b] = 0;
+  const char* src = bytes.data();
+  for (int l = 0; l < options_.layers; ++l) {
+    for (int h = 0; h < options_.kv_heads; ++h) {
+      uint8_t* k = BlockBase(l, h, b);
+      std::memcpy(k, src, seg);
+      std::memcpy(k + ValueOffset(), src + seg, seg);
+      src += 2 * seg;
+    }
+  }
+  cached_[key] = b;
+  is_cached_[b] = 1;
+  return absl::OkStatus();
+}
+
+void KvCache::EndInserts() {
+  ReleaseZone(inserting_);
+  inserting_.blocks.clear();
+}
+
 absl::Status KvCache::Apply(const KvOps& ops) {
   for (const KvOps::SequenceBlocks& p : ops.publish) RETURN_IF_ERROR(Publish(p.seq, p.first_block, p.keys));
   for (uint64_t seq : ops.free) Free(seq);
   RETURN_IF_ERROR(Evict(ops.evict));
+  Discard(ops.discard);
   for (const KvOps::SequenceBlocks& a : ops.attach) {
     if (a.first_block != 0) return absl::InvalidArgumentError("cached blocks start a sequence (first_block 0)");
     RETURN_IF_ERROR(Attach(a.seq, a.keys));

@@ -41,6 +41,8 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -119,9 +121,22 @@ class KvCache {
   // pool. FailedPrecondition (and nothing dropped) for a key that is not
   // cached or whose block is still referenced.
   absl::Status Evict(const std::vector<uint64_t>& keys);
+  // Drops those of `keys` that are cached and unreferenced; ignores the rest.
+  void Discard(const std::vector<uint64_t>& keys);
   // The coordinator's operations, in KvOps order (publish, free, evict,
-  // attach); stops at the first that fails and returns its error.
+  // discard, attach); stops at the first that fails and returns its error.
   absl::Status Apply(const KvOps& ops);
+
+  // A cached block's bytes, for the KV store: for each layer and KV head of
+  // the shard, its K segment then its V segment (BlockBytes in all).
+  // NotFound when the key is not cached.
+  absl::StatusOr<std::string> CachedBlockBytes(uint64_t key) const;
+  // Takes a free block, fills it with `bytes` (CachedBlockBytes' layout) and
+  // caches it under `key`, unreferenced. InvalidArgument for a key already
+  // cached or bytes of the wrong size; ResourceExhausted when no block is free.
+  absl::Status InsertCached(uint64_t key, std::string_view bytes);
+  // Ends a run of InsertCached calls (whose blocks were taken in one zone).
+  void EndInserts();
 
   int64_t blocks_total() const { return options_.blocks; }
   // Blocks in no sequence and not cached.
@@ -168,6 +183,7 @@ class KvCache {
   std::vector<uint64_t> unclaimed_bits_;  // bit b: block b is in no sequence's zone
   int64_t free_count_ = 0;
   std::unordered_map<uint64_t, Sequence> seqs_;
+  Sequence inserting_;  // the zone InsertCached takes blocks from
 };
 
 }  // namespace ellm::attn

@@ -22,6 +22,7 @@
 #include "attn-worker/attention_kernels.h"
 #include "attn-worker/attention_shard.h"
 #include "attn-worker/kv_cache.h"
+#include "attn-worker/kv_store.h"
 #include "attn-worker/synthetic_fill.h"
 #include "core/gguf.h"
 #include "core/log.h"
@@ -51,6 +52,10 @@ ABSL_FLAG(std::string, kv_dtype, "int8",
 ABSL_FLAG(std::string, attn_kernel, "auto",
           "attention kernel for int8/f16: auto (the fastest this CPU runs), reference, avx2, "
           "avx2-vnni, avx512 or amx");
+ABSL_FLAG(std::string, kv_store, "",
+          "folder of the KV store: prefix-cache blocks written to disk, loaded back on a match "
+          "(empty: none)");
+ABSL_FLAG(int, kv_store_mb, 8192, "most MiB of this shard's KV store files (least recently used go first)");
 ABSL_FLAG(int, max_batch, 16, "most sequences in one step");
 ABSL_FLAG(int, max_step_tokens, 256, "most tokens in one step");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
@@ -73,6 +78,8 @@ struct AttnWorkerConfig {
   int max_step_tokens = 256;
   KvDType kv_dtype = KvDType::kInt8;
   KernelChoice kernel = KernelChoice::kAuto;
+  std::string kv_store;
+  int64_t kv_store_bytes = 0;
 };
 
 absl::StatusOr<AttnWorkerConfig> ConfigFromFlags() {
@@ -86,7 +93,10 @@ absl::StatusOr<AttnWorkerConfig> ConfigFromFlags() {
   c.block_tokens = absl::GetFlag(FLAGS_block_tokens);
   c.max_batch = absl::GetFlag(FLAGS_max_batch);
   c.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
+  c.kv_store = absl::GetFlag(FLAGS_kv_store);
+  c.kv_store_bytes = int64_t{absl::GetFlag(FLAGS_kv_store_mb)} << 20;
   if (c.model_path.empty()) return absl::InvalidArgumentError("--model is required");
+  if (c.kv_store_bytes <= 0) return absl::InvalidArgumentError("--kv_store_mb must be positive");
   if (c.channel.empty()) return absl::InvalidArgumentError("--channel is required");
   if (c.listen.empty()) return absl::InvalidArgumentError("--listen is required");
   std::vector<std::string> range = absl::StrSplit(absl::GetFlag(FLAGS_kv_heads), ':');
@@ -119,9 +129,9 @@ absl::StatusOr<AttnWorkerConfig> ConfigFromFlags() {
 // The control plane: info, freeing finished sequences, shutdown.
 class ControlService final : public ellm::v1::WorkerControl::Service {
  public:
-  ControlService(const AttnWorkerConfig& config, KvCache* cache, std::mutex* cache_mu,
+  ControlService(const AttnWorkerConfig& config, KvCache* cache, std::mutex* cache_mu, KvStore* store,
                  const std::string& kernel, std::atomic<int64_t>* steps)
-      : config_(config), cache_(cache), cache_mu_(cache_mu), kernel_(kernel), steps_(steps) {}
+      : config_(config), cache_(cache), cache_mu_(cache_mu), store_(store), kernel_(kernel), steps_(steps) {}
 
   grpc::Status GetInfo(grpc::ServerContext*, const ellm::v1::GetInfoRequest*,
                        ellm::v1::WorkerInfo* info) override {
@@ -148,11 +158,63 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
   grpc::Status UpdateKv(grpc::ServerContext*, const ellm::v1::UpdateKvRequest* req,
                         ellm::v1::UpdateKvResponse* resp) override {
     std::lock_guard<std::mutex> lock(*cache_mu_);
-    const absl::Status st = cache_->Apply(FromProto(*req));
+    const KvOps ops = FromProto(*req);
+    const absl::Status st = cache_->Apply(ops);
     if (!st.ok()) LogError("KV update refused: %s", st.ToString());
+    if (st.ok() && store_ != nullptr) {
+      // Write-through: every published block goes to the store's writer.
+      for (const KvOps::SequenceBlocks& p : ops.publish) {
+        if (p.tokens.size() != p.keys.size() * static_cast<size_t>(config_.block_tokens)) continue;
+        for (size_t i = 0; i < p.keys.size(); ++i) {
+          absl::StatusOr<std::string> bytes = cache_->CachedBlockBytes(p.keys[i]);
+          if (!bytes.ok()) continue;
+          store_->Save(p.keys[i], i == 0 ? p.parent : p.keys[i - 1],
+                       p.tokens.data() + i * config_.block_tokens, *std::move(bytes));
+        }
+      }
+    }
     resp->set_kv_blocks_free(cache_->blocks_free());
     resp->set_kv_blocks_cached(cache_->blocks_cached());
     return ToGrpcStatus(st);
+  }
+
+  grpc::Status ListStoredBlocks(grpc::ServerContext*, const ellm::v1::ListStoredBlocksRequest*,
+                                ellm::v1::ListStoredBlocksResponse* resp) override {
+    resp->set_enabled(store_ != nullptr);
+    if (store_ == nullptr) return grpc::Status::OK;
+    for (const KvStore::Stored& s : store_->List()) {
+      ellm::v1::StoredBlock* b = resp->add_blocks();
+      b->set_key(s.key);
+      b->set_parent(s.parent);
+      for (int32_t t : s.tokens) b->add_tokens(t);
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status LoadBlocks(grpc::ServerContext*, const ellm::v1::LoadBlocksRequest* req,
+                          ellm::v1::LoadBlocksResponse* resp) override {
+    std::lock_guard<std::mutex> lock(*cache_mu_);
+    int loaded = 0;
+    const absl::Time start = absl::Now();
+    if (store_ != nullptr) {
+      for (uint64_t key : req->keys()) {
+        absl::StatusOr<std::string> bytes = store_->Load(key);
+        if (!bytes.ok()) break;  // logged by the store
+        const absl::Status st = cache_->InsertCached(key, *bytes);
+        if (!st.ok() && st.code() != absl::StatusCode::kInvalidArgument) {
+          LogWarning("KV store: block %d not loaded: %s", key, st.message());
+          break;
+        }
+        ++loaded;
+      }
+      cache_->EndInserts();
+    }
+    if (loaded > 0) {
+      LogInfo("KV store: loaded %d of %d blocks in %.0f ms", loaded, req->keys_size(),
+              absl::ToDoubleMilliseconds(absl::Now() - start));
+    }
+    resp->set_loaded(loaded);
+    return grpc::Status::OK;
   }
 
   grpc::Status Shutdown(grpc::ServerContext*, const ellm::v1::ShutdownRequest*,
@@ -178,6 +240,7 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
   const AttnWorkerConfig& config_;
   KvCache* cache_;
   std::mutex* cache_mu_;
+  KvStore* store_;  // null without --kv_store
   std::string kernel_;
   std::atomic<int64_t>* steps_;
 };
@@ -241,9 +304,28 @@ absl::Status Run(const AttnWorkerConfig& config) {
       sizeof(shm::FrameHeader) + std::max<uint64_t>(shape.ResultBytes(config.max_step_tokens), 4096);
   ASSIGN_OR_RETURN(auto channel, shm::Channel::Create(config.channel, 4, request_bytes, reply_bytes));
 
+  std::unique_ptr<KvStore> store;
+  if (!config.kv_store.empty()) {
+    KvStoreLayout layout;
+    layout.model = file->Fingerprint();
+    layout.dtype = kv.dtype;
+    layout.block_tokens = kv.block_tokens;
+    layout.layers = kv.layers;
+    layout.head_dim = kv.head_dim;
+    layout.kv_head_begin = config.kv_head_begin;
+    layout.kv_head_end = config.kv_head_end;
+    layout.payload_bytes = KvCache::BlockBytes(kv);
+    absl::StatusOr<std::unique_ptr<KvStore>> opened = KvStore::Open(config.kv_store, config.kv_store_bytes, layout);
+    if (opened.ok()) {
+      store = *std::move(opened);
+    } else {
+      LogWarning("running without a KV store: %s", opened.status().message());
+    }
+  }
+
   std::mutex cache_mu;
   std::atomic<int64_t> steps{0};
-  ControlService control(config, cache.get(), &cache_mu, shard.kernel_name(), &steps);
+  ControlService control(config, cache.get(), &cache_mu, store.get(), shard.kernel_name(), &steps);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials());

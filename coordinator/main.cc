@@ -34,6 +34,8 @@ ABSL_FLAG(int, max_step_tokens, 256, "most tokens in one step");
 ABSL_FLAG(int, max_queue, 64, "most requests waiting for admission (more: RESOURCE_EXHAUSTED)");
 ABSL_FLAG(int, default_max_tokens, 128, "max_tokens of a request that does not say");
 ABSL_FLAG(bool, prefix_cache, true, "share the KV blocks of equal prompt prefixes across requests");
+ABSL_FLAG(bool, kv_store, false,
+          "the attention workers keep cached blocks on disk (--kv_store): index them and load on a match");
 ABSL_FLAG(int, connect_timeout_s, 120, "how long to wait for the workers at start-up");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
 
@@ -49,6 +51,7 @@ struct CoordinatorConfig {
   int max_step_tokens = 256;
   int max_queue = 64;
   bool prefix_cache = true;
+  bool kv_store = false;
   int default_max_tokens = 128;
   absl::Duration connect_timeout;
 };
@@ -63,6 +66,7 @@ absl::StatusOr<CoordinatorConfig> ConfigFromFlags() {
   c.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
   c.max_queue = absl::GetFlag(FLAGS_max_queue);
   c.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
+  c.kv_store = absl::GetFlag(FLAGS_kv_store) && c.prefix_cache;
   c.default_max_tokens = absl::GetFlag(FLAGS_default_max_tokens);
   c.connect_timeout = absl::Seconds(absl::GetFlag(FLAGS_connect_timeout_s));
   if (c.model_path.empty()) return absl::InvalidArgumentError("--model is required");
@@ -109,8 +113,19 @@ absl::Status Run(const CoordinatorConfig& config) {
   so.kv_block_tokens = block_tokens;
   so.max_queue = config.max_queue;
   so.prefix_cache = config.prefix_cache;
+  so.kv_store = config.kv_store;
   so.context_length = model.context_length;
   Scheduler scheduler(so, *tokenizer, link.get());
+  if (config.kv_store) {
+    absl::StatusOr<std::vector<PrefixCache::Block>> stored = link->ListStoredBlocks();
+    if (stored.ok()) {
+      scheduler.AddStored(*stored);
+      LogInfo("KV store: %d blocks on disk match this model (%d tokens)", stored->size(),
+              static_cast<int64_t>(stored->size()) * block_tokens);
+    } else {
+      LogWarning("KV store: cannot list the workers' blocks: %s", stored.status().message());
+    }
+  }
 
   ServiceOptions service_options;
   service_options.model_path = config.model_path;
@@ -132,6 +147,7 @@ absl::Status Run(const CoordinatorConfig& config) {
   info.set_kv_block_tokens(block_tokens);
   info.set_max_batch(config.max_batch);
   info.set_prefix_cache(config.prefix_cache);
+  info.set_kv_store(config.kv_store);
   service_options.chat = ChatTemplate::FromGgufTemplate(
       file->Has("tokenizer.chat_template") ? file->GetString("tokenizer.chat_template").value_or("")
                                            : "");

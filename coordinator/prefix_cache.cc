@@ -79,6 +79,32 @@ std::vector<uint64_t> PrefixCache::Evict(int64_t n) {
   return out;
 }
 
+void PrefixCache::AddStored(const Block& block) {
+  if (static_cast<int>(block.tokens.size()) == block_tokens_) stored_[block.key] = block;
+}
+
+void PrefixCache::RemoveStored(uint64_t key) { stored_.erase(key); }
+
+std::vector<PrefixCache::Block> PrefixCache::LookupStored(const std::vector<int32_t>& tokens,
+                                                          const std::vector<uint64_t>& cached,
+                                                          int max_blocks) const {
+  std::vector<Block> out;
+  const int bt = block_tokens_;
+  const int blocks = std::min<int64_t>(max_blocks, static_cast<int64_t>(tokens.size()) / bt);
+  uint64_t parent = cached.empty() ? 0 : cached.back();
+  for (int i = static_cast<int>(cached.size()); i < blocks; ++i) {
+    const int32_t* t = tokens.data() + static_cast<size_t>(i) * bt;
+    const uint64_t key = ChainKey(parent, t, bt);
+    const auto it = stored_.find(key);
+    if (it == stored_.end() || it->second.parent != parent || !std::equal(t, t + bt, it->second.tokens.begin())) {
+      break;
+    }
+    out.push_back(it->second);
+    parent = key;
+  }
+  return out;
+}
+
 int PrefixCache::refs(uint64_t key) const {
   const auto it = entries_.find(key);
   return it == entries_.end() ? -1 : it->second.refs;

@@ -11,6 +11,10 @@
 // Unreferenced entries are evicted least recently used first. A released
 // chain is stamped from its last block back to its first, so of one chain
 // the deepest blocks go first and a kept block's parents are always kept.
+//
+// With a KV store, a second tier lists the blocks the attention workers hold
+// on disk (by key, parent and tokens): a prompt's match continues there after
+// the cached blocks, and the scheduler has those loaded before it attaches.
 #pragma once
 
 #include <cstdint>
@@ -46,6 +50,20 @@ class PrefixCache {
   // their keys (for the workers' KvOps::evict).
   std::vector<uint64_t> Evict(int64_t n);
 
+  // The KV store tier. A stored block's tokens hold block_tokens ids.
+  struct Block {
+    uint64_t key = 0;
+    uint64_t parent = 0;
+    std::vector<int32_t> tokens;
+  };
+  void AddStored(const Block& block);
+  void RemoveStored(uint64_t key);
+  // The stored blocks that continue `tokens` after its first `cached.size()`
+  // blocks (whose keys `cached` are), up to `max_blocks` blocks in all.
+  std::vector<Block> LookupStored(const std::vector<int32_t>& tokens,
+                                  const std::vector<uint64_t>& cached, int max_blocks) const;
+  int64_t stored() const { return static_cast<int64_t>(stored_.size()); }
+
   int64_t size() const { return static_cast<int64_t>(entries_.size()); }
   int64_t evictable() const { return static_cast<int64_t>(lru_.size()); }
   int refs(uint64_t key) const;  // -1 when not cached
@@ -61,6 +79,7 @@ class PrefixCache {
   int block_tokens_;
   absl::flat_hash_map<uint64_t, Entry> entries_;
   std::map<uint64_t, uint64_t> lru_;  // stamp -> key of unreferenced entries, oldest first
+  absl::flat_hash_map<uint64_t, Block> stored_;  // the KV store tier, by key
   uint64_t next_stamp_ = 1;
 };
 

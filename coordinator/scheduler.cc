@@ -104,6 +104,8 @@ SchedulerStats Scheduler::Stats() {
   st.prefix_hits = prefix_hits_;
   st.prefix_misses = prefix_misses_;
   st.cached_tokens = cached_tokens_;
+  st.stored_blocks = cache_.stored();
+  st.stored_loaded = stored_loaded_;
   return st;
 }
 
@@ -119,6 +121,25 @@ void Scheduler::Admit() {
                            (static_cast<int>(seq->options.prompt.size()) - 1) / bt);
     }
     cache_.Acquire(keys);
+    // Stored blocks that continue the match are loaded first (once per
+    // request; what fails to load is recomputed).
+    if (Cacheable(*seq) && options_.kv_store && !seq->tried_store) {
+      seq->tried_store = true;
+      std::vector<PrefixCache::Block> stored = cache_.LookupStored(
+          seq->options.prompt, keys, (static_cast<int>(seq->options.prompt.size()) - 1) / bt);
+      const int64_t m = static_cast<int64_t>(stored.size());
+      if (m > 0 && m <= blocks_free_ + cache_.evictable()) {
+        if (m > blocks_free_) {
+          const std::vector<uint64_t> evicted = cache_.Evict(m - blocks_free_);
+          pending_.evict.insert(pending_.evict.end(), evicted.begin(), evicted.end());
+          blocks_free_ += static_cast<int64_t>(evicted.size());
+        }
+        blocks_free_ -= m;
+        cache_.Release(keys);
+        load_ = Load{std::move(stored)};
+        return;  // admitted after the load
+      }
+    }
     const int64_t own = seq->need - static_cast<int64_t>(keys.size());
     if (own > blocks_free_ + cache_.evictable()) {
       cache_.Release(keys);
@@ -157,7 +178,8 @@ void Scheduler::Publish(Sequence* s, int blocks) {
   std::vector<int32_t> tokens = s->options.prompt;
   tokens.insert(tokens.end(), s->generated.begin(), s->generated.end());
   blocks = std::min<int>(blocks, static_cast<int>(tokens.size()) / bt);
-  KvOps::SequenceBlocks published{s->id, static_cast<int>(s->keys.size()), {}};
+  KvOps::SequenceBlocks published{s->id, static_cast<int>(s->keys.size()), {},
+                                  s->keys.empty() ? 0 : s->keys.back(), {}};
   while (static_cast<int>(s->keys.size()) < blocks) {
     const uint64_t parent = s->keys.empty() ? 0 : s->keys.back();
     const int32_t* t = tokens.data() + s->keys.size() * static_cast<size_t>(bt);
@@ -165,6 +187,10 @@ void Scheduler::Publish(Sequence* s, int blocks) {
     if (!cache_.Insert(key, parent, t)) break;  // another sequence cached this prefix first
     s->keys.push_back(key);
     published.keys.push_back(key);
+    if (options_.kv_store) {
+      published.tokens.insert(published.tokens.end(), t, t + bt);
+      cache_.AddStored({key, parent, std::vector<int32_t>(t, t + bt)});
+    }
     --s->blocks;  // the block now counts as a cache entry
   }
   if (!published.keys.empty()) pending_.publish.push_back(std::move(published));
@@ -265,6 +291,7 @@ void Scheduler::Loop() {
       Admit();
     }
     FlushKvOps();
+    RunLoad();
     std::vector<Sequence*> to_fill;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -300,12 +327,7 @@ void Scheduler::Loop() {
       LogError("step %d failed: %s", step, result.status().ToString());
       if (result.status().code() == absl::StatusCode::kUnavailable ||
           result.status().code() == absl::StatusCode::kDeadlineExceeded) {
-        if (!broken_) {
-          broken_status_ = absl::UnavailableError(
-              absl::StrCat("a worker failed: ", result.status().message()));
-          broken_ = true;
-          if (on_broken) on_broken(broken_status_);
-        }
+        BreakLocked(result.status());
         continue;  // the loop fails every request
       }
       // A failed step: its sequences end with the error, the rest go on.
@@ -400,11 +422,57 @@ void Scheduler::FlushKvOps() {
   // believes: nothing it computes can be trusted.
   LogError("KV update failed: %s", st.ToString());
   std::lock_guard<std::mutex> lock(mu_);
-  if (!broken_) {
-    broken_status_ = absl::UnavailableError(absl::StrCat("a worker failed: ", st.message()));
-    broken_ = true;
-    if (on_broken) on_broken(broken_status_);
+  BreakLocked(st);
+}
+
+void Scheduler::BreakLocked(const absl::Status& status) {
+  if (broken_) return;
+  broken_status_ = absl::UnavailableError(absl::StrCat("a worker failed: ", status.message()));
+  broken_ = true;
+  if (on_broken) on_broken(broken_status_);
+}
+
+void Scheduler::AddStored(const std::vector<PrefixCache::Block>& blocks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const PrefixCache::Block& b : blocks) cache_.AddStored(b);
+}
+
+void Scheduler::RunLoad() {
+  std::optional<Load> load;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!load_ || broken_) return;
+    load.swap(load_);
   }
+  std::vector<uint64_t> keys;
+  for (const PrefixCache::Block& b : load->blocks) keys.push_back(b.key);
+  const absl::Time start = absl::Now();
+  const absl::StatusOr<int> loaded = executor_->LoadBlocks(keys);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!loaded.ok()) {
+      LogError("KV store load failed: %s", loaded.status().ToString());
+      BreakLocked(loaded.status());
+      return;
+    }
+    const int n = std::clamp(*loaded, 0, static_cast<int>(keys.size()));
+    std::vector<uint64_t> cached;
+    for (int i = 0; i < n; ++i) {
+      const PrefixCache::Block& b = load->blocks[i];
+      if (cache_.Insert(b.key, b.parent, b.tokens.data())) cached.push_back(b.key);
+    }
+    cache_.Release(cached);  // cached, unreferenced: the admission below takes them
+    for (size_t i = n; i < keys.size(); ++i) {
+      pending_.discard.push_back(keys[i]);
+      cache_.RemoveStored(keys[i]);
+    }
+    blocks_free_ += static_cast<int64_t>(keys.size()) - static_cast<int64_t>(cached.size());
+    stored_loaded_ += static_cast<int64_t>(cached.size());
+    LogInfo("KV store: %d of %d blocks loaded in %.0f ms", n, keys.size(),
+            absl::ToDoubleMilliseconds(absl::Now() - start));
+    Admit();
+  }
+  FlushKvOps();
 }
 
 }  // namespace ellm::coord

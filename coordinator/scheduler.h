@@ -24,6 +24,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -48,6 +49,10 @@ class StepExecutor {
   // every attention worker. Any failure means a worker's KV no longer
   // matches the scheduler's view.
   virtual absl::Status UpdateKv(const KvOps& ops) = 0;
+  // KV store: loads stored blocks (in order) into every attention worker's
+  // cache as cached, unreferenced blocks; returns how many of the first
+  // keys every worker loaded.
+  virtual absl::StatusOr<int> LoadBlocks(const std::vector<uint64_t>& keys) { return 0; }
   // Benchmarks: gives a new sequence `positions` positions of random K/V.
   virtual absl::Status FillSynthetic(uint64_t id, int positions) {
     return absl::UnimplementedError("synthetic context is not supported by this executor");
@@ -62,6 +67,7 @@ struct SchedulerOptions {
   int max_queue = 64;            // requests waiting for admission
   int context_length = 0;
   bool prefix_cache = true;      // share whole KV blocks of equal prompt prefixes
+  bool kv_store = false;         // the workers keep published blocks on disk (--kv_store)
 };
 
 struct GenerateOptions {
@@ -82,6 +88,8 @@ struct SchedulerStats {
   int64_t prefix_hits = 0;       // admitted requests that started with cached blocks
   int64_t prefix_misses = 0;     // admitted requests that found none (cache on)
   int64_t cached_tokens = 0;     // prompt tokens served from the cache, in all
+  int64_t stored_blocks = 0;     // blocks the KV store holds (as the coordinator knows)
+  int64_t stored_loaded = 0;     // blocks loaded back from the KV store, in all
 };
 
 class Scheduler {
@@ -92,6 +100,10 @@ class Scheduler {
   // Queues a request. ResourceExhausted when it can never fit the KV budget or
   // the queue is full; Unavailable once the workers have failed.
   absl::StatusOr<std::shared_ptr<RequestStream>> Submit(GenerateOptions options);
+
+  // The KV store's blocks at start-up (the blocks every attention worker
+  // lists): prompts that continue a cached prefix into them load them.
+  void AddStored(const std::vector<PrefixCache::Block>& blocks);
 
   // Called when a worker is found dead: every request ends with `status`
   // and later submissions are refused.
@@ -118,6 +130,7 @@ class Scheduler {
     // published; it holds one reference to each.
     std::vector<uint64_t> keys;
     int attached = 0;       // blocks it started with from the cache
+    bool tried_store = false;  // its KV-store blocks were asked for
     bool needs_fill = false;
     std::vector<int32_t> generated;
     absl::Time submitted, admitted, first_token, last_token;
@@ -144,6 +157,10 @@ class Scheduler {
   // Sends pending_ to the workers (unlocked call to the executor); a failure
   // breaks the scheduler.
   void FlushKvOps();
+  // Loads load_'s blocks from the KV store (unlocked call), caches what every
+  // worker loaded, discards the rest, and admits again.
+  void RunLoad();
+  void BreakLocked(const absl::Status& status);
 
   const SchedulerOptions options_;
   const Tokenizer& tokenizer_;
@@ -156,7 +173,13 @@ class Scheduler {
   KvOps pending_;         // decided, not yet sent to the workers
   PrefixCache cache_;
   int64_t blocks_free_;   // neither reserved by a sequence nor cached
-  int64_t prefix_hits_ = 0, prefix_misses_ = 0, cached_tokens_ = 0;
+  int64_t prefix_hits_ = 0, prefix_misses_ = 0, cached_tokens_ = 0, stored_loaded_ = 0;
+  // A KV-store load the head of the queue waits for; its blocks are
+  // reserved in blocks_free_.
+  struct Load {
+    std::vector<PrefixCache::Block> blocks;
+  };
+  std::optional<Load> load_;
   uint64_t next_id_ = 1;
   uint64_t step_ = 0;
   bool stop_ = false;

@@ -183,6 +183,8 @@ grpc::Status EllmService::GetModelInfo(grpc::ServerContext*, const ellm::v1::Get
   response->set_prefix_cached_tokens(st.cached_tokens);
   response->set_running(st.running);
   response->set_waiting(st.waiting);
+  response->set_kv_store_blocks(st.stored_blocks);
+  response->set_kv_store_loaded(st.stored_loaded);
   return grpc::Status::OK;
 }
 

@@ -3,6 +3,8 @@
 #include <chrono>
 #include <thread>
 
+#include "absl/container/flat_hash_map.h"
+
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "proto/grpc_status.h"
@@ -111,6 +113,45 @@ absl::Status WorkerLink::UpdateKv(const KvOps& ops) {
     ellm::v1::UpdateKvResponse resp;
     return w.stub->UpdateKv(&ctx, req, &resp);
   });
+}
+
+absl::StatusOr<int> WorkerLink::LoadBlocks(const std::vector<uint64_t>& keys) {
+  ellm::v1::LoadBlocksRequest req;
+  for (uint64_t k : keys) req.add_keys(k);
+  int loaded = static_cast<int>(keys.size());
+  RETURN_IF_ERROR(ForEachAttnWorker(absl::Seconds(120), [&](WorkerHandle& w, grpc::ClientContext& ctx) {
+    ellm::v1::LoadBlocksResponse resp;
+    grpc::Status st = w.stub->LoadBlocks(&ctx, req, &resp);
+    if (st.ok()) loaded = std::min(loaded, resp.loaded());
+    return st;
+  }));
+  return loaded;
+}
+
+absl::StatusOr<std::vector<PrefixCache::Block>> WorkerLink::ListStoredBlocks() {
+  // key -> (block, how many workers list it)
+  absl::flat_hash_map<uint64_t, std::pair<PrefixCache::Block, int>> seen;
+  int workers = 0;
+  bool enabled = true;
+  RETURN_IF_ERROR(ForEachAttnWorker(absl::Seconds(60), [&](WorkerHandle& w, grpc::ClientContext& ctx) {
+    ellm::v1::ListStoredBlocksResponse resp;
+    grpc::Status st = w.stub->ListStoredBlocks(&ctx, ellm::v1::ListStoredBlocksRequest(), &resp);
+    if (!st.ok()) return st;
+    ++workers;
+    enabled = enabled && resp.enabled();
+    for (const ellm::v1::StoredBlock& b : resp.blocks()) {
+      auto& [block, count] = seen[b.key()];
+      if (count == 0) block = {b.key(), b.parent(), {b.tokens().begin(), b.tokens().end()}};
+      ++count;
+    }
+    return st;
+  }));
+  std::vector<PrefixCache::Block> out;
+  if (!enabled) return out;
+  for (auto& [key, entry] : seen) {
+    if (entry.second == workers) out.push_back(std::move(entry.first));
+  }
+  return out;
 }
 
 absl::Status WorkerLink::FillSynthetic(uint64_t id, int positions) {

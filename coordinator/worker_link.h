@@ -31,6 +31,10 @@ class WorkerLink final : public StepExecutor {
 
   absl::StatusOr<std::vector<shm::SampledSeq>> Run(uint64_t step, const shm::StepPlan& plan) override;
   absl::Status UpdateKv(const KvOps& ops) override;
+  absl::StatusOr<int> LoadBlocks(const std::vector<uint64_t>& keys) override;
+  // The KV store's blocks that every attention worker holds (none when a
+  // worker runs without a store).
+  absl::StatusOr<std::vector<PrefixCache::Block>> ListStoredBlocks();
   absl::Status FillSynthetic(uint64_t id, int positions) override;
   // Checks every worker: the mlp-worker's process and each control endpoint.
   // Unavailable naming the first that does not answer.

@@ -10,6 +10,7 @@
 
 #include <bit>
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <system_error>
@@ -581,6 +582,16 @@ absl::StatusOr<std::vector<int64_t>> GgufFile::GetIntArray(std::string_view key)
 const GgufTensorInfo* GgufFile::FindTensor(std::string_view name) const {
   auto it = tensor_index_.find(name);
   return it == tensor_index_.end() ? nullptr : &tensors_[it->second];
+}
+
+uint64_t GgufFile::Fingerprint() const {
+  // FNV-1a over the size, then the header bytes: this runs once per process.
+  uint64_t h = 0xcbf29ce484222325ULL;
+  auto mix = [&h](uint8_t b) { h = (h ^ b) * 0x100000001b3ULL; };
+  for (int i = 0; i < 8; ++i) mix(static_cast<uint8_t>(size_ >> (8 * i)));
+  const uint64_t n = std::min(data_start_, size_);
+  for (uint64_t i = 0; i < n; ++i) mix(base_[i]);
+  return h;
 }
 
 const uint8_t* GgufFile::TensorData(const GgufTensorInfo& info) const {

@@ -83,6 +83,10 @@ class GgufFile {
   GgufFile& operator=(const GgufFile&) = delete;
 
   uint32_t version() const { return version_; }
+  // The file's identity for caches derived from it (the KV store): a hash of
+  // its size and of every byte before the tensor data (metadata and tensor
+  // table). Stable across runs and machines.
+  uint64_t Fingerprint() const;
   uint64_t alignment() const { return alignment_; }
   const std::string& path() const { return path_; }
 

@@ -1,7 +1,8 @@
 // The prefix-cache operations the coordinator sends every attention worker
 // between steps (gRPC UpdateKv), applied in the order of the fields: the
 // workers' KV caches follow the coordinator's decisions exactly, so all of
-// them hold the same blocks under the same keys.
+// them hold the same blocks under the same keys. (Discard is for blocks a
+// KV-store load brought into some workers but not all.)
 #pragma once
 
 #include <cstdint>
@@ -11,17 +12,24 @@ namespace ellm {
 
 struct KvOps {
   // Blocks [first_block, first_block + keys.size()) of a sequence, by key.
+  // Publish also names what the keys stand for (for the KV store's files):
+  // the key before the first (0 at the start) and the blocks' tokens.
   struct SequenceBlocks {
     uint64_t seq = 0;
     int first_block = 0;
     std::vector<uint64_t> keys;
+    uint64_t parent = 0;
+    std::vector<int32_t> tokens;  // keys.size() * block_tokens (publish only)
   };
   std::vector<SequenceBlocks> publish;  // full blocks of live sequences become cached
   std::vector<uint64_t> free;           // sequences whose blocks are released
   std::vector<uint64_t> evict;          // unreferenced cached blocks dropped
+  std::vector<uint64_t> discard;        // dropped if cached and unreferenced, else ignored
   std::vector<SequenceBlocks> attach;   // new sequences start with cached blocks (first_block 0)
 
-  bool empty() const { return publish.empty() && free.empty() && evict.empty() && attach.empty(); }
+  bool empty() const {
+    return publish.empty() && free.empty() && evict.empty() && discard.empty() && attach.empty();
+  }
 };
 
 }  // namespace ellm

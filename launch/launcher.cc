@@ -58,6 +58,8 @@ struct LaunchConfig {
   std::string log_level;
   bool use_numactl = true;
   bool prefix_cache = true;
+  std::string kv_store;   // folder of the KV store; empty: none
+  int kv_store_mb = 16384;
   int ready_timeout_s = 180;
 };
 
@@ -234,6 +236,10 @@ absl::Status Launch::Start() {
         "--cpus=" + FormatCpuList(cpus), absl::StrCat("--kv_cache_mb=", kv_mb),
         "--kv_dtype=" + c_.kv_dtype, common_limits,
         step_limit, "--log_level=" + c_.log_level};
+    if (!c_.kv_store.empty()) {
+      rest.push_back("--kv_store=" + c_.kv_store);
+      rest.push_back(absl::StrCat("--kv_store_mb=", std::max(1, c_.kv_store_mb / n)));
+    }
     argv.insert(argv.end(), rest.begin(), rest.end());
     children_.push_back({absl::StrCat("attn-worker ", i), Spawn(argv), address});
     shard_specs.push_back(absl::StrCat(channel, "=", i * heads_each, ":", (i + 1) * heads_each));
@@ -263,7 +269,8 @@ absl::Status Launch::Start() {
        Spawn({c_.bin_dir + "/ellm-coordinator", "--model=" + c_.model_path, "--listen=" + public_address,
               "--mlp_channel=" + mlp_channel, "--workers=" + absl::StrJoin(worker_addresses, ","),
               common_limits, step_limit, "--log_level=" + c_.log_level,
-              c_.prefix_cache ? "--prefix_cache" : "--noprefix_cache"}),
+              c_.prefix_cache ? "--prefix_cache" : "--noprefix_cache",
+              c_.kv_store.empty() ? "--nokv_store" : "--kv_store"}),
        public_address});
 
   // Wait until every process answers its health check.
@@ -399,6 +406,9 @@ int Main(int argc, char** argv) {
   args.Flag("no-numactl", "", "do not wrap the attention workers in numactl", true);
   args.Flag("no-prefix-cache", "", "do not share KV blocks of equal prompt prefixes across requests",
             true);
+  args.Flag("kv-store", "", "folder for the KV store: cached prefixes written to disk and loaded back "
+            "after eviction or a restart (default: none)");
+  args.Flag("kv-store-mb", "16384", "most MiB the KV store's files take, all workers together");
   args.Flag("ready-timeout", "180", "seconds to wait for every process to become healthy");
   if (std::optional<int> exit = args.ParseFlagsOnly(argc, argv)) return *exit;
   LaunchConfig c;
@@ -414,6 +424,7 @@ int Main(int argc, char** argv) {
   c.log_level = args.Get("log-level");
   c.use_numactl = !args.GetBool("no-numactl");
   c.prefix_cache = !args.GetBool("no-prefix-cache");
+  c.kv_store = args.Get("kv-store");
   c.kv_dtype = args.Get("kv-dtype");
   if (!args.IsSet("kv-dtype")) {
     if (const char* env = std::getenv("ELLM_KV_DTYPE"); env != nullptr && *env) c.kv_dtype = env;
@@ -435,13 +446,17 @@ int Main(int argc, char** argv) {
   absl::Status st = args.GetInts({{"port", &c.port}, {"attn-workers", &c.attn_workers},
                      {"kv-cache-mb", &c.kv_cache_mb}, {"max-batch", &c.max_batch},
                      {"max-step-tokens", &c.max_step_tokens}, {"mlp-threads", &c.mlp_threads},
-                     {"ready-timeout", &c.ready_timeout_s}});
+                     {"ready-timeout", &c.ready_timeout_s}, {"kv-store-mb", &c.kv_store_mb}});
   if (!st.ok()) {
     LogError("%s", st.message());
     return 2;
   }
   if (c.port <= 0 || c.port > 65535 || c.attn_workers < 0 || c.max_batch <= 0 || c.max_step_tokens <= 0) {
     LogError("--port must be 1..65535; --attn-workers >= 0; --max-batch and --max-step-tokens > 0");
+    return 2;
+  }
+  if (!c.kv_store.empty() && (!c.prefix_cache || c.kv_store_mb <= 0)) {
+    LogError("--kv-store needs the prefix cache (no --no-prefix-cache) and a positive --kv-store-mb");
     return 2;
   }
   InstallStopSignalHandlers();

@@ -262,6 +262,68 @@ TEST(Integration, PrefixCacheHitsGiveWhatAFreshServerGives) {
   }
 }
 
+// The KV store across restarts: the second server loads the first one's
+// blocks instead of prefilling them, and answers exactly as a server without
+// any cache; after files are damaged, it recomputes what they held and still
+// answers the same.
+TEST(Integration, KvStoreSurvivesRestartsAndSkipsBadFiles) {
+  const std::string store = testing::MakeTempDir("kvstore");
+  std::string doc;
+  for (int i = 0; i < 12; ++i) doc += "Tom had a little red car and he drove it to the shop. ";
+  const std::string prompt = doc + "One day,";
+  for (const char* kv : {"--kv-dtype=f32", "--kv-dtype=int8"}) {
+    SCOPED_TRACE(kv);
+    fs::remove_all(store);
+    Generated fresh;
+    {
+      EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", kv, "--no-prefix-cache"});
+      ASSERT_TRUE(system.ready()) << system.Log();
+      fresh = Generate(system.stub(), Greedy(prompt, 24));
+      ExpectCleanShutdown(system);
+    }
+    auto run = [&](int64_t expect_loaded_min) {
+      EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", kv, "--kv-store=" + store});
+      EXPECT_TRUE(system.ready()) << system.Log();
+      Generated g = Generate(system.stub(), Greedy(prompt, 24));
+      ellm::v1::ModelInfo info;
+      grpc::ClientContext ctx;
+      EXPECT_TRUE(system.stub()->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info).ok());
+      EXPECT_TRUE(info.kv_store());
+      EXPECT_GE(info.kv_store_loaded(), expect_loaded_min);
+      ExpectCleanShutdown(system);
+      return std::make_pair(g, info.kv_store_loaded());
+    };
+    auto [first, loaded0] = run(0);
+    EXPECT_EQ(loaded0, 0);
+    EXPECT_EQ(first.finish.cached_tokens(), 0);
+    auto [second, loaded1] = run(10);  // ~190 prompt tokens: 11 whole blocks from disk
+    EXPECT_GE(second.finish.cached_tokens(), 160);
+    for (const Generated* g : {&first, &second}) {
+      ASSERT_TRUE(g->status.ok());
+      EXPECT_EQ(g->tokens, fresh.tokens);
+      if (std::string(kv) == "--kv-dtype=f32") EXPECT_EQ(g->logprobs, fresh.logprobs);
+    }
+    // Damage the store: flip a byte in every third file, truncate another.
+    int n = 0;
+    for (const auto& e : fs::recursive_directory_iterator(store)) {
+      if (e.path().extension() != ".kvb") continue;
+      if (n++ % 3 == 0) {
+        std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
+        f.seekp(-3, std::ios::end);
+        f.put('\x11');
+      } else if (n == 5) {
+        fs::resize_file(e.path(), 50);
+      }
+    }
+    auto [third, loaded2] = run(0);
+    ASSERT_TRUE(third.status.ok());
+    EXPECT_LT(loaded2, loaded1) << "damaged blocks are not loaded";
+    EXPECT_EQ(third.tokens, fresh.tokens);
+    if (std::string(kv) == "--kv-dtype=f32") EXPECT_EQ(third.logprobs, fresh.logprobs);
+  }
+  fs::remove_all(store);
+}
+
 // An attention worker killed while streams share cached blocks: every stream
 // ends with UNAVAILABLE, and the launcher still cleans up.
 TEST(Integration, KilledWorkerWhileBlocksAreShared) {
