@@ -59,15 +59,18 @@ double WeightBytesPerToken(const GgufFile& file) {
 // A launched ellm (or none when --server is given), stopped on destruction.
 class Launched {
  public:
-  ~Launched() {
+  ~Launched() { Stop(); }
+  void Stop() {
     if (pid_ > 0) {
       kill(pid_, SIGTERM);
       waitpid(pid_, nullptr, 0);
     }
+    pid_ = -1;
   }
   absl::Status Start(const std::vector<std::string>& args) {
     const std::string out_path = absl::StrCat("/tmp/ellm-bench-", getpid(), ".out");
     const std::string log_path = absl::StrCat("/tmp/ellm-bench-", getpid(), ".log");
+    unlink(out_path.c_str());  // a previous launch's "listening" line must not count
     pid_ = fork();
     if (pid_ == 0) {
       int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
@@ -105,6 +108,9 @@ struct Timing {
   std::vector<double> arrivals;  // seconds, one per streamed token
   double start = 0;
   int prompt_tokens = 0;
+  int cached_tokens = 0;
+  std::string text;
+  double ttft_ms() const { return arrivals.empty() ? 0 : (arrivals[0] - start) * 1e3; }
 };
 
 Timing Run(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRequest& req) {
@@ -116,7 +122,11 @@ Timing Run(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRequest& req) {
   while (reader->Read(&resp)) {
     const double now = Seconds();
     for (int i = 0; i < resp.token_ids_size(); ++i) t.arrivals.push_back(now);
-    if (resp.has_finish()) t.prompt_tokens = resp.finish().prompt_tokens();
+    t.text += resp.text();
+    if (resp.has_finish()) {
+      t.prompt_tokens = resp.finish().prompt_tokens();
+      t.cached_tokens = resp.finish().cached_tokens();
+    }
   }
   t.status = reader->Finish();
   return t;
@@ -125,6 +135,88 @@ Timing Run(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRequest& req) {
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// Text of about `tokens` tokens (for the SPM vocabularies of the bench
+// models), varied enough that no two turns repeat each other.
+std::string Text(int tokens, int seed) {
+  static const char* kWords[] = {"the", "little", "dog", "ran", "to", "park", "and", "saw", "a", "big",
+                                 "red", "ball", "then", "she", "smiled", "at", "her", "friend", "sun"};
+  std::string out;
+  uint64_t x = 0x9E3779B97F4A7C15ULL * (seed + 1);
+  for (int i = 0; i < tokens; ++i) {
+    x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
+    out += " ";
+    out += kWords[(x * 0x2545F4914F6CDD1DULL >> 33) % (sizeof(kWords) / sizeof(kWords[0]))];
+  }
+  return out;
+}
+
+// --turns: a conversation over one long document. Turn 1 is the document
+// (about --context tokens); every later turn appends the answer and about
+// --turn-tokens new tokens, and generates --answer-tokens. Prints the time to
+// first token of every turn with the prefix cache and without it, then, after
+// a restart on the same --kv-store, of one more turn.
+int RunTurns(const std::vector<std::string>& launch_base, const std::string& port_arg, int context,
+             int turns, int turn_tokens, int answer_tokens, const std::string& server) {
+  const std::string store = absl::StrCat("/tmp/ellm-bench-kvstore-", getpid());
+  struct Mode {
+    const char* name;
+    std::vector<std::string> flags;
+  };
+  const Mode modes[] = {{"off", {"--no-prefix-cache"}}, {"on", {"--kv-store=" + store}}};
+  std::vector<std::string> prompts;  // the "on" run's, replayed after the restart
+  double cold_ttft = 0;
+  for (const Mode& mode : modes) {
+    Launched launched;
+    std::vector<std::string> args = launch_base;
+    args.insert(args.end(), mode.flags.begin(), mode.flags.end());
+    absl::Status st = launched.Start(args);
+    if (!st.ok()) {
+      std::fprintf(stderr, "ellm-bench e2e: %s\n", std::string(st.message()).c_str());
+      return 1;
+    }
+    auto stub = ellm::v1::Ellm::NewStub(grpc::CreateChannel(server, grpc::InsecureChannelCredentials()));
+    std::string prompt = Text(context, 0);
+    double turn1 = 0;
+    for (int turn = 1; turn <= turns + (std::string(mode.name) == "on" ? 1 : 0); ++turn) {
+      const bool after_restart = std::string(mode.name) == "on" && turn == turns + 1;
+      if (after_restart) {
+        // Restart on the same store: the conversation's prefix is on disk only.
+        launched.Stop();
+        st = launched.Start(args);
+        if (!st.ok()) {
+          std::fprintf(stderr, "ellm-bench e2e: restart: %s\n", std::string(st.message()).c_str());
+          return 1;
+        }
+        stub = ellm::v1::Ellm::NewStub(grpc::CreateChannel(server, grpc::InsecureChannelCredentials()));
+      }
+      std::fprintf(stderr, "[e2e] prefix cache %s, turn %d%s...\n", mode.name, turn,
+                   after_restart ? " (after a restart, from the KV store)" : "");
+      ellm::v1::GenerateRequest req;
+      req.set_prompt(prompt);
+      req.set_max_tokens(answer_tokens);
+      req.mutable_sampling()->set_temperature(0);
+      Timing t = Run(stub.get(), req);
+      if (!t.status.ok()) {
+        std::fprintf(stderr, "ellm-bench e2e: turn %d: %s\n", turn, t.status.error_message().c_str());
+        return 1;
+      }
+      if (turn == 1) turn1 = t.ttft_ms();
+      if (turn == 1 && std::string(mode.name) == "off") cold_ttft = t.ttft_ms();
+      std::printf("turn=%d prefix_cache=%s%s prompt_tokens=%d cached_tokens=%d ttft_ms=%.1f "
+                  "ratio_to_turn1=%.4f ratio_to_cold=%.4f\n",
+                  turn, mode.name, after_restart ? " restarted_from_kv_store=1" : "", t.prompt_tokens,
+                  t.cached_tokens, t.ttft_ms(), turn1 > 0 ? t.ttft_ms() / turn1 : 0,
+                  cold_ttft > 0 ? t.ttft_ms() / cold_ttft : 0);
+      std::fflush(stdout);
+      prompt += t.text + Text(turn_tokens, turn);
+    }
+  }
+  std::error_code ec;
+  fs::remove_all(store, ec);
+  (void)port_arg;
+  return 0;
 }
 
 }  // namespace
@@ -151,6 +243,11 @@ int E2eMain(int argc, char** argv) {
   args.Flag("server", "", "use a running ellm at HOST:PORT instead of launching one");
   args.Flag("prefill-tokens", "512", "prompt length of the prefill-throughput measurement (0: skip)");
   args.Flag("plot", "", "write a PNG of ms/token against context with the bound (needs gnuplot)");
+  args.Flag("turns", "0", "instead: a conversation of N turns over a document of --context tokens; "
+            "time to first token of each turn with and without the prefix cache, and after a "
+            "restart from the KV store");
+  args.Flag("turn-tokens", "256", "--turns: new tokens each turn appends");
+  args.Flag("answer-tokens", "64", "--turns: tokens each turn generates");
   args.Flag("bin-dir", "", "folder of ellm-launch (default: this program's folder)");
   args.Flag("port", "50391", "port for the launched system");
   if (std::optional<int> exit = args.ParseFlagsOnly(argc + 1, argv - 1)) return *exit;
@@ -215,6 +312,35 @@ int E2eMain(int argc, char** argv) {
     ReadProbe probe(int64_t{1} << 30);
     probe_gb_per_s = probe.Measure(pool);
     std::fprintf(stderr, "[e2e] probe: %.1f GB/s\n", probe_gb_per_s);
+  }
+
+  absl::StatusOr<int> turns = args.GetInt("turns");
+  absl::StatusOr<int> turn_tokens = args.GetInt("turn-tokens");
+  absl::StatusOr<int> answer_tokens = args.GetInt("answer-tokens");
+  if (!turns.ok() || *turns < 0 || !turn_tokens.ok() || !answer_tokens.ok() || *answer_tokens < 1) {
+    std::fprintf(stderr, "ellm-bench e2e: --turns, --turn-tokens and --answer-tokens must be integers\n");
+    return 2;
+  }
+  if (*turns > 0) {
+    if (!args.Get("server").empty()) {
+      std::fprintf(stderr, "ellm-bench e2e: --turns launches its own servers (no --server)\n");
+      return 2;
+    }
+    std::string bin_dir = args.Get("bin-dir");
+    if (bin_dir.empty()) {
+      std::error_code ec;
+      bin_dir = fs::read_symlink("/proc/self/exe", ec).parent_path().string();
+    }
+    const int positions = max_context + (*turns + 1) * (*turn_tokens + *answer_tokens) + 512;
+    const int kv_mb = static_cast<int>(kv_bytes_per_position * positions * 1.15 / 1048576.0) + 16;
+    const std::vector<std::string> base = {
+        bin_dir + "/ellm-launch", "--bin-dir=" + bin_dir, "--model=" + model_path,
+        absl::StrCat("--port=", *port), "--kv-dtype=" + args.Get("kv-dtype"),
+        absl::StrCat("--kv-cache-mb=", kv_mb), "--max-batch=2", "--ready-timeout=600",
+        absl::StrCat("--attn-workers=", args.Get("attn-workers"))};
+    std::printf("# cpu=%s probe_gb_per_s=%.1f\n", CpuModelName().c_str(), probe_gb_per_s);
+    return RunTurns(base, "", max_context, *turns, *turn_tokens, *answer_tokens,
+                    absl::StrCat("127.0.0.1:", *port));
   }
 
   Launched launched;

@@ -143,4 +143,18 @@ absl::StatusOr<Topology> DiscoverTopology() {
   return topo;
 }
 
+std::string CpuModelName() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) != 0) continue;
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) break;
+    std::string name = line.substr(colon + 1);
+    const size_t first = name.find_first_not_of(" \t");
+    return first == std::string::npos ? "unknown" : name.substr(first);
+  }
+  return "unknown";
+}
+
 }  // namespace ellm

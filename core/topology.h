@@ -30,4 +30,9 @@ absl::StatusOr<Topology> ParseTopologySpec(absl::string_view spec);
 absl::StatusOr<std::vector<int>> ParseCpuList(absl::string_view list);
 std::string FormatCpuList(const std::vector<int>& cpus);
 
+// The CPU's model name (/proc/cpuinfo), spaces as they are; "unknown" when
+// it cannot be read. Every benchmark line carries it: a figure without its
+// CPU means nothing.
+std::string CpuModelName();
+
 }  // namespace ellm

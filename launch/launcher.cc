@@ -53,6 +53,8 @@ struct LaunchConfig {
   std::string kv_dtype = "int8";   // int8, f16 or f32
   std::string backend = "auto";    // auto, cpu or cuda
   std::string cpu_weights = "native";
+  std::string matmul_isa = "auto";   // the CPU backend's matrix kernels
+  std::string attn_kernel = "auto";  // the attention workers' int8/f16 kernels
   std::string topology_spec;
   std::string bin_dir;
   std::string log_level;
@@ -234,7 +236,7 @@ absl::Status Launch::Start() {
         absl::StrCat("--shard=", i), absl::StrCat("--kv_heads=", i * heads_each, ":", (i + 1) * heads_each),
         "--channel=" + channel, "--listen=" + address, absl::StrCat("--numa_node=", node.id),
         "--cpus=" + FormatCpuList(cpus), absl::StrCat("--kv_cache_mb=", kv_mb),
-        "--kv_dtype=" + c_.kv_dtype, common_limits,
+        "--kv_dtype=" + c_.kv_dtype, "--attn_kernel=" + c_.attn_kernel, common_limits,
         step_limit, "--log_level=" + c_.log_level};
     if (!c_.kv_store.empty()) {
       rest.push_back("--kv_store=" + c_.kv_store);
@@ -257,7 +259,7 @@ absl::Status Launch::Start() {
         c_.bin_dir + "/ellm-mlp-worker", "--model=" + c_.model_path, "--channel=" + mlp_channel,
         "--attn_shards=" + absl::StrJoin(shard_specs, ","), "--listen=" + mlp_address,
         absl::StrCat("--threads=", mlp_threads), "--backend=" + backend,
-        "--cpu_weights=" + c_.cpu_weights, common_limits, step_limit,
+        "--cpu_weights=" + c_.cpu_weights, "--matmul_isa=" + c_.matmul_isa, common_limits, step_limit,
         "--log_level=" + c_.log_level};
     argv.insert(argv.end(), rest.begin(), rest.end());
     children_.push_back({"mlp-worker", Spawn(argv), mlp_address});
@@ -401,6 +403,10 @@ int Main(int argc, char** argv) {
   args.Flag("backend", "auto", "MLP backend: auto (cuda when a GPU is visible, else cpu), cpu or cuda");
   args.Flag("cpu-weights", "native", "cpu backend: native (quantised kernels on the GGUF types) or f32 "
             "(dequantised at load; bit-exact with the reference forward)");
+  args.Flag("matmul-isa", "auto", "cpu backend: force the matrix kernels' instruction set: ref, avx2, "
+            "avx2vnni or avx512vnni (default: the fastest this CPU runs)");
+  args.Flag("attn-kernel", "auto", "force the attention kernel: reference, avx2, avx2-vnni, avx512 or "
+            "amx (default: the fastest this CPU runs)");
   args.Flag("bin-dir", "", "folder holding ellm-attn-worker, ellm-mlp-worker, ellm-coordinator");
   args.Flag("log-level", "info", "debug, info, warning or error");
   args.Flag("no-numactl", "", "do not wrap the attention workers in numactl", true);
@@ -431,6 +437,8 @@ int Main(int argc, char** argv) {
   }
   c.backend = args.Get("backend");
   c.cpu_weights = args.Get("cpu-weights");
+  c.matmul_isa = args.Get("matmul-isa");
+  c.attn_kernel = args.Get("attn-kernel");
   if (c.kv_dtype != "int8" && c.kv_dtype != "f16" && c.kv_dtype != "f32") {
     LogError("--kv-dtype must be int8, f16 or f32, got '%s'", c.kv_dtype);
     return 2;

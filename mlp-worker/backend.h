@@ -69,8 +69,12 @@ class MlpBackend {
 // The CPU backend. With weights loaded natively (LoadOptions::raw_matrices)
 // each matrix keeps its GGUF type and runs on the int8/half kernels of
 // cpu/matmul.h; with fp32 weights it uses kernels bit-identical to the
-// reference forward. Threads split every product by output rows.
+// reference forward. Threads split every product by output rows. `isa`
+// forces the quantised kernels' instruction set ("auto": the fastest this
+// CPU runs; see cpu/matmul.h's MatIsaName for the others); one the CPU
+// cannot run is an error.
 absl::StatusOr<std::unique_ptr<MlpBackend>> CreateCpuBackend(ModelWeights weights,
-                                                             int max_step_tokens, int threads);
+                                                             int max_step_tokens, int threads,
+                                                             const std::string& isa = "auto");
 
 }  // namespace ellm::mlp

@@ -39,6 +39,9 @@ ABSL_FLAG(std::string, attn_shards, "",
 ABSL_FLAG(std::string, listen, "", "gRPC control address, e.g. unix:/tmp/x.sock");
 ABSL_FLAG(std::string, backend, "cpu", "cpu, or cuda (a GPU; builds with the CUDA toolkit)");
 ABSL_FLAG(int, threads, 1, "threads of the CPU backend");
+ABSL_FLAG(std::string, matmul_isa, "auto",
+          "CPU backend: instruction set of the quantised matrix kernels: auto (the fastest this CPU "
+          "runs), ref, avx2, avx2vnni or avx512vnni");
 ABSL_FLAG(std::string, cpu_weights, "native",
           "weights of the CPU backend: native (each matrix in its file type, int8/half kernels) or "
           "f32 (dequantised at load: results bit-identical to the reference forward)");
@@ -67,6 +70,7 @@ struct MlpWorkerConfig {
   std::string listen;
   std::string backend;
   std::string cpu_weights;  // "native" or "f32"
+  std::string matmul_isa;   // cpu/matmul.h MatIsaName, or "auto"
   int threads = 1;
   int device = 0;
   bool cuda_graphs = false;
@@ -82,6 +86,7 @@ absl::StatusOr<MlpWorkerConfig> ConfigFromFlags() {
   c.listen = absl::GetFlag(FLAGS_listen);
   c.backend = absl::GetFlag(FLAGS_backend);
   c.cpu_weights = absl::GetFlag(FLAGS_cpu_weights);
+  c.matmul_isa = absl::GetFlag(FLAGS_matmul_isa);
   c.threads = std::max(1, absl::GetFlag(FLAGS_threads));
   c.device = absl::GetFlag(FLAGS_device);
   c.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
@@ -181,7 +186,7 @@ absl::StatusOr<std::unique_ptr<MlpBackend>> MakeBackend(const MlpWorkerConfig& c
     return CreateCudaBackend(std::move(weights), config.max_step_tokens, options);
   }
 #endif
-  return CreateCpuBackend(std::move(weights), config.max_step_tokens, config.threads);
+  return CreateCpuBackend(std::move(weights), config.max_step_tokens, config.threads, config.matmul_isa);
 }
 
 // --probe_cuda: one line for the launcher, exit 0 when a device is usable.

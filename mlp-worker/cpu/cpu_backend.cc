@@ -56,8 +56,9 @@ absl::StatusOr<QuantMatrix> TakeMatrix(std::string_view name, int64_t rows, int6
 class CpuBackend final : public MlpBackend {
  public:
   static absl::StatusOr<std::unique_ptr<MlpBackend>> Create(ModelWeights weights,
-                                                            int max_step_tokens, int threads) {
-    std::unique_ptr<CpuBackend> b(new CpuBackend(std::move(weights), max_step_tokens, threads));
+                                                            int max_step_tokens, int threads,
+                                                            MatIsa isa) {
+    std::unique_ptr<CpuBackend> b(new CpuBackend(std::move(weights), max_step_tokens, threads, isa));
     RETURN_IF_ERROR(b->TakeMatrices());
     b->LogKernels();
     return std::unique_ptr<MlpBackend>(std::move(b));
@@ -162,12 +163,12 @@ class CpuBackend final : public MlpBackend {
     QuantMatrix wq, wk, wv, wo, w_gate, w_up, w_down;
   };
 
-  CpuBackend(ModelWeights weights, int max_step_tokens, int threads)
+  CpuBackend(ModelWeights weights, int max_step_tokens, int threads, MatIsa isa)
       : w_(std::move(weights)),
         rope_(w_.config),
         max_tokens_(max_step_tokens),
         pool_(threads),
-        isa_(BestMatIsa()) {
+        isa_(isa) {
     const ModelConfig& c = w_.config;
     const size_t T = static_cast<size_t>(max_tokens_);
     x_.resize(T * c.dim);
@@ -270,9 +271,15 @@ class CpuBackend final : public MlpBackend {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MlpBackend>> CreateCpuBackend(ModelWeights weights,
-                                                             int max_step_tokens, int threads) {
+                                                             int max_step_tokens, int threads,
+                                                             const std::string& isa) {
   if (max_step_tokens <= 0) return absl::InvalidArgumentError("max_step_tokens must be positive");
-  return CpuBackend::Create(std::move(weights), max_step_tokens, threads);
+  ASSIGN_OR_RETURN(MatIsa chosen, ParseMatIsa(isa));
+  if (!MatIsaSupported(chosen)) {
+    return absl::UnavailableError(absl::StrCat("this CPU cannot run the ", ToAbsl(MatIsaName(chosen)),
+                                               " matrix kernels"));
+  }
+  return CpuBackend::Create(std::move(weights), max_step_tokens, threads, chosen);
 }
 
 }  // namespace ellm::mlp

@@ -1,0 +1,27 @@
+// Peak throughput of the dot-product instructions the kernels use, measured
+// on the benchmark's own threads in its own process: the compute roof that a
+// compute-bound kernel's multiply-adds per second are judged against (as a
+// bandwidth-bound one is judged against the read probe).
+#pragma once
+
+#include <string>
+
+#include "core/thread_pool.h"
+
+namespace ellm::bench {
+
+enum class DotUnit {
+  kAvx512Vnni,  // VPDPBUSD zmm: 64 u8 x s8 multiply-adds
+  kAvxVnni,     // VPDPBUSD ymm (AVX-VNNI): 32
+  kAvx2Madd,    // VPMADDUBSW + VPMADDWD + VPADDD ymm: 32 per three instructions
+  kAvx512Fma,   // VFMADD zmm f32: 16
+  kAvx2Fma,     // VFMADD ymm f32: 8
+};
+
+std::string DotUnitName(DotUnit unit);  // "vpdpbusd-zmm", ...
+bool DotUnitSupported(DotUnit unit);
+// Multiply-adds per second (in G) of `unit` with every thread of `pool`
+// running independent chains; 0 when the CPU lacks it.
+double PeakGmacs(DotUnit unit, ThreadPool& pool);
+
+}  // namespace ellm::bench
