@@ -19,6 +19,7 @@
 #include "coordinator/scheduler.h"
 #include "coordinator/service.h"
 #include "coordinator/worker_link.h"
+#include "coordinator/workers.h"
 #include "core/gguf.h"
 #include "core/log.h"
 #include "core/model_config.h"
@@ -37,6 +38,13 @@ ABSL_FLAG(bool, prefix_cache, true, "share the KV blocks of equal prompt prefixe
 ABSL_FLAG(bool, kv_store, false,
           "the attention workers keep cached blocks on disk (--kv_store): index them and load on a match");
 ABSL_FLAG(int, connect_timeout_s, 120, "how long to wait for the workers at start-up");
+ABSL_FLAG(bool, recover, true,
+          "after a worker dies or freezes, wait for the launcher to restart the workers and resume "
+          "every request (false: end them all with UNAVAILABLE and stop serving)");
+ABSL_FLAG(int, recovery_timeout_s, 300, "how long to wait for restarted workers before giving up");
+ABSL_FLAG(double, min_step_timeout_s, 2,
+          "a step is stuck after 10x the recent p99 step time, and never before this");
+ABSL_FLAG(int, heartbeat_ms, 500, "interval of the workers' health checks (two missed: frozen)");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
 
 namespace ellm::coord {
@@ -52,6 +60,10 @@ struct CoordinatorConfig {
   int max_queue = 64;
   bool prefix_cache = true;
   bool kv_store = false;
+  bool recover = true;
+  absl::Duration recovery_timeout;
+  absl::Duration min_step_timeout;
+  absl::Duration heartbeat;
   int default_max_tokens = 128;
   absl::Duration connect_timeout;
 };
@@ -69,6 +81,14 @@ absl::StatusOr<CoordinatorConfig> ConfigFromFlags() {
   c.kv_store = absl::GetFlag(FLAGS_kv_store) && c.prefix_cache;
   c.default_max_tokens = absl::GetFlag(FLAGS_default_max_tokens);
   c.connect_timeout = absl::Seconds(absl::GetFlag(FLAGS_connect_timeout_s));
+  c.recover = absl::GetFlag(FLAGS_recover);
+  c.recovery_timeout = absl::Seconds(absl::GetFlag(FLAGS_recovery_timeout_s));
+  c.min_step_timeout = absl::Seconds(absl::GetFlag(FLAGS_min_step_timeout_s));
+  c.heartbeat = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_ms));
+  if (c.recovery_timeout <= absl::ZeroDuration() || c.min_step_timeout <= absl::ZeroDuration() ||
+      c.heartbeat <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--recovery_timeout_s, --min_step_timeout_s and --heartbeat_ms must be positive");
+  }
   if (c.model_path.empty()) return absl::InvalidArgumentError("--model is required");
   if (c.mlp_channel.empty()) return absl::InvalidArgumentError("--mlp_channel is required");
   if (c.workers.empty()) return absl::InvalidArgumentError("--workers is required");
@@ -86,8 +106,16 @@ absl::Status Run(const CoordinatorConfig& config) {
           tokenizer->vocab_size());
 
   LogInfo("connecting to %d workers", static_cast<int>(config.workers.size()));
-  ASSIGN_OR_RETURN(std::unique_ptr<WorkerLink> link,
-                   WorkerLink::Connect(config.mlp_channel, config.workers, config.connect_timeout));
+  WorkersOptions wo;
+  wo.mlp_channel = config.mlp_channel;
+  wo.addresses = config.workers;
+  wo.connect_timeout = config.connect_timeout;
+  wo.recovery_timeout = config.recovery_timeout;
+  wo.min_step_timeout = config.min_step_timeout;
+  wo.heartbeat_timeout = std::max(config.heartbeat, absl::Milliseconds(500));
+  wo.stop = [] { return StopRequested(); };
+  ASSIGN_OR_RETURN(std::unique_ptr<Workers> workers, Workers::Connect(wo));
+  std::shared_ptr<WorkerLink> link = workers->link();
   std::vector<const ellm::v1::WorkerInfo*> attn = link->attn_workers();
   if (attn.empty() || link->mlp_worker() == nullptr) {
     return absl::InvalidArgumentError("need at least one attn-worker and the mlp-worker in --workers");
@@ -114,8 +142,9 @@ absl::Status Run(const CoordinatorConfig& config) {
   so.max_queue = config.max_queue;
   so.prefix_cache = config.prefix_cache;
   so.kv_store = config.kv_store;
+  so.recover = config.recover;
   so.context_length = model.context_length;
-  Scheduler scheduler(so, *tokenizer, link.get());
+  Scheduler scheduler(so, *tokenizer, workers.get());
   if (config.kv_store) {
     absl::StatusOr<std::vector<PrefixCache::Block>> stored = link->ListStoredBlocks();
     if (stored.ok()) {
@@ -170,19 +199,24 @@ absl::Status Run(const CoordinatorConfig& config) {
     LogError("not serving any more: %s", status.message());
     health->SetServingStatus(false);
   };
+  scheduler.on_recovering = [health](bool recovering) {
+    health->SetServingStatus(!recovering);  // NOT_SERVING while the workers restart
+  };
   LogInfo("serving on %s (%d KV blocks of %d positions, batch up to %d, prefix cache %s)",
           config.listen, kv_blocks, block_tokens, config.max_batch, config.prefix_cache ? "on" : "off");
 
-  // Watch the workers; a dead one turns the whole system NOT_SERVING.
-  bool reported = false;
+  // Heartbeats: a dead or frozen worker pauses every request until the
+  // launcher has restarted the workers (or, without --recover, ends them).
   while (!StopRequested()) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    absl::Status st = link->CheckWorkers();
-    if (!st.ok() && !reported) {
-      reported = true;
-      LogError("%s; requests now fail with UNAVAILABLE", st.message());
-      scheduler.MarkBroken(absl::UnavailableError(absl::StrCat("a worker failed: ", st.message())));
+    std::this_thread::sleep_for(absl::ToChronoMilliseconds(config.heartbeat));
+    if (scheduler.broken() || scheduler.recovering()) continue;
+    absl::Status st = workers->Heartbeat();
+    if (!st.ok()) {
+      LogError("%s; %s", st.message(),
+               config.recover ? "pausing requests until the workers are back"
+                              : "requests now fail with UNAVAILABLE");
       health->SetServingStatus(false);
+      scheduler.WorkerFailed(absl::UnavailableError(absl::StrCat("a worker failed: ", st.message())));
     }
   }
   LogInfo("stopping");

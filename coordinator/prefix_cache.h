@@ -64,6 +64,13 @@ class PrefixCache {
                                   const std::vector<uint64_t>& cached, int max_blocks) const;
   int64_t stored() const { return static_cast<int64_t>(stored_.size()); }
 
+  // Forgets every cached block (the workers restarted with empty caches);
+  // the KV store tier stays.
+  void ForgetCached() {
+    entries_.clear();
+    lru_.clear();
+  }
+
   int64_t size() const { return static_cast<int64_t>(entries_.size()); }
   int64_t evictable() const { return static_cast<int64_t>(lru_.size()); }
   int refs(uint64_t key) const;  // -1 when not cached

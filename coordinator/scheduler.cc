@@ -106,6 +106,7 @@ SchedulerStats Scheduler::Stats() {
   st.cached_tokens = cached_tokens_;
   st.stored_blocks = cache_.stored();
   st.stored_loaded = stored_loaded_;
+  st.recoveries = recoveries_;
   return st;
 }
 
@@ -115,18 +116,17 @@ void Scheduler::Admit() {
     Sequence* seq = waiting_.front().get();
     // The longest cached run of whole blocks, short of the block that holds
     // the last prompt token (its logits must be computed).
+    // (A request resumed after a worker failure matches its generated tokens too.)
+    const std::vector<int32_t> tokens = seq->Tokens();
+    const int max_blocks = (static_cast<int>(tokens.size()) - 1) / bt;
     std::vector<uint64_t> keys;
-    if (Cacheable(*seq)) {
-      keys = cache_.Lookup(seq->options.prompt,
-                           (static_cast<int>(seq->options.prompt.size()) - 1) / bt);
-    }
+    if (Cacheable(*seq)) keys = cache_.Lookup(tokens, max_blocks);
     cache_.Acquire(keys);
     // Stored blocks that continue the match are loaded first (once per
     // request; what fails to load is recomputed).
     if (Cacheable(*seq) && options_.kv_store && !seq->tried_store) {
       seq->tried_store = true;
-      std::vector<PrefixCache::Block> stored = cache_.LookupStored(
-          seq->options.prompt, keys, (static_cast<int>(seq->options.prompt.size()) - 1) / bt);
+      std::vector<PrefixCache::Block> stored = cache_.LookupStored(tokens, keys, max_blocks);
       const int64_t m = static_cast<int64_t>(stored.size());
       if (m > 0 && m <= blocks_free_ + cache_.evictable()) {
         if (m > blocks_free_) {
@@ -155,6 +155,7 @@ void Scheduler::Admit() {
     seq->blocks = own;
     seq->keys = keys;
     seq->attached = static_cast<int>(keys.size());
+    if (seq->cached_tokens < 0) seq->cached_tokens = seq->attached * bt;
     seq->fed += seq->attached * bt;
     if (!keys.empty()) {
       pending_.attach.push_back({seq->id, 0, keys});
@@ -174,9 +175,7 @@ void Scheduler::Admit() {
 
 void Scheduler::Publish(Sequence* s, int blocks) {
   const int bt = options_.kv_block_tokens;
-  // The sequence's tokens: its prompt, then the generated tokens fed so far.
-  std::vector<int32_t> tokens = s->options.prompt;
-  tokens.insert(tokens.end(), s->generated.begin(), s->generated.end());
+  const std::vector<int32_t> tokens = s->Tokens();
   blocks = std::min<int>(blocks, static_cast<int>(tokens.size()) / bt);
   KvOps::SequenceBlocks published{s->id, static_cast<int>(s->keys.size()), {},
                                   s->keys.empty() ? 0 : s->keys.back(), {}};
@@ -199,28 +198,24 @@ void Scheduler::Publish(Sequence* s, int blocks) {
 shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
   shm::StepPlan plan;
   int budget = options_.max_step_tokens;
-  // Decoding sequences first (one token each), then prompt chunks.
+  // Decoding sequences first (one token each), then prefill chunks: a
+  // request's prompt, or after a worker failure its prompt and the tokens it
+  // had generated. A chunk that reaches the last token samples the next.
   for (int pass = 0; pass < 2; ++pass) {
     for (auto& s : running_) {
-      const int prompt = static_cast<int>(s->options.prompt.size());
-      const int done = s->fed - s->base;  // prompt tokens (then generated ones) fed
-      const bool decoding = done >= prompt;
-      if ((pass == 0) != decoding || budget == 0) continue;
+      const std::vector<int32_t> tokens = s->Tokens();
+      const int total = static_cast<int>(tokens.size());
+      const int done = s->fed - s->base;  // tokens fed
+      const bool decoding = !s->generated.empty() && total - done == 1;
+      if ((pass == 0) != decoding || budget == 0 || done >= total) continue;
       shm::PlanSeq p;
       p.slice.seq_id = s->id;
       p.slice.start_pos = static_cast<uint32_t>(s->fed);
-      if (decoding) {
-        p.slice.n_tokens = 1;
-        plan.tokens.push_back(s->generated.back());
-        p.sample = 1;
-      } else {
-        const int n = std::min(budget, prompt - done);
-        p.slice.n_tokens = static_cast<uint32_t>(n);
-        plan.tokens.insert(plan.tokens.end(), s->options.prompt.begin() + done,
-                           s->options.prompt.begin() + done + n);
-        p.sample = done + n == prompt ? 1 : 0;
-      }
-      budget -= static_cast<int>(p.slice.n_tokens);
+      const int n = std::min(budget, total - done);
+      p.slice.n_tokens = static_cast<uint32_t>(n);
+      plan.tokens.insert(plan.tokens.end(), tokens.begin() + done, tokens.begin() + done + n);
+      p.sample = done + n == total ? 1 : 0;
+      budget -= n;
       p.temperature = s->options.sampling.temperature;
       p.top_k = s->options.sampling.top_k;
       p.top_p = s->options.sampling.top_p;
@@ -240,7 +235,7 @@ void Scheduler::Finish(Sequence* s, FinishReason reason) {
   f.prompt_tokens = static_cast<int>(s->options.prompt.size());
   f.completion_tokens = static_cast<int>(s->generated.size());
   f.queue_ms = absl::ToDoubleMilliseconds(s->admitted - s->submitted);
-  f.cached_tokens = s->attached * options_.kv_block_tokens;
+  f.cached_tokens = std::max(0, s->cached_tokens);
   if (!s->generated.empty()) {
     f.time_to_first_token_ms = absl::ToDoubleMilliseconds(s->first_token - s->submitted);
     if (s->generated.size() > 1) {
@@ -268,12 +263,35 @@ void Scheduler::Loop() {
         return stop_ || !running_.empty() || !waiting_.empty() || !pending_.empty();
       });
       if (stop_) return;
+      if (!worker_failure_.ok()) {
+        const absl::Status failure = worker_failure_;
+        worker_failure_ = absl::OkStatus();
+        FailWorkersLocked(failure);
+      }
       if (broken_) {
         for (auto& s : waiting_) Fail(s.get(), broken_status_);
         for (auto& s : running_) Fail(s.get(), broken_status_);
         waiting_.clear();
         running_.clear();
         pending_ = KvOps();
+        continue;
+      }
+      if (recovering_) {
+        // Requests keep their place in the queue (new ones join it) while
+        // the executor waits for a fresh set of workers.
+        lock.unlock();
+        const absl::Status st = executor_->Recover();
+        lock.lock();
+        if (!st.ok()) {
+          LogError("recovery failed: %s", st.ToString());
+          recovering_ = false;
+          BreakLocked(st);
+          continue;
+        }
+        recovering_ = false;
+        ++recoveries_;
+        LogInfo("workers are back; resuming %d requests", static_cast<int>(waiting_.size()));
+        if (on_recovering) on_recovering(false);
         continue;
       }
       // Drop cancelled requests (their KV so far is whole: it can be cached).
@@ -305,8 +323,13 @@ void Scheduler::Loop() {
     for (Sequence* s : to_fill) {
       absl::Status st = executor_->FillSynthetic(s->id, s->base);
       std::lock_guard<std::mutex> lock(mu_);
+      if (recovering_ || broken_) break;
       s->needs_fill = false;
       s->in_kv = true;
+      if (!st.ok() && IsWorkerFailure(st)) {
+        FailWorkersLocked(st);
+        break;
+      }
       if (!st.ok()) {
         Fail(s, st);
         Retire(s, /*publish=*/false);
@@ -314,7 +337,7 @@ void Scheduler::Loop() {
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (broken_ || stop_) continue;
+      if (broken_ || stop_ || recovering_) continue;
       plan = PlanStep(&in_step);
       step = ++step_;
     }
@@ -325,10 +348,9 @@ void Scheduler::Loop() {
     std::lock_guard<std::mutex> lock(mu_);
     if (!result.ok()) {
       LogError("step %d failed: %s", step, result.status().ToString());
-      if (result.status().code() == absl::StatusCode::kUnavailable ||
-          result.status().code() == absl::StatusCode::kDeadlineExceeded) {
-        BreakLocked(result.status());
-        continue;  // the loop fails every request
+      if (IsWorkerFailure(result.status())) {
+        FailWorkersLocked(result.status());
+        continue;  // the loop recovers, or fails every request
       }
       // A failed step: its sequences end with the error, the rest go on.
       for (Sequence* s : in_step) {
@@ -345,8 +367,8 @@ void Scheduler::Loop() {
       Sequence* s = in_step[i];
       s->fed += static_cast<int>(plan.seqs[i].slice.n_tokens);
       s->in_kv = true;
-      // The prompt is in: its full blocks can serve other requests now.
-      if (Cacheable(*s) && s->fed == static_cast<int>(s->options.prompt.size())) {
+      // A prefill is in: its full blocks can serve other requests now.
+      if (Cacheable(*s) && plan.seqs[i].sample && (plan.seqs[i].slice.n_tokens > 1 || s->generated.empty())) {
         Publish(s, s->fed / options_.kv_block_tokens);
       }
       if (!plan.seqs[i].sample) continue;
@@ -422,7 +444,56 @@ void Scheduler::FlushKvOps() {
   // believes: nothing it computes can be trusted.
   LogError("KV update failed: %s", st.ToString());
   std::lock_guard<std::mutex> lock(mu_);
-  BreakLocked(st);
+  if (IsWorkerFailure(st)) {
+    FailWorkersLocked(st);
+  } else {
+    BreakLocked(st);
+  }
+}
+
+void Scheduler::WorkerFailed(const absl::Status& status) {
+  if (!options_.recover) {
+    MarkBroken(status);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_ || recovering_) return;
+    worker_failure_ = status;
+  }
+  cv_.notify_all();
+}
+
+void Scheduler::FailWorkersLocked(const absl::Status& status) {
+  if (!options_.recover) {
+    BreakLocked(status);
+    return;
+  }
+  if (broken_ || recovering_) return;
+  LogWarning("a worker failed (%s); pausing %d running and %d waiting requests until the workers "
+             "are back", status.message(), static_cast<int>(running_.size()),
+             static_cast<int>(waiting_.size()));
+  recovering_ = true;
+  if (on_recovering) on_recovering(true);
+  // The workers come back with empty caches: every running request goes back
+  // to the front of the queue, in order, to be prefilled again (prompt and
+  // generated tokens), and the index forgets the cached blocks.
+  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+    Sequence& s = **it;
+    s.fed = s.base;
+    s.needs_fill = s.base > 0;
+    s.keys.clear();
+    s.attached = 0;
+    s.blocks = 0;
+    s.in_kv = false;
+    s.tried_store = false;
+    waiting_.push_front(std::move(*it));
+  }
+  running_.clear();
+  pending_ = KvOps();
+  load_.reset();
+  cache_.ForgetCached();
+  blocks_free_ = options_.kv_blocks;
 }
 
 void Scheduler::BreakLocked(const absl::Status& status) {
@@ -452,7 +523,11 @@ void Scheduler::RunLoad() {
     std::lock_guard<std::mutex> lock(mu_);
     if (!loaded.ok()) {
       LogError("KV store load failed: %s", loaded.status().ToString());
-      BreakLocked(loaded.status());
+      if (IsWorkerFailure(loaded.status())) {
+        FailWorkersLocked(loaded.status());
+      } else {
+        BreakLocked(loaded.status());
+      }
       return;
     }
     const int n = std::clamp(*loaded, 0, static_cast<int>(keys.size()));

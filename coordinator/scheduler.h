@@ -53,6 +53,10 @@ class StepExecutor {
   // cache as cached, unreferenced blocks; returns how many of the first
   // keys every worker loaded.
   virtual absl::StatusOr<int> LoadBlocks(const std::vector<uint64_t>& keys) { return 0; }
+  // After a worker failure: returns once a fresh set of workers serves
+  // (empty KV caches), or an error when none will (then the scheduler
+  // fails every request). The default cannot recover.
+  virtual absl::Status Recover() { return absl::UnavailableError("this executor cannot recover"); }
   // Benchmarks: gives a new sequence `positions` positions of random K/V.
   virtual absl::Status FillSynthetic(uint64_t id, int positions) {
     return absl::UnimplementedError("synthetic context is not supported by this executor");
@@ -68,6 +72,11 @@ struct SchedulerOptions {
   int context_length = 0;
   bool prefix_cache = true;      // share whole KV blocks of equal prompt prefixes
   bool kv_store = false;         // the workers keep published blocks on disk (--kv_store)
+  // A worker failure (Unavailable or DeadlineExceeded from the executor, or
+  // WorkerFailed) pauses every request, waits for StepExecutor::Recover, and
+  // resumes each by prefilling its prompt and the tokens it already has.
+  // Off: such a failure ends every request and the scheduler stays broken.
+  bool recover = false;
 };
 
 struct GenerateOptions {
@@ -85,6 +94,7 @@ struct SchedulerStats {
   int64_t kv_blocks_free = 0;    // neither reserved nor cached
   int64_t kv_blocks_cached = 0;  // prefix-cache entries (referenced or not)
   int64_t steps = 0;
+  int64_t recoveries = 0;        // worker failures recovered from
   int64_t prefix_hits = 0;       // admitted requests that started with cached blocks
   int64_t prefix_misses = 0;     // admitted requests that found none (cache on)
   int64_t cached_tokens = 0;     // prompt tokens served from the cache, in all
@@ -108,9 +118,15 @@ class Scheduler {
   // Called when a worker is found dead: every request ends with `status`
   // and later submissions are refused.
   void MarkBroken(const absl::Status& status);
+  // Called when a worker is found dead or frozen: with options.recover the
+  // scheduler recovers (see SchedulerOptions::recover), else MarkBroken.
+  void WorkerFailed(const absl::Status& status);
   bool broken() const { return broken_.load(); }
+  bool recovering() const { return recovering_.load(); }
   // Called (from the step thread) when the scheduler turns broken.
   std::function<void(const absl::Status&)> on_broken;
+  // Called (from the step thread) when recovery starts (true) and ends (false).
+  std::function<void(bool)> on_recovering;
 
   SchedulerStats Stats();
   void Stop();
@@ -131,8 +147,16 @@ class Scheduler {
     std::vector<uint64_t> keys;
     int attached = 0;       // blocks it started with from the cache
     bool tried_store = false;  // its KV-store blocks were asked for
+    int cached_tokens = -1;    // prompt tokens attached at its first admission (-1: not yet)
     bool needs_fill = false;
     std::vector<int32_t> generated;
+    // Its tokens so far: the prompt, then the generated ones. Positions
+    // [base, fed) hold the first fed - base of them.
+    std::vector<int32_t> Tokens() const {
+      std::vector<int32_t> t = options.prompt;
+      t.insert(t.end(), generated.begin(), generated.end());
+      return t;
+    }
     absl::Time submitted, admitted, first_token, last_token;
     bool in_kv = false;     // some of it reached the workers
   };
@@ -161,6 +185,14 @@ class Scheduler {
   // worker loaded, discards the rest, and admits again.
   void RunLoad();
   void BreakLocked(const absl::Status& status);
+  // A worker failed: with options_.recover, every running request goes back
+  // to the front of the queue with no KV, the cache index forgets what the
+  // workers held, and the loop waits for Recover; else BreakLocked. Locked.
+  void FailWorkersLocked(const absl::Status& status);
+  bool IsWorkerFailure(const absl::Status& status) const {
+    return status.code() == absl::StatusCode::kUnavailable ||
+           status.code() == absl::StatusCode::kDeadlineExceeded;
+  }
 
   const SchedulerOptions options_;
   const Tokenizer& tokenizer_;
@@ -185,6 +217,9 @@ class Scheduler {
   bool stop_ = false;
   std::atomic<bool> broken_{false};
   absl::Status broken_status_;
+  std::atomic<bool> recovering_{false};
+  absl::Status worker_failure_;  // reported by WorkerFailed, handled by the loop
+  int64_t recoveries_ = 0;
   std::thread thread_;
 };
 

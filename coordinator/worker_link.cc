@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "core/signals.h"
 #include "proto/grpc_status.h"
 #include "proto/kv_ops_proto.h"
 
@@ -30,6 +31,7 @@ absl::StatusOr<std::unique_ptr<WorkerLink>> WorkerLink::Connect(
       ellm::v1::GetInfoRequest req;
       grpc::Status st = w.stub->GetInfo(&ctx, req, &w.info);
       if (st.ok()) break;
+      if (StopRequested()) return absl::CancelledError("stopped while connecting to the workers");
       if (absl::Now() > deadline) {
         return absl::UnavailableError(
             absl::StrCat("worker at ", address, " does not answer: ", st.error_message()));

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <deque>
 #include <cstdlib>
 #include <filesystem>
 #include <random>
@@ -39,6 +40,8 @@ struct Child {
   std::string health_address;
   bool exited = false;
   int status = 0;
+  std::vector<std::string> argv;  // to start it again
+  bool handled = false;           // its exit was acted on
 };
 
 struct LaunchConfig {
@@ -62,6 +65,8 @@ struct LaunchConfig {
   bool prefix_cache = true;
   std::string kv_store;   // folder of the KV store; empty: none
   int kv_store_mb = 16384;
+  bool restart = true;    // restart the workers when one dies (the coordinator resumes)
+  int max_restarts = 5;   // within kRestartWindow; more ends the launch
   int ready_timeout_s = 180;
 };
 
@@ -138,6 +143,14 @@ class Launch {
   void Reap();
   void StopAll();
   void RemoveSegments();
+  // Stops (SIGKILL) the children [first, end) still running and removes
+  // their segments and sockets.
+  void KillChildren(size_t first, size_t end);
+  // Starts children [first, end) again from their argv and waits until they
+  // are healthy.
+  absl::Status Respawn(size_t first, size_t end);
+  // Waits until children [first, end) answer their health checks.
+  absl::Status WaitHealthy(size_t first, size_t end, absl::Duration timeout);
 
   LaunchConfig c_;
   std::string prefix_;   // of every shared-memory segment of this launch
@@ -243,7 +256,7 @@ absl::Status Launch::Start() {
       rest.push_back(absl::StrCat("--kv_store_mb=", std::max(1, c_.kv_store_mb / n)));
     }
     argv.insert(argv.end(), rest.begin(), rest.end());
-    children_.push_back({absl::StrCat("attn-worker ", i), Spawn(argv), address});
+    children_.push_back({absl::StrCat("attn-worker ", i), Spawn(argv), address, false, 0, argv});
     shard_specs.push_back(absl::StrCat(channel, "=", i * heads_each, ":", (i + 1) * heads_each));
     worker_addresses.push_back(address);
   }
@@ -262,38 +275,22 @@ absl::Status Launch::Start() {
         "--cpu_weights=" + c_.cpu_weights, "--matmul_isa=" + c_.matmul_isa, common_limits, step_limit,
         "--log_level=" + c_.log_level};
     argv.insert(argv.end(), rest.begin(), rest.end());
-    children_.push_back({"mlp-worker", Spawn(argv), mlp_address});
+    children_.push_back({"mlp-worker", Spawn(argv), mlp_address, false, 0, argv});
     worker_addresses.push_back(mlp_address);
   }
   const std::string public_address = absl::StrCat(c_.host, ":", c_.port);
-  children_.push_back(
-      {"coordinator",
-       Spawn({c_.bin_dir + "/ellm-coordinator", "--model=" + c_.model_path, "--listen=" + public_address,
-              "--mlp_channel=" + mlp_channel, "--workers=" + absl::StrJoin(worker_addresses, ","),
-              common_limits, step_limit, "--log_level=" + c_.log_level,
-              c_.prefix_cache ? "--prefix_cache" : "--noprefix_cache",
-              c_.kv_store.empty() ? "--nokv_store" : "--kv_store"}),
-       public_address});
+  {
+    std::vector<std::string> argv = {
+        c_.bin_dir + "/ellm-coordinator", "--model=" + c_.model_path, "--listen=" + public_address,
+        "--mlp_channel=" + mlp_channel, "--workers=" + absl::StrJoin(worker_addresses, ","),
+        common_limits, step_limit, "--log_level=" + c_.log_level,
+        c_.prefix_cache ? "--prefix_cache" : "--noprefix_cache",
+        c_.kv_store.empty() ? "--nokv_store" : "--kv_store", c_.restart ? "--recover" : "--norecover"};
+    children_.push_back({"coordinator", Spawn(argv), public_address, false, 0, argv});
+  }
 
   // Wait until every process answers its health check.
-  const absl::Time deadline = absl::Now() + absl::Seconds(c_.ready_timeout_s);
-  for (Child& child : children_) {
-    while (!Healthy(child.health_address)) {
-      Reap();
-      for (const Child& c : children_) {
-        if (c.exited) {
-          return absl::UnavailableError(absl::StrCat(c.name, " (pid ", c.pid, ") ", DescribeExit(c.status),
-                                                     " during start-up; see its log above"));
-        }
-      }
-      if (StopRequested()) return absl::CancelledError("interrupted during start-up");
-      if (absl::Now() > deadline) {
-        return absl::DeadlineExceededError(absl::StrCat(child.name, " did not become healthy within ",
-                                                        c_.ready_timeout_s, " s"));
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  }
+  RETURN_IF_ERROR(WaitHealthy(0, children_.size(), absl::Seconds(c_.ready_timeout_s)));
   LogInfo("ellm is ready: listening on %s (model %s, %d attention workers, %d MiB KV cache each)",
           public_address, fs::path(c_.model_path).filename().string(), n, kv_mb);
   LogInfo("KV cache %s; MLP backend %s%s", c_.kv_dtype, backend,
@@ -314,22 +311,122 @@ void Launch::Reap() {
   }
 }
 
+absl::Status Launch::WaitHealthy(size_t first, size_t end, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  for (size_t i = first; i < end; ++i) {
+    Child& child = children_[i];
+    while (!Healthy(child.health_address)) {
+      Reap();
+      for (size_t k = first; k < end; ++k) {
+        const Child& c = children_[k];
+        if (c.exited) {
+          return absl::UnavailableError(absl::StrCat(c.name, " (pid ", c.pid, ") ", DescribeExit(c.status),
+                                                     " during start-up; see its log above"));
+        }
+      }
+      if (StopRequested()) return absl::CancelledError("interrupted during start-up");
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(child.name, " did not become healthy within ",
+                                                        absl::FormatDuration(timeout)));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Launch::KillChildren(size_t first, size_t end) {
+  for (size_t i = first; i < end; ++i) {
+    Child& c = children_[i];
+    if (c.pid > 0 && !c.exited) kill(c.pid, SIGKILL);
+  }
+  for (size_t i = first; i < end; ++i) {
+    Child& c = children_[i];
+    if (c.pid > 0 && !c.exited) {
+      waitpid(c.pid, &c.status, 0);
+      c.exited = true;
+    }
+  }
+  // Their shared-memory segments and control sockets, so the new ones start
+  // clean (a half-written ring must not be read by a new peer).
+  std::error_code ec;
+  for (size_t i = first; i < end; ++i) {
+    const std::string& address = children_[i].health_address;
+    if (address.rfind("unix:", 0) == 0) fs::remove(address.substr(5), ec);
+  }
+  const bool coordinator = end == children_.size();
+  for (const auto& entry : fs::directory_iterator("/dev/shm", ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix_, 0) != 0) continue;
+    const bool worker_segment = name.rfind(prefix_ + "-attn-", 0) == 0 || name.rfind(prefix_ + "-mlp", 0) == 0;
+    if (worker_segment || coordinator) fs::remove(entry.path(), ec);
+  }
+}
+
+absl::Status Launch::Respawn(size_t first, size_t end) {
+  for (size_t i = first; i < end; ++i) {
+    Child& c = children_[i];
+    c.pid = Spawn(c.argv);
+    c.exited = false;
+    c.handled = false;
+    c.status = 0;
+  }
+  return WaitHealthy(first, end, absl::Seconds(c_.ready_timeout_s));
+}
+
 int Launch::Serve() {
-  std::vector<bool> reported(children_.size(), false);
+  // Restarts: the workers (children_ but the last, the coordinator) are
+  // replaced together when one of them dies, the coordinator resuming its
+  // requests on the new set; a dead coordinator takes the workers with it
+  // and all start again. Restarts back off; too many in kRestartWindow end
+  // the launch.
+  constexpr absl::Duration kRestartWindow = absl::Seconds(120);
+  std::deque<absl::Time> restarts;
+  const size_t workers = children_.size() - 1;
   while (!StopRequested()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     Reap();
     for (size_t i = 0; i < children_.size(); ++i) {
-      const Child& c = children_[i];
-      if (!c.exited || reported[i]) continue;
-      reported[i] = true;
-      if (c.name == "coordinator") {
-        LogError("the coordinator (pid %d) %s; stopping ellm", c.pid, DescribeExit(c.status));
+      Child& c = children_[i];
+      if (!c.exited || c.handled) continue;
+      c.handled = true;
+      const bool coordinator = i == workers;
+      if (!c_.restart) {
+        if (coordinator) {
+          LogError("the coordinator (pid %d) %s; stopping ellm", c.pid, DescribeExit(c.status));
+          return 1;
+        }
+        LogError("%s (pid %d) %s; ellm no longer serves (health: NOT_SERVING). Stop with Ctrl-C and "
+                 "start it again.", c.name, c.pid, DescribeExit(c.status));
+        continue;
+      }
+      while (!restarts.empty() && absl::Now() - restarts.front() > kRestartWindow) restarts.pop_front();
+      if (static_cast<int>(restarts.size()) >= c_.max_restarts) {
+        LogError("%s (pid %d) %s, after %d restarts in the last %s; giving up (see the logs above for "
+                 "why it keeps failing)", c.name, c.pid, DescribeExit(c.status), restarts.size(),
+                 absl::FormatDuration(kRestartWindow));
         return 1;
       }
-      LogError("%s (pid %d) %s; ellm no longer serves (health: NOT_SERVING). Stop with Ctrl-C and "
-               "start it again.",
-               c.name, c.pid, DescribeExit(c.status));
+      // Back off: 0, 0.5, 1, 2, 4 s... after earlier restarts in the window.
+      const absl::Duration backoff =
+          restarts.empty() ? absl::ZeroDuration()
+                           : std::min(absl::Seconds(8), absl::Milliseconds(500) * (1 << (restarts.size() - 1)));
+      restarts.push_back(absl::Now());
+      const size_t first = 0, end = coordinator ? children_.size() : workers;
+      LogWarning("%s (pid %d) %s; restarting %s%s", c.name, c.pid, DescribeExit(c.status),
+                 coordinator ? "every process" : "the workers (the coordinator resumes its requests)",
+                 backoff > absl::ZeroDuration() ? absl::StrCat(" in ", absl::FormatDuration(backoff)) : "");
+      KillChildren(first, end);
+      absl::SleepFor(backoff);
+      if (StopRequested()) break;
+      const absl::Time start = absl::Now();
+      const absl::Status st = Respawn(first, end);
+      if (st.ok()) {
+        LogInfo("restarted in %.1f s", absl::ToDoubleSeconds(absl::Now() - start));
+      } else {
+        LogError("restart failed: %s", st.message());  // the next pass counts it and tries again
+      }
+      break;  // children_ changed: look again from the start
     }
   }
   LogInfo("stopping ellm");
@@ -415,6 +512,9 @@ int Main(int argc, char** argv) {
   args.Flag("kv-store", "", "folder for the KV store: cached prefixes written to disk and loaded back "
             "after eviction or a restart (default: none)");
   args.Flag("kv-store-mb", "16384", "most MiB the KV store's files take, all workers together");
+  args.Flag("no-restart", "", "when a worker dies, stop serving instead of restarting the workers "
+            "and resuming", true);
+  args.Flag("max-restarts", "5", "restarts within 2 minutes before the launch gives up");
   args.Flag("ready-timeout", "180", "seconds to wait for every process to become healthy");
   if (std::optional<int> exit = args.ParseFlagsOnly(argc, argv)) return *exit;
   LaunchConfig c;
@@ -431,6 +531,7 @@ int Main(int argc, char** argv) {
   c.use_numactl = !args.GetBool("no-numactl");
   c.prefix_cache = !args.GetBool("no-prefix-cache");
   c.kv_store = args.Get("kv-store");
+  c.restart = !args.GetBool("no-restart");
   c.kv_dtype = args.Get("kv-dtype");
   if (!args.IsSet("kv-dtype")) {
     if (const char* env = std::getenv("ELLM_KV_DTYPE"); env != nullptr && *env) c.kv_dtype = env;
@@ -454,7 +555,8 @@ int Main(int argc, char** argv) {
   absl::Status st = args.GetInts({{"port", &c.port}, {"attn-workers", &c.attn_workers},
                      {"kv-cache-mb", &c.kv_cache_mb}, {"max-batch", &c.max_batch},
                      {"max-step-tokens", &c.max_step_tokens}, {"mlp-threads", &c.mlp_threads},
-                     {"ready-timeout", &c.ready_timeout_s}, {"kv-store-mb", &c.kv_store_mb}});
+                     {"ready-timeout", &c.ready_timeout_s}, {"kv-store-mb", &c.kv_store_mb},
+                     {"max-restarts", &c.max_restarts}});
   if (!st.ok()) {
     LogError("%s", st.message());
     return 2;

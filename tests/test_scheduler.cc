@@ -175,6 +175,23 @@ class FakeExecutor : public StepExecutor {
     std::lock_guard<std::mutex> lock(mu_);
     fail_kv_ = true;
   }
+  // Recover: counts the calls; the workers come back empty (the model of
+  // their caches is cleared) unless `recover_status_` says otherwise.
+  absl::Status Recover() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++recovers_;
+    seq_keys_.clear();
+    refs_.clear();
+    return recover_status_;
+  }
+  void SetRecoverStatus(absl::Status st) {
+    std::lock_guard<std::mutex> lock(mu_);
+    recover_status_ = std::move(st);
+  }
+  int recovers() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return recovers_;
+  }
 
   absl::Status FillSynthetic(uint64_t id, int positions) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -245,6 +262,8 @@ class FakeExecutor : public StepExecutor {
   std::vector<std::string> refusals_;
   int64_t evicted_ = 0;
   bool fail_kv_ = false;
+  int recovers_ = 0;
+  absl::Status recover_status_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Event> log_;
@@ -1109,8 +1128,9 @@ TEST_F(PrefixCacheTest, EveryWayOfEndingLeavesTheCountsRight) {
   EXPECT_EQ(eos.finish.reason, FinishReason::kStopToken);
   exec_.SetTokenFn(nullptr);
   const std::string stop = Tok().TokenBytes(prompt.back(), DefaultToken(0, 0, 0));
+  const int64_t steps_before = scheduler_->Stats().steps;
   std::shared_ptr<RequestStream> cancelled = Submit(prompt, 500);
-  ASSERT_TRUE(WaitForStats([](const SchedulerStats& s) { return s.steps >= 8; }));
+  ASSERT_TRUE(WaitForStats([&](const SchedulerStats& s) { return s.steps >= steps_before + 8; }));
   cancelled->Cancel();
   ASSERT_TRUE(WaitForStats([](const SchedulerStats& s) { return s.running == 0; }));
   exec_.FailAtRun(exec_.runs() + 1, absl::InternalError("injected step failure"));
@@ -1177,6 +1197,86 @@ TEST(PrefixCacheIndex, ChainKeysLookupAndLeafFirstEviction) {
   EXPECT_TRUE(cache.Evict(1).empty());
   EXPECT_EQ(cache.refs(k0), 1);
   EXPECT_EQ(cache.refs(k1), -1);
+}
+
+}  // namespace
+}  // namespace ellm::coord
+
+namespace ellm::coord {
+namespace {
+
+// Recovery (SchedulerOptions::recover): a worker failure pauses every
+// request, the executor recovers, and each request resumes by prefilling its
+// prompt and generated tokens: the tokens it streams are those of a run
+// without the failure, none lost or repeated.
+class RecoveryTest : public SchedulerTest {
+ protected:
+  void SetUp() override {
+    SchedulerTest::SetUp();
+    options_.recover = true;
+  }
+};
+
+TEST_F(RecoveryTest, RequestsResumeWithTheTokensOfARunWithoutTheFailure) {
+  std::vector<Outcome> expected;
+  {
+    Start();
+    for (int32_t first : {300, 301, 302}) expected.push_back(Collect(*Submit(Prompt(first, 40), 30)));
+    scheduler_.reset();
+  }
+  FakeExecutor faulty;
+  Scheduler scheduler(options_, Tok(), &faulty);
+  std::vector<bool> recovering_calls;
+  scheduler.on_recovering = [&](bool r) { recovering_calls.push_back(r); };
+  faulty.FailAtRun(12, absl::UnavailableError("the mlp-worker (pid 1) has exited"));
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int32_t first : {300, 301, 302}) {
+    GenerateOptions o;
+    o.prompt = Prompt(first, 40);
+    o.max_tokens = 30;
+    o.sampling = {.temperature = 0.7f, .top_k = 40, .top_p = 0.95f};
+    o.seed = 1234;
+    streams.push_back(*scheduler.Submit(o));
+  }
+  for (size_t i = 0; i < streams.size(); ++i) {
+    const Outcome out = Collect(*streams[i]);
+    ASSERT_TRUE(out.error.ok()) << out.error;
+    EXPECT_EQ(out.tokens, expected[i].tokens) << i;
+    EXPECT_EQ(out.text, expected[i].text) << i;
+    EXPECT_EQ(out.finish.completion_tokens, 30);
+  }
+  EXPECT_EQ(faulty.recovers(), 1);
+  EXPECT_EQ(scheduler.Stats().recoveries, 1);
+  EXPECT_FALSE(scheduler.broken());
+  EXPECT_EQ(recovering_calls, (std::vector<bool>{true, false}));
+  // After the failure each request was prefilled again from position 0 with
+  // its prompt and the tokens it had: its plans restart at 0 once.
+  int restarts = 0;
+  for (const auto& [id, trace] : Traces(faulty.plans())) {
+    for (size_t k = 1; k < trace.slices.size(); ++k) restarts += trace.slices[k].slice.start_pos == 0;
+  }
+  EXPECT_EQ(restarts, 3);
+  faulty.ExpectConsistent(true);
+  scheduler.Stop();
+}
+
+TEST_F(RecoveryTest, WorkerFailedPausesIdleRequestsAndRecoversToo) {
+  Start();
+  scheduler_->WorkerFailed(absl::UnavailableError("attn-worker 0 froze"));
+  ASSERT_TRUE(WaitForStats([&](const SchedulerStats& s) { return s.recoveries == 1; }));
+  const Outcome out = Collect(*Submit(Prompt(310, 10), 5));
+  EXPECT_TRUE(out.error.ok()) << out.error;
+  EXPECT_EQ(exec_.recovers(), 1);
+}
+
+TEST_F(RecoveryTest, ARecoveryThatFailsEndsEveryRequest) {
+  exec_.SetRecoverStatus(absl::UnavailableError("the workers did not come back within 5m"));
+  exec_.FailAtRun(3, absl::DeadlineExceededError("step 3 took longer than its deadline"));
+  Start();
+  const Outcome out = Collect(*Submit(Prompt(320, 10), 50));
+  EXPECT_EQ(out.error.code(), absl::StatusCode::kUnavailable) << out.error;
+  EXPECT_NE(std::string(out.error.message()).find("did not come back"), std::string::npos) << out.error;
+  EXPECT_TRUE(scheduler_->broken());
 }
 
 }  // namespace

@@ -1,0 +1,69 @@
+// The coordinator's workers across restarts: a StepExecutor that forwards to
+// the current WorkerLink (one set of started workers) and replaces it after
+// a failure.
+//
+// Failure handling, with ellm-launch: the launcher restarts every worker
+// when one dies. The coordinator finds a worker dead (its process gone, a
+// ring peer gone) or frozen (no answer to its health check for two
+// heartbeats, or a step past its deadline); Recover then kills what is left
+// of the old set, so the launcher replaces it whole, and waits until a new
+// set (every pid new) answers and its channel opens.
+//
+// Step deadline: 10x the recent p99 step time (per step, and per token times
+// the step's tokens, whichever is longer), at least min_step_timeout.
+#pragma once
+
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "coordinator/worker_link.h"
+
+namespace ellm::coord {
+
+struct WorkersOptions {
+  std::string mlp_channel;
+  std::vector<std::string> addresses;     // every worker's control address
+  absl::Duration connect_timeout = absl::Seconds(120);
+  absl::Duration recovery_timeout = absl::Seconds(300);
+  absl::Duration min_step_timeout = absl::Seconds(2);
+  absl::Duration heartbeat_timeout = absl::Seconds(1);
+  std::function<bool()> stop;             // true: give up waiting (shutdown)
+};
+
+class Workers final : public StepExecutor {
+ public:
+  static absl::StatusOr<std::unique_ptr<Workers>> Connect(const WorkersOptions& options);
+
+  absl::StatusOr<std::vector<shm::SampledSeq>> Run(uint64_t step, const shm::StepPlan& plan) override;
+  absl::Status UpdateKv(const KvOps& ops) override;
+  absl::StatusOr<int> LoadBlocks(const std::vector<uint64_t>& keys) override;
+  absl::Status FillSynthetic(uint64_t id, int positions) override;
+  absl::Status Recover() override;
+
+  // One heartbeat: every worker's process alive and answering its health
+  // check. Unavailable naming a dead worker; a worker that misses two
+  // heartbeats in a row is frozen: it is killed (so the launcher replaces
+  // the set) and reported the same way.
+  absl::Status Heartbeat();
+  // The current link (its workers' info, the stored blocks...).
+  std::shared_ptr<WorkerLink> link() const;
+  // The deadline the next step of `tokens` tokens gets.
+  absl::Duration StepTimeout(int tokens) const;
+
+ private:
+  explicit Workers(const WorkersOptions& options) : options_(options) {}
+  std::shared_ptr<WorkerLink> Current() const;
+
+  const WorkersOptions options_;
+  mutable std::mutex mu_;
+  std::shared_ptr<WorkerLink> link_;
+  std::vector<int> missed_;  // consecutive missed heartbeats, per worker of link_
+  // Recent steps: (seconds, tokens), newest last.
+  std::deque<std::pair<double, int>> recent_;
+};
+
+}  // namespace ellm::coord
