@@ -31,6 +31,7 @@
 #include "core/thread_pool.h"
 #include "core/topology.h"
 #include "proto/ellm.grpc.pb.h"
+#include "proto/control_secret.h"
 #include "proto/grpc_status.h"
 #include "proto/kv_ops_proto.h"
 #include "shm/channel.h"
@@ -58,6 +59,8 @@ ABSL_FLAG(std::string, kv_store, "",
 ABSL_FLAG(int, kv_store_mb, 8192, "most MiB of this shard's KV store files (least recently used go first)");
 ABSL_FLAG(int, max_batch, 16, "most sequences in one step");
 ABSL_FLAG(int, max_step_tokens, 256, "most tokens in one step");
+ABSL_FLAG(std::string, control_secret_file, "",
+          "file (0600) holding the launch's control secret; every control call must carry it");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
 
 namespace ellm::attn {
@@ -80,6 +83,7 @@ struct AttnWorkerConfig {
   KernelChoice kernel = KernelChoice::kAuto;
   std::string kv_store;
   int64_t kv_store_bytes = 0;
+  std::string control_secret_file;
 };
 
 absl::StatusOr<AttnWorkerConfig> ConfigFromFlags() {
@@ -94,6 +98,10 @@ absl::StatusOr<AttnWorkerConfig> ConfigFromFlags() {
   c.max_batch = absl::GetFlag(FLAGS_max_batch);
   c.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
   c.kv_store = absl::GetFlag(FLAGS_kv_store);
+  c.control_secret_file = absl::GetFlag(FLAGS_control_secret_file);
+  if (c.control_secret_file.empty()) {
+    return absl::InvalidArgumentError("--control_secret_file is required (ellm-launch writes one)");
+  }
   c.kv_store_bytes = int64_t{absl::GetFlag(FLAGS_kv_store_mb)} << 20;
   if (c.model_path.empty()) return absl::InvalidArgumentError("--model is required");
   if (c.kv_store_bytes <= 0) return absl::InvalidArgumentError("--kv_store_mb must be positive");
@@ -129,12 +137,19 @@ absl::StatusOr<AttnWorkerConfig> ConfigFromFlags() {
 // The control plane: info, freeing finished sequences, shutdown.
 class ControlService final : public ellm::v1::WorkerControl::Service {
  public:
-  ControlService(const AttnWorkerConfig& config, KvCache* cache, std::mutex* cache_mu, KvStore* store,
-                 const std::string& kernel, std::atomic<int64_t>* steps)
-      : config_(config), cache_(cache), cache_mu_(cache_mu), store_(store), kernel_(kernel), steps_(steps) {}
+  ControlService(const AttnWorkerConfig& config, CallSecret secret, KvCache* cache, std::mutex* cache_mu,
+                 KvStore* store, const std::string& kernel, std::atomic<int64_t>* steps)
+      : config_(config),
+        secret_(std::move(secret)),
+        cache_(cache),
+        cache_mu_(cache_mu),
+        store_(store),
+        kernel_(kernel),
+        steps_(steps) {}
 
-  grpc::Status GetInfo(grpc::ServerContext*, const ellm::v1::GetInfoRequest*,
+  grpc::Status GetInfo(grpc::ServerContext* ctx, const ellm::v1::GetInfoRequest*,
                        ellm::v1::WorkerInfo* info) override {
+    if (grpc::Status denied = secret_.Check(ctx, "GetInfo"); !denied.ok()) return denied;
     std::lock_guard<std::mutex> lock(*cache_mu_);
     info->set_role("attn-worker");
     info->set_pid(getpid());
@@ -155,8 +170,9 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status UpdateKv(grpc::ServerContext*, const ellm::v1::UpdateKvRequest* req,
+  grpc::Status UpdateKv(grpc::ServerContext* ctx, const ellm::v1::UpdateKvRequest* req,
                         ellm::v1::UpdateKvResponse* resp) override {
+    if (grpc::Status denied = secret_.Check(ctx, "UpdateKv"); !denied.ok()) return denied;
     std::lock_guard<std::mutex> lock(*cache_mu_);
     const KvOps ops = FromProto(*req);
     const absl::Status st = cache_->Apply(ops);
@@ -178,8 +194,9 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
     return ToGrpcStatus(st);
   }
 
-  grpc::Status ListStoredBlocks(grpc::ServerContext*, const ellm::v1::ListStoredBlocksRequest*,
+  grpc::Status ListStoredBlocks(grpc::ServerContext* ctx, const ellm::v1::ListStoredBlocksRequest*,
                                 ellm::v1::ListStoredBlocksResponse* resp) override {
+    if (grpc::Status denied = secret_.Check(ctx, "ListStoredBlocks"); !denied.ok()) return denied;
     resp->set_enabled(store_ != nullptr);
     if (store_ == nullptr) return grpc::Status::OK;
     for (const KvStore::Stored& s : store_->List()) {
@@ -191,8 +208,9 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status LoadBlocks(grpc::ServerContext*, const ellm::v1::LoadBlocksRequest* req,
+  grpc::Status LoadBlocks(grpc::ServerContext* ctx, const ellm::v1::LoadBlocksRequest* req,
                           ellm::v1::LoadBlocksResponse* resp) override {
+    if (grpc::Status denied = secret_.Check(ctx, "LoadBlocks"); !denied.ok()) return denied;
     std::lock_guard<std::mutex> lock(*cache_mu_);
     int loaded = 0;
     const absl::Time start = absl::Now();
@@ -217,15 +235,17 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Shutdown(grpc::ServerContext*, const ellm::v1::ShutdownRequest*,
+  grpc::Status Shutdown(grpc::ServerContext* ctx, const ellm::v1::ShutdownRequest*,
                         ellm::v1::ShutdownResponse*) override {
+    if (grpc::Status denied = secret_.Check(ctx, "Shutdown"); !denied.ok()) return denied;
     LogInfo("shutdown requested over gRPC");
     RequestStop();
     return grpc::Status::OK;
   }
 
-  grpc::Status FillSynthetic(grpc::ServerContext*, const ellm::v1::FillSyntheticRequest* req,
+  grpc::Status FillSynthetic(grpc::ServerContext* ctx, const ellm::v1::FillSyntheticRequest* req,
                              ellm::v1::FillSyntheticResponse*) override {
+    if (grpc::Status denied = secret_.Check(ctx, "FillSynthetic"); !denied.ok()) return denied;
     std::lock_guard<std::mutex> lock(*cache_mu_);
     const absl::Time start = absl::Now();
     absl::Status st = attn::FillSynthetic(cache_, req->sequence_id(), req->positions(), req->seed());
@@ -238,6 +258,7 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
 
  private:
   const AttnWorkerConfig& config_;
+  const CallSecret secret_;
   KvCache* cache_;
   std::mutex* cache_mu_;
   KvStore* store_;  // null without --kv_store
@@ -325,7 +346,10 @@ absl::Status Run(const AttnWorkerConfig& config) {
 
   std::mutex cache_mu;
   std::atomic<int64_t> steps{0};
-  ControlService control(config, cache.get(), &cache_mu, store.get(), shard.kernel_name(), &steps);
+  ASSIGN_OR_RETURN(CallSecret secret,
+                   CallSecret::FromFile(CallSecret::Kind::kControl, config.control_secret_file));
+  ControlService control(config, std::move(secret), cache.get(), &cache_mu, store.get(),
+                         shard.kernel_name(), &steps);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials());

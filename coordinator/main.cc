@@ -3,7 +3,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +22,7 @@
 #include "coordinator/service.h"
 #include "coordinator/worker_link.h"
 #include "coordinator/workers.h"
+#include "proto/control_secret.h"
 #include "core/gguf.h"
 #include "core/log.h"
 #include "core/model_config.h"
@@ -45,6 +48,15 @@ ABSL_FLAG(int, recovery_timeout_s, 300, "how long to wait for restarted workers 
 ABSL_FLAG(double, min_step_timeout_s, 2,
           "a step is stuck after 10x the recent p99 step time, and never before this");
 ABSL_FLAG(int, heartbeat_ms, 500, "interval of the workers' health checks (two missed: frozen)");
+ABSL_FLAG(std::string, control_secret_file, "",
+          "file (0600) holding the launch's control secret, sent with every worker control call");
+ABSL_FLAG(std::string, api_key_file, "",
+          "file (0600) holding the API key every public call must carry (authorization: Bearer KEY)");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve the public port over TLS");
+ABSL_FLAG(std::string, control_listen, "",
+          "a second, private address (e.g. unix:/run/dir/coordinator.sock) where the launcher checks "
+          "health whatever the public port's TLS");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
 
 namespace ellm::coord {
@@ -61,6 +73,10 @@ struct CoordinatorConfig {
   bool prefix_cache = true;
   bool kv_store = false;
   bool recover = true;
+  std::string control_secret_file;
+  std::string api_key_file;
+  std::string tls_cert, tls_key;
+  std::string control_listen;
   absl::Duration recovery_timeout;
   absl::Duration min_step_timeout;
   absl::Duration heartbeat;
@@ -82,6 +98,17 @@ absl::StatusOr<CoordinatorConfig> ConfigFromFlags() {
   c.default_max_tokens = absl::GetFlag(FLAGS_default_max_tokens);
   c.connect_timeout = absl::Seconds(absl::GetFlag(FLAGS_connect_timeout_s));
   c.recover = absl::GetFlag(FLAGS_recover);
+  c.control_secret_file = absl::GetFlag(FLAGS_control_secret_file);
+  c.api_key_file = absl::GetFlag(FLAGS_api_key_file);
+  c.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  c.tls_key = absl::GetFlag(FLAGS_tls_key);
+  c.control_listen = absl::GetFlag(FLAGS_control_listen);
+  if (c.control_secret_file.empty()) {
+    return absl::InvalidArgumentError("--control_secret_file is required (ellm-launch writes one)");
+  }
+  if (c.tls_cert.empty() != c.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls_cert and --tls_key go together");
+  }
   c.recovery_timeout = absl::Seconds(absl::GetFlag(FLAGS_recovery_timeout_s));
   c.min_step_timeout = absl::Seconds(absl::GetFlag(FLAGS_min_step_timeout_s));
   c.heartbeat = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_ms));
@@ -96,6 +123,15 @@ absl::StatusOr<CoordinatorConfig> ConfigFromFlags() {
     return absl::InvalidArgumentError("batch, step, queue and token limits must be positive");
   }
   return c;
+}
+
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  if (text.str().empty()) return absl::InvalidArgumentError(absl::StrCat(path, " is empty"));
+  return text.str();
 }
 
 absl::Status Run(const CoordinatorConfig& config) {
@@ -114,6 +150,8 @@ absl::Status Run(const CoordinatorConfig& config) {
   wo.min_step_timeout = config.min_step_timeout;
   wo.heartbeat_timeout = std::max(config.heartbeat, absl::Milliseconds(500));
   wo.stop = [] { return StopRequested(); };
+  ASSIGN_OR_RETURN(wo.control_secret,
+                   CallSecret::FromFile(CallSecret::Kind::kControl, config.control_secret_file));
   ASSIGN_OR_RETURN(std::unique_ptr<Workers> workers, Workers::Connect(wo));
   std::shared_ptr<WorkerLink> link = workers->link();
   std::vector<const ellm::v1::WorkerInfo*> attn = link->attn_workers();
@@ -177,6 +215,9 @@ absl::Status Run(const CoordinatorConfig& config) {
   info.set_max_batch(config.max_batch);
   info.set_prefix_cache(config.prefix_cache);
   info.set_kv_store(config.kv_store);
+  if (!config.api_key_file.empty()) {
+    ASSIGN_OR_RETURN(service_options.api_key, CallSecret::FromFile(CallSecret::Kind::kApiKey, config.api_key_file));
+  }
   service_options.chat = ChatTemplate::FromGgufTemplate(
       file->Has("tokenizer.chat_template") ? file->GetString("tokenizer.chat_template").value_or("")
                                            : "");
@@ -186,7 +227,18 @@ absl::Status Run(const CoordinatorConfig& config) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &port);
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  if (!config.tls_cert.empty()) {
+    ASSIGN_OR_RETURN(std::string cert, ReadSmallFile(config.tls_cert));
+    ASSIGN_OR_RETURN(std::string key, ReadSmallFile(config.tls_key));
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({key, cert});
+    credentials = grpc::SslServerCredentials(ssl);
+  }
+  builder.AddListeningPort(config.listen, credentials, &port);
+  if (!config.control_listen.empty()) {
+    builder.AddListeningPort(config.control_listen, grpc::InsecureServerCredentials());
+  }
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {

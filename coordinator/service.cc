@@ -113,6 +113,7 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
 grpc::Status EllmService::Generate(grpc::ServerContext* context,
                                    const ellm::v1::GenerateRequest* request,
                                    grpc::ServerWriter<ellm::v1::GenerateResponse>* writer) {
+  if (grpc::Status denied = options_.api_key.Check(context, "Generate"); !denied.ok()) return denied;
   absl::StatusOr<GenerateOptions> options = Validate(*request);
   if (!options.ok()) return ToGrpcStatus(options.status());
   absl::StatusOr<std::shared_ptr<RequestStream>> stream = scheduler_->Submit(*std::move(options));
@@ -151,8 +152,9 @@ grpc::Status EllmService::Generate(grpc::ServerContext* context,
   }
 }
 
-grpc::Status EllmService::Tokenize(grpc::ServerContext*, const ellm::v1::TokenizeRequest* request,
+grpc::Status EllmService::Tokenize(grpc::ServerContext* context, const ellm::v1::TokenizeRequest* request,
                                    ellm::v1::TokenizeResponse* response) {
+  if (grpc::Status denied = options_.api_key.Check(context, "Tokenize"); !denied.ok()) return denied;
   absl::StatusOr<std::vector<int32_t>> ids =
       request->messages().empty()
           ? absl::StatusOr<std::vector<int32_t>>(tokenizer_.Encode(
@@ -172,8 +174,9 @@ grpc::Status EllmService::Tokenize(grpc::ServerContext*, const ellm::v1::Tokeniz
   return grpc::Status::OK;
 }
 
-grpc::Status EllmService::GetModelInfo(grpc::ServerContext*, const ellm::v1::GetModelInfoRequest*,
+grpc::Status EllmService::GetModelInfo(grpc::ServerContext* context, const ellm::v1::GetModelInfoRequest*,
                                        ellm::v1::ModelInfo* response) {
+  if (grpc::Status denied = options_.api_key.Check(context, "GetModelInfo"); !denied.ok()) return denied;
   *response = options_.model_info;
   const SchedulerStats st = scheduler_->Stats();
   response->set_kv_blocks_free(st.kv_blocks_free);

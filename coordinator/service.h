@@ -9,6 +9,7 @@
 #include "coordinator/scheduler.h"
 #include "core/model_config.h"
 #include "core/tokenizer.h"
+#include "proto/control_secret.h"
 #include "proto/ellm.grpc.pb.h"
 
 namespace ellm::coord {
@@ -18,6 +19,8 @@ struct ServiceOptions {
   int default_max_tokens = 128;
   ellm::v1::ModelInfo model_info;  // filled by main
   ChatTemplate chat;               // from tokenizer.chat_template
+  // Checked on every public call (none: every call passes).
+  CallSecret api_key = CallSecret::None(CallSecret::Kind::kApiKey);
 };
 
 class EllmService final : public ellm::v1::Ellm::Service {

@@ -14,8 +14,9 @@
 namespace ellm::coord {
 
 absl::StatusOr<std::unique_ptr<WorkerLink>> WorkerLink::Connect(
-    const std::string& mlp_channel, const std::vector<std::string>& addresses, absl::Duration wait) {
-  std::unique_ptr<WorkerLink> link(new WorkerLink());
+    const std::string& mlp_channel, const std::vector<std::string>& addresses, absl::Duration wait,
+    const CallSecret& secret) {
+  std::unique_ptr<WorkerLink> link(new WorkerLink(secret));
   const absl::Time deadline = absl::Now() + wait;
   for (const std::string& address : addresses) {
     WorkerHandle w;
@@ -28,6 +29,7 @@ absl::StatusOr<std::unique_ptr<WorkerLink>> WorkerLink::Connect(
           grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      secret.Attach(&ctx);
       ellm::v1::GetInfoRequest req;
       grpc::Status st = w.stub->GetInfo(&ctx, req, &w.info);
       if (st.ok()) break;
@@ -99,6 +101,7 @@ absl::Status WorkerLink::ForEachAttnWorker(absl::Duration timeout, const Rpc& rp
     if (w.info.role() != "attn-worker") continue;
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    secret_.Attach(&ctx);
     const grpc::Status st = rpc(w, ctx);
     if (!st.ok()) {
       const absl::Status remote = FromGrpcStatus(st);

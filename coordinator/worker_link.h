@@ -10,6 +10,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "coordinator/scheduler.h"
+#include "proto/control_secret.h"
 #include "proto/ellm.grpc.pb.h"
 #include "shm/channel.h"
 
@@ -25,9 +26,10 @@ class WorkerLink final : public StepExecutor {
  public:
   // Opens the mlp-worker's channel and asks every worker for its info,
   // retrying until `wait` has passed.
+  // Every control call carries `secret`.
   static absl::StatusOr<std::unique_ptr<WorkerLink>> Connect(
       const std::string& mlp_channel, const std::vector<std::string>& worker_addresses,
-      absl::Duration wait);
+      absl::Duration wait, const CallSecret& secret);
 
   absl::StatusOr<std::vector<shm::SampledSeq>> Run(uint64_t step, const shm::StepPlan& plan) override;
   absl::Status UpdateKv(const KvOps& ops) override;
@@ -51,7 +53,8 @@ class WorkerLink final : public StepExecutor {
   // first failure, as its status naming the shard.
   template <typename Rpc>
   absl::Status ForEachAttnWorker(absl::Duration timeout, const Rpc& rpc);
-  WorkerLink() = default;
+  explicit WorkerLink(const CallSecret& secret) : secret_(secret) {}
+  const CallSecret secret_;
   std::unique_ptr<shm::Channel> channel_;
   std::vector<WorkerHandle> workers_;
 };

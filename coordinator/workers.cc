@@ -31,7 +31,8 @@ bool Answers(const std::string& address, absl::Duration timeout) {
 absl::StatusOr<std::unique_ptr<Workers>> Workers::Connect(const WorkersOptions& options) {
   std::unique_ptr<Workers> w(new Workers(options));
   ASSIGN_OR_RETURN(std::unique_ptr<WorkerLink> link,
-                   WorkerLink::Connect(options.mlp_channel, options.addresses, options.connect_timeout));
+                   WorkerLink::Connect(options.mlp_channel, options.addresses, options.connect_timeout,
+                                       options.control_secret));
   w->link_ = std::move(link);
   w->missed_.assign(w->link_->workers().size(), 0);
   return w;
@@ -124,7 +125,7 @@ absl::Status Workers::Recover() {
   while (absl::Now() < deadline) {
     if (options_.stop && options_.stop()) return absl::UnavailableError("the server is shutting down");
     absl::StatusOr<std::unique_ptr<WorkerLink>> link =
-        WorkerLink::Connect(options_.mlp_channel, options_.addresses, absl::Seconds(2));
+        WorkerLink::Connect(options_.mlp_channel, options_.addresses, absl::Seconds(2), options_.control_secret);
     if (link.ok()) {
       bool fresh = true;
       for (const WorkerHandle& w : (*link)->workers()) {

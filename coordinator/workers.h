@@ -32,6 +32,7 @@ struct WorkersOptions {
   absl::Duration min_step_timeout = absl::Seconds(2);
   absl::Duration heartbeat_timeout = absl::Seconds(1);
   std::function<bool()> stop;             // true: give up waiting (shutdown)
+  CallSecret control_secret = CallSecret::None(CallSecret::Kind::kControl);
 };
 
 class Workers final : public StepExecutor {

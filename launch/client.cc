@@ -4,6 +4,10 @@
 //   ellm info
 //   ellm health
 #include <cstdio>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -44,7 +48,7 @@ const char* ReasonName(ellm::v1::FinishReason r) {
 // A conversation on stdin/stdout: each line is a user turn; the reply
 // streams back and joins the history. Ctrl-D ends it.
 int Chat(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRequest& base, const std::string& system,
-         const std::string& server) {
+         const std::string& server, const std::function<void(grpc::ClientContext*)>& authorize) {
   std::vector<std::pair<std::string, std::string>> history;
   if (!system.empty()) history.push_back({"system", system});
   std::string line;
@@ -64,6 +68,7 @@ int Chat(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRequest& base, cons
       m->set_content(content);
     }
     grpc::ClientContext ctx;
+    authorize(&ctx);
     auto reader = stub->Generate(&ctx, req);
     ellm::v1::GenerateResponse resp;
     std::string reply;
@@ -100,6 +105,8 @@ int Main(int argc, char** argv) {
   args.Flag("no-bos", "", "do not prepend the BOS token", true);
   args.Flag("stats", "", "print token counts and timings to stderr at the end", true);
   args.Flag("system", "", "chat: the system message");
+  args.Flag("api-key", "", "API key of the server (default: $ELLM_API_KEY)");
+  args.Flag("tls-ca", "", "PEM certificate(s) to trust: talk TLS to a server started with --tls-cert");
   absl::Status st = args.Parse(argc, argv);
   if (args.help() || (st.ok() && args.positional().empty())) {
     std::printf("%s", args.HelpText().c_str());
@@ -108,7 +115,23 @@ int Main(int argc, char** argv) {
   if (!st.ok()) return Fail(std::string(st.message()));
   const std::string command = args.positional()[0];
   const std::string server = args.Get("server");
-  auto channel = grpc::CreateChannel(server, grpc::InsecureChannelCredentials());
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (!args.Get("tls-ca").empty()) {
+    std::ifstream in(args.Get("tls-ca"));
+    std::stringstream pem;
+    pem << in.rdbuf();
+    if (pem.str().empty()) return Fail("cannot read --tls-ca " + args.Get("tls-ca"));
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = pem.str();
+    credentials = grpc::SslCredentials(ssl);
+  }
+  std::string api_key = args.Get("api-key");
+  if (api_key.empty() && std::getenv("ELLM_API_KEY") != nullptr) api_key = std::getenv("ELLM_API_KEY");
+  // Every call carries the API key (when there is one).
+  auto authorize = [&api_key](grpc::ClientContext* ctx) {
+    if (!api_key.empty()) ctx->AddMetadata("authorization", "Bearer " + api_key);
+  };
+  auto channel = grpc::CreateChannel(server, credentials);
   auto stub = ellm::v1::Ellm::NewStub(channel);
 
   if (command == "generate" || command == "chat") {
@@ -142,8 +165,9 @@ int Main(int argc, char** argv) {
     }
     if (args.IsSet("stop")) req.add_stop(args.Get("stop"));
     if (args.GetBool("no-bos")) req.set_add_bos(false);
-    if (command == "chat") return Chat(stub.get(), req, args.Get("system"), server);
+    if (command == "chat") return Chat(stub.get(), req, args.Get("system"), server, authorize);
     grpc::ClientContext ctx;
+    authorize(&ctx);
     auto reader = stub->Generate(&ctx, req);
     ellm::v1::GenerateResponse resp;
     ellm::v1::Finish finish;
@@ -175,6 +199,7 @@ int Main(int argc, char** argv) {
     if (args.GetBool("no-bos")) req.set_add_bos(false);
     ellm::v1::TokenizeResponse resp;
     grpc::ClientContext ctx;
+    authorize(&ctx);
     grpc::Status status = stub->Tokenize(&ctx, req, &resp);
     if (!status.ok()) return FailRpc(status, server);
     for (int i = 0; i < resp.token_ids_size(); ++i) {
@@ -185,6 +210,7 @@ int Main(int argc, char** argv) {
   if (command == "info") {
     ellm::v1::ModelInfo info;
     grpc::ClientContext ctx;
+    authorize(&ctx);
     grpc::Status status = stub->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info);
     if (!status.ok()) return FailRpc(status, server);
     std::printf("%s", info.DebugString().c_str());
@@ -193,6 +219,7 @@ int Main(int argc, char** argv) {
   if (command == "health") {
     auto health = grpc::health::v1::Health::NewStub(channel);
     grpc::ClientContext ctx;
+    authorize(&ctx);
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     grpc::health::v1::HealthCheckResponse resp;
     grpc::Status status = health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp);

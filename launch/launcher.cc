@@ -27,6 +27,7 @@
 #include "core/signals.h"
 #include "core/topology.h"
 #include "launch/args.h"
+#include "proto/control_secret.h"
 #include "proto/health.grpc.pb.h"
 
 namespace ellm::launch {
@@ -65,8 +66,11 @@ struct LaunchConfig {
   bool prefix_cache = true;
   std::string kv_store;   // folder of the KV store; empty: none
   int kv_store_mb = 16384;
+  std::string api_key;      // required on every public call when set
+  bool insecure_public = false;
+  std::string tls_cert, tls_key;
   bool restart = true;    // restart the workers when one dies (the coordinator resumes)
-  int max_restarts = 5;   // within kRestartWindow; more ends the launch
+  int max_restarts = 5;   // crash-loop failures in a row before the launch gives up
   int ready_timeout_s = 180;
 };
 
@@ -210,6 +214,23 @@ absl::Status Launch::Start() {
     return absl::InternalError(absl::StrCat("cannot create ", run_dir_, ": ", strerror(errno)));
   }
 
+  // The control plane's secret (and the API key) travel in 0600 files in the
+  // 0700 run folder, never on a command line.
+  const std::string secret_file = run_dir_ + "/control-secret";
+  RETURN_IF_ERROR(WriteNewSecret(secret_file).status());
+  const std::string secret_flag = "--control_secret_file=" + secret_file;
+  std::string api_key_flag = "--api_key_file=";
+  if (!c_.api_key.empty()) {
+    const std::string path = run_dir_ + "/api-key";
+    const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0 || write(fd, c_.api_key.data(), c_.api_key.size()) != static_cast<ssize_t>(c_.api_key.size())) {
+      if (fd >= 0) close(fd);
+      return absl::InternalError(absl::StrCat("cannot write ", path));
+    }
+    close(fd);
+    api_key_flag += path;
+  }
+
   // KV budget per worker: what the batch can use at full context, at most 1/4 of RAM shared.
   int kv_mb = c_.kv_cache_mb;
   if (kv_mb <= 0) {
@@ -250,7 +271,7 @@ absl::Status Launch::Start() {
         "--channel=" + channel, "--listen=" + address, absl::StrCat("--numa_node=", node.id),
         "--cpus=" + FormatCpuList(cpus), absl::StrCat("--kv_cache_mb=", kv_mb),
         "--kv_dtype=" + c_.kv_dtype, "--attn_kernel=" + c_.attn_kernel, common_limits,
-        step_limit, "--log_level=" + c_.log_level};
+        step_limit, "--log_level=" + c_.log_level, secret_flag};
     if (!c_.kv_store.empty()) {
       rest.push_back("--kv_store=" + c_.kv_store);
       rest.push_back(absl::StrCat("--kv_store_mb=", std::max(1, c_.kv_store_mb / n)));
@@ -273,20 +294,25 @@ absl::Status Launch::Start() {
         "--attn_shards=" + absl::StrJoin(shard_specs, ","), "--listen=" + mlp_address,
         absl::StrCat("--threads=", mlp_threads), "--backend=" + backend,
         "--cpu_weights=" + c_.cpu_weights, "--matmul_isa=" + c_.matmul_isa, common_limits, step_limit,
-        "--log_level=" + c_.log_level};
+        "--log_level=" + c_.log_level, secret_flag};
     argv.insert(argv.end(), rest.begin(), rest.end());
     children_.push_back({"mlp-worker", Spawn(argv), mlp_address, false, 0, argv});
     worker_addresses.push_back(mlp_address);
   }
   const std::string public_address = absl::StrCat(c_.host, ":", c_.port);
+  // The launcher checks the coordinator's health here, whatever the public
+  // port's TLS.
+  const std::string coordinator_address = absl::StrCat("unix:", run_dir_, "/coordinator.sock");
   {
     std::vector<std::string> argv = {
         c_.bin_dir + "/ellm-coordinator", "--model=" + c_.model_path, "--listen=" + public_address,
         "--mlp_channel=" + mlp_channel, "--workers=" + absl::StrJoin(worker_addresses, ","),
         common_limits, step_limit, "--log_level=" + c_.log_level,
         c_.prefix_cache ? "--prefix_cache" : "--noprefix_cache",
-        c_.kv_store.empty() ? "--nokv_store" : "--kv_store", c_.restart ? "--recover" : "--norecover"};
-    children_.push_back({"coordinator", Spawn(argv), public_address, false, 0, argv});
+        c_.kv_store.empty() ? "--nokv_store" : "--kv_store", c_.restart ? "--recover" : "--norecover",
+        secret_flag, api_key_flag, "--tls_cert=" + c_.tls_cert, "--tls_key=" + c_.tls_key,
+        "--control_listen=" + coordinator_address};
+    children_.push_back({"coordinator", Spawn(argv), coordinator_address, false, 0, argv});
   }
 
   // Wait until every process answers its health check.
@@ -378,10 +404,13 @@ int Launch::Serve() {
   // Restarts: the workers (children_ but the last, the coordinator) are
   // replaced together when one of them dies, the coordinator resuming its
   // requests on the new set; a dead coordinator takes the workers with it
-  // and all start again. Restarts back off; too many in kRestartWindow end
-  // the launch.
-  constexpr absl::Duration kRestartWindow = absl::Seconds(120);
-  std::deque<absl::Time> restarts;
+  // and all start again. A crash loop backs off (0.5, 1, 2 ... 8 s) and ends
+  // the launch after --max-restarts failures in a row; a failure counts
+  // towards it when the processes died starting or within kStable of being
+  // healthy (a killed worker that had been serving restarts at once).
+  constexpr absl::Duration kStable = absl::Seconds(2);
+  int streak = 0;
+  absl::Time healthy_since = absl::Now();
   const size_t workers = children_.size() - 1;
   while (!StopRequested()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -400,18 +429,14 @@ int Launch::Serve() {
                  "start it again.", c.name, c.pid, DescribeExit(c.status));
         continue;
       }
-      while (!restarts.empty() && absl::Now() - restarts.front() > kRestartWindow) restarts.pop_front();
-      if (static_cast<int>(restarts.size()) >= c_.max_restarts) {
-        LogError("%s (pid %d) %s, after %d restarts in the last %s; giving up (see the logs above for "
-                 "why it keeps failing)", c.name, c.pid, DescribeExit(c.status), restarts.size(),
-                 absl::FormatDuration(kRestartWindow));
+      streak = absl::Now() - healthy_since < kStable ? streak + 1 : 0;
+      if (streak >= c_.max_restarts) {
+        LogError("%s (pid %d) %s, failing %d times in a row; giving up (see the logs above for why it "
+                 "keeps failing)", c.name, c.pid, DescribeExit(c.status), streak);
         return 1;
       }
-      // Back off: 0, 0.5, 1, 2, 4 s... after earlier restarts in the window.
       const absl::Duration backoff =
-          restarts.empty() ? absl::ZeroDuration()
-                           : std::min(absl::Seconds(8), absl::Milliseconds(500) * (1 << (restarts.size() - 1)));
-      restarts.push_back(absl::Now());
+          streak == 0 ? absl::ZeroDuration() : std::min(absl::Seconds(8), absl::Milliseconds(500) * (1 << (streak - 1)));
       const size_t first = 0, end = coordinator ? children_.size() : workers;
       LogWarning("%s (pid %d) %s; restarting %s%s", c.name, c.pid, DescribeExit(c.status),
                  coordinator ? "every process" : "the workers (the coordinator resumes its requests)",
@@ -422,7 +447,8 @@ int Launch::Serve() {
       const absl::Time start = absl::Now();
       const absl::Status st = Respawn(first, end);
       if (st.ok()) {
-        LogInfo("restarted in %.1f s", absl::ToDoubleSeconds(absl::Now() - start));
+        healthy_since = absl::Now();
+        LogInfo("restarted in %.1f s", absl::ToDoubleSeconds(healthy_since - start));
       } else {
         LogError("restart failed: %s", st.message());  // the next pass counts it and tries again
       }
@@ -512,9 +538,15 @@ int Main(int argc, char** argv) {
   args.Flag("kv-store", "", "folder for the KV store: cached prefixes written to disk and loaded back "
             "after eviction or a restart (default: none)");
   args.Flag("kv-store-mb", "16384", "most MiB the KV store's files take, all workers together");
+  args.Flag("api-key", "", "require this key on every public call (gRPC metadata 'authorization: "
+            "Bearer KEY'); $ELLM_API_KEY sets it too");
+  args.Flag("insecure-public", "", "listen on a non-loopback --host without an API key", true);
+  args.Flag("tls-cert", "", "PEM certificate chain: serve the public port over TLS");
+  args.Flag("tls-key", "", "PEM private key of --tls-cert");
   args.Flag("no-restart", "", "when a worker dies, stop serving instead of restarting the workers "
             "and resuming", true);
-  args.Flag("max-restarts", "5", "restarts within 2 minutes before the launch gives up");
+  args.Flag("max-restarts", "5", "failures in a row (processes dying while starting or right after) "
+            "before the launch gives up");
   args.Flag("ready-timeout", "180", "seconds to wait for every process to become healthy");
   if (std::optional<int> exit = args.ParseFlagsOnly(argc, argv)) return *exit;
   LaunchConfig c;
@@ -532,6 +564,28 @@ int Main(int argc, char** argv) {
   c.prefix_cache = !args.GetBool("no-prefix-cache");
   c.kv_store = args.Get("kv-store");
   c.restart = !args.GetBool("no-restart");
+  c.api_key = args.Get("api-key");
+  if (!args.IsSet("api-key")) {
+    if (const char* env = std::getenv("ELLM_API_KEY"); env != nullptr) c.api_key = env;
+  }
+  c.insecure_public = args.GetBool("insecure-public");
+  c.tls_cert = args.Get("tls-cert");
+  c.tls_key = args.Get("tls-key");
+  if (c.tls_cert.empty() != c.tls_key.empty()) {
+    LogError("--tls-cert and --tls-key go together");
+    return 2;
+  }
+  const std::string host = args.Get("host");
+  const bool loopback = host == "localhost" || host == "::1" || host == "[::1]" || host.rfind("127.", 0) == 0;
+  if (!loopback) {
+    LogWarning("--host %s listens beyond this machine: anyone who reaches it can use the model%s", host,
+               c.tls_cert.empty() ? ", and traffic is not encrypted (--tls-cert, --tls-key)" : "");
+    if (c.api_key.empty() && !c.insecure_public) {
+      LogError("a non-loopback --host needs --api-key KEY (or $ELLM_API_KEY), or --insecure-public to "
+               "serve without one");
+      return 2;
+    }
+  }
   c.kv_dtype = args.Get("kv-dtype");
   if (!args.IsSet("kv-dtype")) {
     if (const char* env = std::getenv("ELLM_KV_DTYPE"); env != nullptr && *env) c.kv_dtype = env;

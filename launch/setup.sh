@@ -11,7 +11,7 @@ jobs="${ELLM_JOBS:-2}"
 
 packages=(build-essential cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libboost-dev libnuma-dev libabsl-dev numactl libgtest-dev libbenchmark-dev gnuplot-nox)
+  libboost-dev libnuma-dev libabsl-dev numactl libgtest-dev libbenchmark-dev gnuplot-nox openssl)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -28,6 +28,7 @@
 #if ELLM_HAVE_CUDA
 #include "mlp-worker/cuda/cuda_backend.h"
 #endif
+#include "proto/control_secret.h"
 #include "proto/ellm.grpc.pb.h"
 #include "shm/channel.h"
 #include "shm/messages.h"
@@ -53,6 +54,8 @@ ABSL_FLAG(bool, probe_cuda, false,
 ABSL_FLAG(int, max_batch, 16, "most sequences in one step");
 ABSL_FLAG(int, max_step_tokens, 256, "most tokens in one step");
 ABSL_FLAG(int, connect_timeout_s, 60, "how long to wait for the attention workers' channels");
+ABSL_FLAG(std::string, control_secret_file, "",
+          "file (0600) holding the launch's control secret; every control call must carry it");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
 
 namespace ellm::mlp {
@@ -77,6 +80,7 @@ struct MlpWorkerConfig {
   int max_batch = 16;
   int max_step_tokens = 256;
   absl::Duration connect_timeout;
+  std::string control_secret_file;
 };
 
 absl::StatusOr<MlpWorkerConfig> ConfigFromFlags() {
@@ -87,6 +91,7 @@ absl::StatusOr<MlpWorkerConfig> ConfigFromFlags() {
   c.backend = absl::GetFlag(FLAGS_backend);
   c.cpu_weights = absl::GetFlag(FLAGS_cpu_weights);
   c.matmul_isa = absl::GetFlag(FLAGS_matmul_isa);
+  c.control_secret_file = absl::GetFlag(FLAGS_control_secret_file);
   c.threads = std::max(1, absl::GetFlag(FLAGS_threads));
   c.device = absl::GetFlag(FLAGS_device);
   c.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
@@ -94,6 +99,9 @@ absl::StatusOr<MlpWorkerConfig> ConfigFromFlags() {
   c.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
   c.connect_timeout = absl::Seconds(absl::GetFlag(FLAGS_connect_timeout_s));
   if (c.model_path.empty()) return absl::InvalidArgumentError("--model is required");
+  if (c.control_secret_file.empty() && !absl::GetFlag(FLAGS_probe_cuda)) {
+    return absl::InvalidArgumentError("--control_secret_file is required (ellm-launch writes one)");
+  }
   if (c.channel.empty()) return absl::InvalidArgumentError("--channel is required");
   if (c.listen.empty()) return absl::InvalidArgumentError("--listen is required");
   if (c.backend == "cuda") {
@@ -134,10 +142,12 @@ absl::StatusOr<MlpWorkerConfig> ConfigFromFlags() {
 
 class ControlService final : public ellm::v1::WorkerControl::Service {
  public:
-  ControlService(const MlpWorkerConfig& config, std::string backend, std::atomic<int64_t>* steps)
-      : config_(config), backend_(std::move(backend)), steps_(steps) {}
-  grpc::Status GetInfo(grpc::ServerContext*, const ellm::v1::GetInfoRequest*,
+  ControlService(const MlpWorkerConfig& config, CallSecret secret, std::string backend,
+                 std::atomic<int64_t>* steps)
+      : config_(config), secret_(std::move(secret)), backend_(std::move(backend)), steps_(steps) {}
+  grpc::Status GetInfo(grpc::ServerContext* ctx, const ellm::v1::GetInfoRequest*,
                        ellm::v1::WorkerInfo* info) override {
+    if (grpc::Status denied = secret_.Check(ctx, "GetInfo"); !denied.ok()) return denied;
     info->set_role("mlp-worker");
     info->set_pid(getpid());
     info->set_model_path(config_.model_path);
@@ -150,14 +160,16 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
     info->set_numa_node(-1);
     return grpc::Status::OK;
   }
-  grpc::Status Shutdown(grpc::ServerContext*, const ellm::v1::ShutdownRequest*,
+  grpc::Status Shutdown(grpc::ServerContext* ctx, const ellm::v1::ShutdownRequest*,
                         ellm::v1::ShutdownResponse*) override {
+    if (grpc::Status denied = secret_.Check(ctx, "Shutdown"); !denied.ok()) return denied;
     RequestStop();
     return grpc::Status::OK;
   }
 
  private:
   const MlpWorkerConfig& config_;
+  const CallSecret secret_;
   std::string backend_;
   std::atomic<int64_t>* steps_;
 };
@@ -240,7 +252,9 @@ absl::Status Run(const MlpWorkerConfig& config) {
   ASSIGN_OR_RETURN(auto coord, shm::Channel::Create(config.channel, 4, plan_bytes, result_bytes));
 
   std::atomic<int64_t> steps{0};
-  ControlService control(config, backend->name(), &steps);
+  ASSIGN_OR_RETURN(CallSecret secret,
+                   CallSecret::FromFile(CallSecret::Kind::kControl, config.control_secret_file));
+  ControlService control(config, std::move(secret), backend->name(), &steps);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials());

@@ -152,6 +152,7 @@ class EllmSystem {
   }
 
   bool ready() const { return ready_; }
+  int port() const { return port_; }
   pid_t pid() const { return pid_ > 0 ? pid_ : stopped_pid_; }
   ellm::v1::Ellm::Stub* stub() { return stub_.get(); }
   std::string Log() const {
