@@ -125,6 +125,13 @@ absl::Status AttentionShard::Process(uint32_t layer, uint32_t n_seqs, uint32_t n
     }
   }
 
+  {
+    int64_t positions = 0;
+    for (uint32_t i = 0; i < n_seqs; ++i) positions += req.slices[i].start_pos + req.slices[i].n_tokens;
+    kv_read_bytes_.fetch_add(static_cast<int64_t>(positions * cache_->format().BytesPerPosition() * kvh),
+                             std::memory_order_relaxed);
+  }
+
   // Token index -> sequence and position; slice -> first token.
   last_pos_.resize(n_tokens);
   token_seq_.resize(n_tokens);

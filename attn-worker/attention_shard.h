@@ -75,6 +75,10 @@ class AttentionShard {
 
   // "f32-reference", or the kernel and dtype, e.g. "avx512 int8".
   std::string kernel_name() const;
+  // K and V bytes the requests so far read from the cache (every position a
+  // sequence holds, once per layer and KV head of a step): the figure the
+  // bandwidth accounting divides by time.
+  int64_t kv_read_bytes() const { return kv_read_bytes_.load(std::memory_order_relaxed); }
   int chunk_positions() const { return chunk_; }
 
  private:
@@ -108,6 +112,7 @@ class AttentionShard {
 
   ShardGeometry g_;
   KvCache* cache_;
+  std::atomic<int64_t> kv_read_bytes_{0};
   ThreadPool* pool_;
   const AttentionKernel* kernel_;
   int chunk_ = 0;

@@ -26,6 +26,7 @@
 #include "attn-worker/synthetic_fill.h"
 #include "core/gguf.h"
 #include "core/log.h"
+#include "core/read_probe.h"
 #include "core/model_config.h"
 #include "core/signals.h"
 #include "core/thread_pool.h"
@@ -57,6 +58,8 @@ ABSL_FLAG(std::string, kv_store, "",
           "folder of the KV store: prefix-cache blocks written to disk, loaded back on a match "
           "(empty: none)");
 ABSL_FLAG(int, kv_store_mb, 8192, "most MiB of this shard's KV store files (least recently used go first)");
+ABSL_FLAG(int, probe_mb, 256,
+          "read-bandwidth probe at start-up over this many MiB (the bandwidth accounting's reference; 0: none)");
 ABSL_FLAG(int, max_batch, 16, "most sequences in one step");
 ABSL_FLAG(int, max_step_tokens, 256, "most tokens in one step");
 ABSL_FLAG(std::string, control_secret_file, "",
@@ -84,6 +87,7 @@ struct AttnWorkerConfig {
   std::string kv_store;
   int64_t kv_store_bytes = 0;
   std::string control_secret_file;
+  int probe_mb = 256;
 };
 
 absl::StatusOr<AttnWorkerConfig> ConfigFromFlags() {
@@ -99,6 +103,7 @@ absl::StatusOr<AttnWorkerConfig> ConfigFromFlags() {
   c.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
   c.kv_store = absl::GetFlag(FLAGS_kv_store);
   c.control_secret_file = absl::GetFlag(FLAGS_control_secret_file);
+  c.probe_mb = absl::GetFlag(FLAGS_probe_mb);
   if (c.control_secret_file.empty()) {
     return absl::InvalidArgumentError("--control_secret_file is required (ellm-launch writes one)");
   }
@@ -138,13 +143,16 @@ absl::StatusOr<AttnWorkerConfig> ConfigFromFlags() {
 class ControlService final : public ellm::v1::WorkerControl::Service {
  public:
   ControlService(const AttnWorkerConfig& config, CallSecret secret, KvCache* cache, std::mutex* cache_mu,
-                 KvStore* store, const std::string& kernel, std::atomic<int64_t>* steps)
+                 KvStore* store, const AttentionShard* shard, double probe_bytes_per_second,
+                 std::atomic<int64_t>* steps)
       : config_(config),
         secret_(std::move(secret)),
         cache_(cache),
         cache_mu_(cache_mu),
         store_(store),
-        kernel_(kernel),
+        shard_(shard),
+        kernel_(shard->kernel_name()),
+        probe_bytes_per_second_(probe_bytes_per_second),
         steps_(steps) {}
 
   grpc::Status GetInfo(grpc::ServerContext* ctx, const ellm::v1::GetInfoRequest*,
@@ -160,6 +168,9 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
     info->set_kv_head_end(config_.kv_head_end);
     info->set_kv_blocks_total(cache_->blocks_total());
     info->set_kv_blocks_free(cache_->blocks_free());
+    info->set_kv_blocks_cached(cache_->blocks_cached());
+    info->set_kv_read_bytes(shard_->kv_read_bytes());
+    info->set_probe_bytes_per_second(probe_bytes_per_second_);
     info->set_kv_block_tokens(config_.block_tokens);
     info->set_numa_node(config_.numa_node);
     info->set_kernel(kernel_);
@@ -262,7 +273,9 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
   KvCache* cache_;
   std::mutex* cache_mu_;
   KvStore* store_;  // null without --kv_store
+  const AttentionShard* shard_;
   std::string kernel_;
+  double probe_bytes_per_second_;
   std::atomic<int64_t>* steps_;
 };
 
@@ -348,8 +361,14 @@ absl::Status Run(const AttnWorkerConfig& config) {
   std::atomic<int64_t> steps{0};
   ASSIGN_OR_RETURN(CallSecret secret,
                    CallSecret::FromFile(CallSecret::Kind::kControl, config.control_secret_file));
-  ControlService control(config, std::move(secret), cache.get(), &cache_mu, store.get(),
-                         shard.kernel_name(), &steps);
+  double probe_bytes_per_second = 0;
+  if (config.probe_mb > 0) {
+    ReadProbe probe(int64_t{config.probe_mb} << 20);
+    probe_bytes_per_second = probe.Measure(pool) * 1e9;
+    LogInfo("read bandwidth of this node (probe, %d threads): %.1f GB/s", pool.size(), probe_bytes_per_second / 1e9);
+  }
+  ControlService control(config, std::move(secret), cache.get(), &cache_mu, store.get(), &shard,
+                         probe_bytes_per_second, &steps);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials());

@@ -41,7 +41,7 @@
 #include "attn-worker/attention_kernels.h"
 #include "attn-worker/attention_shard.h"
 #include "attn-worker/kv_cache.h"
-#include "bench/probe.h"
+#include "core/read_probe.h"
 #include "core/thread_pool.h"
 #include "core/topology.h"
 #include "shm/messages.h"

@@ -27,7 +27,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "attn-worker/kv_format.h"
-#include "bench/probe.h"
+#include "core/read_probe.h"
 #include "core/gguf.h"
 #include "core/model_config.h"
 #include "core/thread_pool.h"
@@ -59,7 +59,12 @@ double WeightBytesPerToken(const GgufFile& file) {
 // A launched ellm (or none when --server is given), stopped on destruction.
 class Launched {
  public:
-  ~Launched() { Stop(); }
+  // Stops it and removes its files (the log stays when it failed to start).
+  ~Launched() {
+    Stop();
+    if (!out_path_.empty()) unlink(out_path_.c_str());
+    if (!log_path_.empty() && !failed_) unlink(log_path_.c_str());
+  }
   void Stop() {
     if (pid_ > 0) {
       kill(pid_, SIGTERM);
@@ -68,8 +73,8 @@ class Launched {
     pid_ = -1;
   }
   absl::Status Start(const std::vector<std::string>& args) {
-    const std::string out_path = absl::StrCat("/tmp/ellm-bench-", getpid(), ".out");
-    const std::string log_path = absl::StrCat("/tmp/ellm-bench-", getpid(), ".log");
+    const std::string out_path = out_path_ = absl::StrCat("/tmp/ellm-bench-", getpid(), ".out");
+    const std::string log_path = log_path_ = absl::StrCat("/tmp/ellm-bench-", getpid(), ".log");
     unlink(out_path.c_str());  // a previous launch's "listening" line must not count
     pid_ = fork();
     if (pid_ == 0) {
@@ -92,15 +97,19 @@ class Launched {
       int status = 0;
       if (waitpid(pid_, &status, WNOHANG) == pid_) {
         pid_ = -1;
+        failed_ = true;
         return absl::UnavailableError(absl::StrCat("ellm-launch exited during start-up; see ", log_path));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
+    failed_ = true;
     return absl::DeadlineExceededError("ellm did not start within 10 minutes");
   }
 
  private:
   pid_t pid_ = -1;
+  std::string out_path_, log_path_;
+  bool failed_ = false;
 };
 
 struct Timing {

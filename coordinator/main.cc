@@ -11,13 +11,16 @@
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "coordinator/http_server.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/service.h"
 #include "coordinator/worker_link.h"
@@ -31,6 +34,9 @@
 
 ABSL_FLAG(std::string, model, "", "GGUF model file (tokenizer and shapes are read from it)");
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "public gRPC address");
+ABSL_FLAG(std::string, http_listen, "",
+          "address of the OpenAI-compatible HTTP API and /metrics, HOST:PORT (empty: none)");
+ABSL_FLAG(int, http_max_body_mb, 8, "largest HTTP request body (larger: 413)");
 ABSL_FLAG(std::string, mlp_channel, "", "the mlp-worker's shared-memory channel");
 ABSL_FLAG(std::string, workers, "", "control addresses of all workers, comma-separated");
 ABSL_FLAG(int, max_batch, 16, "most sequences in one step");
@@ -65,6 +71,8 @@ namespace {
 struct CoordinatorConfig {
   std::string model_path;
   std::string listen;
+  std::string http_listen;
+  int http_max_body_mb = 8;
   std::string mlp_channel;
   std::vector<std::string> workers;
   int max_batch = 16;
@@ -88,6 +96,9 @@ absl::StatusOr<CoordinatorConfig> ConfigFromFlags() {
   CoordinatorConfig c;
   c.model_path = absl::GetFlag(FLAGS_model);
   c.listen = absl::GetFlag(FLAGS_listen);
+  c.http_listen = absl::GetFlag(FLAGS_http_listen);
+  c.http_max_body_mb = absl::GetFlag(FLAGS_http_max_body_mb);
+  if (c.http_max_body_mb <= 0) return absl::InvalidArgumentError("--http_max_body_mb must be positive");
   c.mlp_channel = absl::GetFlag(FLAGS_mlp_channel);
   c.workers = absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty());
   c.max_batch = absl::GetFlag(FLAGS_max_batch);
@@ -123,6 +134,32 @@ absl::StatusOr<CoordinatorConfig> ConfigFromFlags() {
     return absl::InvalidArgumentError("batch, step, queue and token limits must be positive");
   }
   return c;
+}
+
+// The model's name in the HTTP API: general.name when set, else the file's stem.
+std::string ModelId(const std::string& path, const ModelConfig& model) {
+  if (!model.name.empty()) return model.name;
+  std::string stem = path.substr(path.rfind('/') + 1);
+  if (stem.size() > 5 && stem.substr(stem.size() - 5) == ".gguf") stem.resize(stem.size() - 5);
+  return stem;
+}
+
+// The workers' counters for a metrics scrape.
+std::vector<Metrics::WorkerSample> WorkerSamples(WorkerLink& link) {
+  std::vector<Metrics::WorkerSample> out;
+  for (const ellm::v1::WorkerInfo& info : link.PollInfo()) {
+    Metrics::WorkerSample w;
+    w.attention = info.role() == "attn-worker";
+    w.name = w.attention ? absl::StrCat("attn-", info.shard()) : "mlp";
+    w.kv_read_bytes = info.kv_read_bytes();
+    w.probe_bytes_per_second = info.probe_bytes_per_second();
+    w.blocks_total = info.kv_blocks_total();
+    w.blocks_free = info.kv_blocks_free();
+    w.blocks_cached = info.kv_blocks_cached();
+    w.weight_read_bytes = info.weight_read_bytes();
+    out.push_back(std::move(w));
+  }
+  return out;
 }
 
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
@@ -181,6 +218,8 @@ absl::Status Run(const CoordinatorConfig& config) {
   so.prefix_cache = config.prefix_cache;
   so.kv_store = config.kv_store;
   so.recover = config.recover;
+  Metrics metrics;
+  so.metrics = &metrics;
   so.context_length = model.context_length;
   Scheduler scheduler(so, *tokenizer, workers.get());
   if (config.kv_store) {
@@ -225,6 +264,8 @@ absl::Status Run(const CoordinatorConfig& config) {
   EllmService service(service_options, model, *tokenizer, &scheduler);
 
   grpc::EnableDefaultHealthCheckService(true);
+  // Reflection: grpcurl and other generic clients can list and call the API.
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
@@ -257,6 +298,26 @@ absl::Status Run(const CoordinatorConfig& config) {
   LogInfo("serving on %s (%d KV blocks of %d positions, batch up to %d, prefix cache %s)",
           config.listen, kv_blocks, block_tokens, config.max_batch, config.prefix_cache ? "on" : "off");
 
+  std::unique_ptr<HttpServer> http;
+  if (!config.http_listen.empty()) {
+    HttpOptions ho;
+    const size_t colon = config.http_listen.rfind(':');
+    int http_port = -1;
+    if (colon == std::string::npos || !absl::SimpleAtoi(config.http_listen.substr(colon + 1), &http_port)) {
+      return absl::InvalidArgumentError(absl::StrCat("--http_listen must be HOST:PORT, got '", config.http_listen, "'"));
+    }
+    ho.host = config.http_listen.substr(0, colon);
+    ho.port = http_port;
+    ho.max_body_bytes = int64_t{config.http_max_body_mb} << 20;
+    ho.model_id = ModelId(config.model_path, model);
+    ho.serving = [&scheduler] { return !scheduler.broken() && !scheduler.recovering(); };
+    ho.metrics = [&scheduler, &metrics, &workers] {
+      return metrics.Render(scheduler.Stats(), WorkerSamples(*workers->link()));
+    };
+    ASSIGN_OR_RETURN(http, HttpServer::Start(ho, &service, &scheduler, tokenizer.get()));
+    LogInfo("HTTP API on %s:%d (OpenAI-compatible /v1, /health, /metrics)", ho.host, http->port());
+  }
+
   // Heartbeats: a dead or frozen worker pauses every request until the
   // launcher has restarted the workers (or, without --recover, ends them).
   while (!StopRequested()) {
@@ -274,6 +335,7 @@ absl::Status Run(const CoordinatorConfig& config) {
   LogInfo("stopping");
   health->SetServingStatus(false);
   scheduler.Stop();
+  http.reset();  // after the scheduler: no more events reach its sessions
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   return absl::OkStatus();
 }

@@ -5,15 +5,24 @@
 namespace ellm::coord {
 
 void RequestStream::Push(StreamEvent event) {
+  std::function<void()> notify;
   {
     std::lock_guard<std::mutex> lock(mu_);
     events_.push_back(std::move(event));
+    notify = notify_;
   }
   cv_.notify_one();
+  if (notify) notify();
 }
 
 std::optional<StreamEvent> RequestStream::Pop(absl::Duration timeout) {
   std::unique_lock<std::mutex> lock(mu_);
+  if (timeout <= absl::ZeroDuration()) {
+    if (events_.empty()) return std::nullopt;
+    StreamEvent e = std::move(events_.front());
+    events_.pop_front();
+    return e;
+  }
   if (!cv_.wait_for(lock, absl::ToChronoMilliseconds(timeout), [this] { return !events_.empty(); })) {
     return std::nullopt;
   }

@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -45,12 +46,21 @@ class RequestStream {
   // Called by the client side; the scheduler drops the request at the next step.
   void Cancel() { cancelled_.store(true); }
   bool cancelled() const { return cancelled_.load(); }
+  // Called after every Push (on the pushing thread, without the lock held):
+  // for a client that waits asynchronously instead of in Pop. Set it before
+  // the first event can arrive, or accept missing a wake-up for events
+  // already queued (Pop(0) them).
+  void SetNotify(std::function<void()> notify) {
+    std::lock_guard<std::mutex> lock(mu_);
+    notify_ = std::move(notify);
+  }
 
  private:
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<StreamEvent> events_;
   std::atomic<bool> cancelled_{false};
+  std::function<void()> notify_;
 };
 
 }  // namespace ellm::coord

@@ -236,6 +236,12 @@ void Scheduler::Finish(Sequence* s, FinishReason reason) {
   f.completion_tokens = static_cast<int>(s->generated.size());
   f.queue_ms = absl::ToDoubleMilliseconds(s->admitted - s->submitted);
   f.cached_tokens = std::max(0, s->cached_tokens);
+  if (Metrics* m = options_.metrics) {
+    m->RequestEnded(reason == FinishReason::kMaxTokens || reason == FinishReason::kContext ? "length" : "stop");
+    m->PromptTokens(f.prompt_tokens, f.cached_tokens);
+    m->QueueWait(s->admitted - s->submitted);
+    if (!s->generated.empty()) m->TimeToFirstToken(s->first_token - s->submitted);
+  }
   if (!s->generated.empty()) {
     f.time_to_first_token_ms = absl::ToDoubleMilliseconds(s->first_token - s->submitted);
     if (s->generated.size() > 1) {
@@ -247,6 +253,7 @@ void Scheduler::Finish(Sequence* s, FinishReason reason) {
 }
 
 void Scheduler::Fail(Sequence* s, const absl::Status& status) {
+  if (options_.metrics != nullptr) options_.metrics->RequestEnded("error");
   s->stream->Push({.finished = true, .error = status});
 }
 
@@ -301,6 +308,7 @@ void Scheduler::Loop() {
       }
       for (Sequence* s : cancelled) {
         LogInfo("sequence %d cancelled by the client", s->id);
+        if (options_.metrics != nullptr) options_.metrics->RequestEnded("cancelled");
         Retire(s, /*publish=*/true);
       }
       for (auto it = waiting_.begin(); it != waiting_.end();) {
@@ -399,6 +407,10 @@ void Scheduler::Deliver(const shm::SampledSeq& r, absl::Time now) {
                          [&](const auto& s) { return s->id == r.seq_id; });
   if (it == running_.end()) return;  // failed or cancelled meanwhile
   Sequence* s = it->get();
+  if (Metrics* m = options_.metrics) {
+    m->GeneratedToken();
+    if (!s->generated.empty()) m->InterTokenLatency(now - s->last_token);
+  }
   if (s->generated.empty()) s->first_token = now;
   s->last_token = now;
   s->generated.push_back(r.token);

@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "coordinator/metrics.h"
 #include "coordinator/prefix_cache.h"
 #include "coordinator/request_stream.h"
 #include "coordinator/text_output.h"
@@ -77,6 +78,7 @@ struct SchedulerOptions {
   // resumes each by prefilling its prompt and the tokens it already has.
   // Off: such a failure ends every request and the scheduler stays broken.
   bool recover = false;
+  Metrics* metrics = nullptr;    // observations of every request (none: not recorded)
 };
 
 struct GenerateOptions {

@@ -155,6 +155,9 @@ grpc::Status EllmService::Generate(grpc::ServerContext* context,
 grpc::Status EllmService::Tokenize(grpc::ServerContext* context, const ellm::v1::TokenizeRequest* request,
                                    ellm::v1::TokenizeResponse* response) {
   if (grpc::Status denied = options_.api_key.Check(context, "Tokenize"); !denied.ok()) return denied;
+  if (!IsValidUtf8(request->text())) {
+    return ToGrpcStatus(absl::InvalidArgumentError("the text is not valid UTF-8"));
+  }
   absl::StatusOr<std::vector<int32_t>> ids =
       request->messages().empty()
           ? absl::StatusOr<std::vector<int32_t>>(tokenizer_.Encode(

@@ -36,6 +36,8 @@ class EllmService final : public ellm::v1::Ellm::Service {
   grpc::Status GetModelInfo(grpc::ServerContext* context, const ellm::v1::GetModelInfoRequest* request,
                             ellm::v1::ModelInfo* response) override;
 
+  // The HTTP front's API-key check (the Authorization header's value).
+  bool AuthorizeHttp(std::string_view authorization) const { return options_.api_key.Matches(authorization); }
   // Turns a request into scheduler options (InvalidArgument on bad input).
   absl::StatusOr<GenerateOptions> Validate(const ellm::v1::GenerateRequest& request) const;
   // The prompt's token ids: the raw prompt, or the chat messages rendered

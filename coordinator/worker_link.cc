@@ -170,6 +170,18 @@ absl::Status WorkerLink::FillSynthetic(uint64_t id, int positions) {
   });
 }
 
+std::vector<ellm::v1::WorkerInfo> WorkerLink::PollInfo() {
+  std::vector<ellm::v1::WorkerInfo> out;
+  for (WorkerHandle& w : workers_) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    secret_.Attach(&ctx);
+    ellm::v1::WorkerInfo info;
+    if (w.stub->GetInfo(&ctx, ellm::v1::GetInfoRequest(), &info).ok()) out.push_back(std::move(info));
+  }
+  return out;
+}
+
 absl::Status WorkerLink::CheckWorkers() {
   if (!channel_->PeerAlive()) {
     return absl::UnavailableError(

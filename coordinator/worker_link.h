@@ -38,6 +38,9 @@ class WorkerLink final : public StepExecutor {
   // worker runs without a store).
   absl::StatusOr<std::vector<PrefixCache::Block>> ListStoredBlocks();
   absl::Status FillSynthetic(uint64_t id, int positions) override;
+  // Every worker's current info (counters for the metrics), asked with a
+  // short deadline; a worker that does not answer is left out.
+  std::vector<ellm::v1::WorkerInfo> PollInfo();
   // Checks every worker: the mlp-worker's process and each control endpoint.
   // Unavailable naming the first that does not answer.
   absl::Status CheckWorkers();

@@ -282,7 +282,9 @@ int64_t GgufTensorInfo::elements() const {
 }
 
 absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO must not wait for a writer (the type check
+  // below refuses it); it changes nothing for a regular file.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return ErrnoError(errno, absl::StrCat("cannot open '", path, "'"));
   FdCloser closer(fd);
   struct stat st;

@@ -49,10 +49,13 @@ struct LaunchConfig {
   std::string model_path;
   std::string host;
   int port = 50051;
+  int http_port = 8080;   // OpenAI-compatible HTTP API and /metrics; 0: none
+  int http_max_body_mb = 8;
   int attn_workers = 0;  // 0: one per NUMA node
   int kv_cache_mb = 0;   // per attention worker; 0: automatic
   int max_batch = 16;
   int max_step_tokens = 256;
+  int max_queue = 64;
   int mlp_threads = 0;
   std::string kv_dtype = "int8";   // int8, f16 or f32
   std::string backend = "auto";    // auto, cpu or cuda
@@ -121,6 +124,31 @@ pid_t Spawn(const std::vector<std::string>& argv) {
   execvp(args[0], args.data());
   std::fprintf(stderr, "ellm-launch: cannot run %s: %s\n", args[0], strerror(errno));
   _exit(127);
+}
+
+// What launchers that were killed (SIGKILL: no clean-up) left behind: run
+// folders /tmp/ellm-<pid>-<hex> and segments /dev/shm/ellm-<pid>-<hex>-*
+// whose launcher pid is gone. Their children died with them (PDEATHSIG).
+void RemoveStaleLaunches() {
+  std::error_code ec;
+  int removed = 0;
+  for (const char* dir : {"/tmp", "/dev/shm"}) {
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      int pid = 0;
+      unsigned hex = 0;
+      int consumed = 0;
+      if (std::sscanf(name.c_str(), "ellm-%d-%8x%n", &pid, &hex, &consumed) != 2 || consumed < 14 ||
+          pid <= 0 || pid == getpid()) {
+        continue;
+      }
+      if (name.size() > static_cast<size_t>(consumed) && name[consumed] != '-') continue;
+      if (kill(pid, 0) == 0 || errno != ESRCH) continue;  // that launcher still runs
+      fs::remove_all(entry.path(), ec);
+      if (!ec) ++removed;
+    }
+  }
+  if (removed > 0) LogInfo("removed %d leftovers of launches that were killed", removed);
 }
 
 bool Healthy(const std::string& address) {
@@ -207,6 +235,7 @@ absl::Status Launch::Start() {
   LogInfo("topology %s; %d attention workers with %d KV heads each%s", topo.DebugString(), n,
           heads_each, numactl ? " (bound with numactl)" : "");
 
+  RemoveStaleLaunches();
   std::random_device rd;
   prefix_ = absl::StrFormat("ellm-%d-%08x", getpid(), rd());
   run_dir_ = absl::StrCat("/tmp/", prefix_);
@@ -311,7 +340,9 @@ absl::Status Launch::Start() {
         c_.prefix_cache ? "--prefix_cache" : "--noprefix_cache",
         c_.kv_store.empty() ? "--nokv_store" : "--kv_store", c_.restart ? "--recover" : "--norecover",
         secret_flag, api_key_flag, "--tls_cert=" + c_.tls_cert, "--tls_key=" + c_.tls_key,
-        "--control_listen=" + coordinator_address};
+        "--control_listen=" + coordinator_address, absl::StrCat("--max_queue=", c_.max_queue),
+        c_.http_port > 0 ? absl::StrCat("--http_listen=", c_.host, ":", c_.http_port) : "--http_listen=",
+        absl::StrCat("--http_max_body_mb=", c_.http_max_body_mb)};
     children_.push_back({"coordinator", Spawn(argv), coordinator_address, false, 0, argv});
   }
 
@@ -515,11 +546,15 @@ int Main(int argc, char** argv) {
   args.Flag("model", "", "GGUF model file");
   args.Flag("host", "127.0.0.1", "address the public gRPC API listens on");
   args.Flag("port", "50051", "port of the public gRPC API");
+  args.Flag("http-port", "8080", "port of the OpenAI-compatible HTTP API, /health and /metrics on --host "
+            "(0: none)");
+  args.Flag("http-max-body-mb", "8", "largest HTTP request body (larger: 413)");
   args.Flag("attn-workers", "0", "attention workers (0: one per NUMA node); must divide the KV heads");
   args.Flag("kv-cache-mb", "0", "KV cache per attention worker in MiB (0: enough for --max-batch "
             "sequences at full context, at most a quarter of RAM)");
   args.Flag("max-batch", "16", "most sequences decoded together");
   args.Flag("max-step-tokens", "256", "most tokens in one step (prompt chunks + decodes)");
+  args.Flag("max-queue", "64", "most requests waiting for admission (more: RESOURCE_EXHAUSTED / HTTP 429)");
   args.Flag("mlp-threads", "0", "threads of the CPU MLP backend (0: the cores of node 0)");
   args.Flag("topology", "", "NUMA topology to use instead of the machine's, e.g. 0:0-7;1:8-15");
   args.Flag("kv-dtype", "int8", "KV cache element type: int8, f16 or f32 ($ELLM_KV_DTYPE sets the default)");
@@ -606,9 +641,10 @@ int Main(int argc, char** argv) {
     LogError("--cpu-weights must be native or f32, got '%s'", c.cpu_weights);
     return 2;
   }
-  absl::Status st = args.GetInts({{"port", &c.port}, {"attn-workers", &c.attn_workers},
+  absl::Status st = args.GetInts({{"port", &c.port}, {"http-port", &c.http_port},
+                     {"http-max-body-mb", &c.http_max_body_mb}, {"attn-workers", &c.attn_workers},
                      {"kv-cache-mb", &c.kv_cache_mb}, {"max-batch", &c.max_batch},
-                     {"max-step-tokens", &c.max_step_tokens}, {"mlp-threads", &c.mlp_threads},
+                     {"max-step-tokens", &c.max_step_tokens}, {"max-queue", &c.max_queue}, {"mlp-threads", &c.mlp_threads},
                      {"ready-timeout", &c.ready_timeout_s}, {"kv-store-mb", &c.kv_store_mb},
                      {"max-restarts", &c.max_restarts}});
   if (!st.ok()) {

@@ -11,7 +11,8 @@ jobs="${ELLM_JOBS:-2}"
 
 packages=(build-essential cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libboost-dev libnuma-dev libabsl-dev numactl libgtest-dev libbenchmark-dev gnuplot-nox openssl)
+  libboost-dev libnuma-dev libabsl-dev numactl libgtest-dev libbenchmark-dev gnuplot-nox openssl
+  clang libclang-rt-14-dev llvm nlohmann-json3-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

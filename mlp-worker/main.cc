@@ -143,8 +143,12 @@ absl::StatusOr<MlpWorkerConfig> ConfigFromFlags() {
 class ControlService final : public ellm::v1::WorkerControl::Service {
  public:
   ControlService(const MlpWorkerConfig& config, CallSecret secret, std::string backend,
-                 std::atomic<int64_t>* steps)
-      : config_(config), secret_(std::move(secret)), backend_(std::move(backend)), steps_(steps) {}
+                 int64_t weight_bytes_per_step, std::atomic<int64_t>* steps)
+      : config_(config),
+        secret_(std::move(secret)),
+        backend_(std::move(backend)),
+        weight_bytes_per_step_(weight_bytes_per_step),
+        steps_(steps) {}
   grpc::Status GetInfo(grpc::ServerContext* ctx, const ellm::v1::GetInfoRequest*,
                        ellm::v1::WorkerInfo* info) override {
     if (grpc::Status denied = secret_.Check(ctx, "GetInfo"); !denied.ok()) return denied;
@@ -158,6 +162,7 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
     info->set_max_batch(config_.max_batch);
     info->set_max_step_tokens(config_.max_step_tokens);
     info->set_numa_node(-1);
+    info->set_weight_read_bytes(steps_->load() * weight_bytes_per_step_);
     return grpc::Status::OK;
   }
   grpc::Status Shutdown(grpc::ServerContext* ctx, const ellm::v1::ShutdownRequest*,
@@ -171,8 +176,21 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
   const MlpWorkerConfig& config_;
   const CallSecret secret_;
   std::string backend_;
+  int64_t weight_bytes_per_step_;
   std::atomic<int64_t>* steps_;
 };
+
+// Bytes of weights one step reads: every tensor but the embedding table (one
+// row per token is gathered), which counts once as the LM head when tied.
+int64_t WeightBytesPerStep(const GgufFile& file) {
+  const bool has_output = file.FindTensor("output.weight") != nullptr;
+  int64_t bytes = 0;
+  for (const GgufTensorInfo& t : file.tensors()) {
+    if (t.name == "token_embd.weight" && has_output) continue;
+    bytes += static_cast<int64_t>(t.bytes);
+  }
+  return bytes;
+}
 
 void ReplyError(shm::Ring& ring, uint64_t step, const absl::Status& status) {
   absl::Status st = shm::WriteError(ring, step, status);
@@ -254,7 +272,7 @@ absl::Status Run(const MlpWorkerConfig& config) {
   std::atomic<int64_t> steps{0};
   ASSIGN_OR_RETURN(CallSecret secret,
                    CallSecret::FromFile(CallSecret::Kind::kControl, config.control_secret_file));
-  ControlService control(config, std::move(secret), backend->name(), &steps);
+  ControlService control(config, std::move(secret), backend->name(), WeightBytesPerStep(*file), &steps);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials());

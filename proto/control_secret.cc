@@ -59,16 +59,21 @@ void CallSecret::Attach(grpc::ClientContext* ctx) const {
   ctx->AddMetadata(MetadataKey(kind_), kind_ == Kind::kApiKey ? absl::StrCat("Bearer ", value_) : value_);
 }
 
+bool CallSecret::Matches(std::string_view given) const {
+  if (value_.empty()) return true;
+  if (kind_ == Kind::kApiKey) {
+    if (given.substr(0, 7) == "Bearer " || given.substr(0, 7) == "bearer ") given.remove_prefix(7);
+  }
+  return !given.empty() && ConstantTimeEquals(given, value_);
+}
+
 grpc::Status CallSecret::Check(const grpc::ServerContext* ctx, const char* method) const {
   if (value_.empty()) return grpc::Status::OK;
   const auto& md = ctx->client_metadata();
   const auto it = md.find(MetadataKey(kind_));
   std::string_view given;
   if (it != md.end()) given = std::string_view(it->second.data(), it->second.size());
-  if (kind_ == Kind::kApiKey) {
-    if (given.substr(0, 7) == "Bearer " || given.substr(0, 7) == "bearer ") given.remove_prefix(7);
-  }
-  if (it != md.end() && ConstantTimeEquals(given, value_)) return grpc::Status::OK;
+  if (it != md.end() && Matches(given)) return grpc::Status::OK;
   LogWarning("refused %s from %s: %s", method, ctx->peer(),
              it == md.end() ? "no credential" : "wrong credential");
   return kind_ == Kind::kControl

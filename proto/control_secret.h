@@ -35,6 +35,9 @@ class CallSecret {
   void Attach(grpc::ClientContext* ctx) const;
   // Server side: OK when the call carries the secret (or none is set).
   grpc::Status Check(const grpc::ServerContext* ctx, const char* method) const;
+  // Whether `presented` (a metadata or header value; "Bearer <key>" for the
+  // API key) is the secret, or none is set.
+  bool Matches(std::string_view presented) const;
 
  private:
   CallSecret(Kind kind, std::string value) : kind_(kind), value_(std::move(value)) {}

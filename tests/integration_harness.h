@@ -90,9 +90,11 @@ class EllmSystem {
   // Starts ellm-launch with `args`; Ready() tells whether it came up.
   explicit EllmSystem(std::vector<std::string> args) {
     port_ = FreePort();
+    http_port_ = FreePort();
     log_path_ = absl::StrCat("/tmp/ellm-test-launch-", getpid(), "-", port_, ".log");
     std::vector<std::string> argv = {std::string(ELLM_BINARY_DIR) + "/ellm-launch",
-                                     absl::StrCat("--port=", port_), "--ready-timeout=60"};
+                                     absl::StrCat("--port=", port_), absl::StrCat("--http-port=", http_port_),
+                                     "--ready-timeout=60"};
     argv.insert(argv.end(), args.begin(), args.end());
     int out_pipe[2];
     pipe(out_pipe);
@@ -125,7 +127,16 @@ class EllmSystem {
     }
   }
 
-  ~EllmSystem() { Stop(); }
+  // Stops it; its log goes with it unless the test failed (then it stays
+  // for reading, and the failure messages name it).
+  ~EllmSystem() {
+    Stop();
+    if (!::testing::Test::HasFailure()) {
+      std::remove(log_path_.c_str());
+    } else {
+      std::fprintf(stderr, "ellm log kept: %s\n", log_path_.c_str());
+    }
+  }
 
   // SIGTERM to the launcher; returns its exit status.
   int Stop() {
@@ -153,6 +164,7 @@ class EllmSystem {
 
   bool ready() const { return ready_; }
   int port() const { return port_; }
+  int http_port() const { return http_port_; }
   pid_t pid() const { return pid_ > 0 ? pid_ : stopped_pid_; }
   ellm::v1::Ellm::Stub* stub() { return stub_.get(); }
   std::string Log() const {
@@ -176,6 +188,7 @@ class EllmSystem {
 
  private:
   int port_ = 0;
+  int http_port_ = 0;
   pid_t pid_ = -1;
   pid_t stopped_pid_ = -1;
   int exit_status_ = 0;

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Quick start, step 2: set up and build, then run the whole test suite
-# (unit and integration tests; GPU tests skip without a device).
-# Extra arguments go to ctest (e.g. -L unit).
+# Quick start, step 2: set up and build, then run the whole test suite: the
+# unit and integration tests (GPU tests skip without a device), then the same
+# tests under ASan + UBSan, the fuzzers and the TSan tests
+# (tests/sanitizers.sh; ELLM_SKIP_SANITIZERS=1 skips that part).
+# Extra arguments go to the first ctest (e.g. -L unit).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/launch/setup.sh"
 build="${ELLM_BUILD_DIR:-$root/build}"
-cd "$build"
-ctest --output-on-failure --timeout 600 "$@"
+(cd "$build" && ctest --output-on-failure --timeout 900 "$@")
+if [ "${ELLM_SKIP_SANITIZERS:-0}" != "1" ]; then
+  "$root/tests/sanitizers.sh"
+fi

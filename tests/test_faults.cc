@@ -100,8 +100,12 @@ TEST(Faults, KilledOrFrozenWorkersAreReplacedAndStreamsResumeExactly) {
       }
       EXPECT_GE(back_s, 0);
       EXPECT_LT(back_s, 10.0);
+      // The launcher counts a failure within 2 s of a restart as a crash
+      // loop (and backs off): let the new set settle between trials.
+      std::this_thread::sleep_for(std::chrono::milliseconds(2500));
       std::printf("fault %s %s trial %d: back in %.2f s\n", fault.victim,
                   fault.signal == SIGKILL ? "SIGKILL" : "SIGSTOP", trial, back_s);
+      std::fflush(stdout);
     }
   }
   ExpectCleanShutdown(system);

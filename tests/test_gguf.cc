@@ -2,6 +2,7 @@
 // corruption (each built from GgufWriter::ToBytes, then damaged by hand).
 #include "core/gguf.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -380,6 +381,16 @@ TEST(GgufOpenTest, MissingFileIsNotFound) {
 TEST(GgufOpenTest, DirectoryIsRejected) {
   EXPECT_TRUE(IsError(GgufFile::Open(kModels).status(), absl::StatusCode::kInvalidArgument,
                       "not a regular file"));
+}
+
+TEST(GgufOpenTest, AFifoIsRejectedWithoutWaitingForAWriter) {
+  // Opening a FIFO for reading blocks until a writer comes unless asked not
+  // to: ellm-launch --model on one hung forever (issue 13).
+  const std::string path = testing::TempDir() + "/ellm_fifo_" + std::to_string(getpid());
+  ASSERT_EQ(mkfifo(path.c_str(), 0600), 0);
+  EXPECT_TRUE(IsError(GgufFile::Open(path).status(), absl::StatusCode::kInvalidArgument,
+                      "not a regular file"));
+  std::remove(path.c_str());
 }
 
 TEST(GgufOpenTest, ErrorsNameThePath) {

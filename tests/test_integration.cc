@@ -153,6 +153,16 @@ TEST(Integration, BadRequestsGetClearErrorsAndTheServerGoesOn) {
   bad = Greedy("Once", 5);
   bad.add_stop("");
   expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "stop string");
+  // Invalid UTF-8 is the client's error, named (it was INTERNAL with no message).
+  expect_code(Greedy("Once \xC3\x28 upon", 5), grpc::StatusCode::INVALID_ARGUMENT, "not valid UTF-8");
+  bad = Greedy("Once", 5);
+  bad.add_stop("\xFF");
+  expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "not valid UTF-8");
+  bad = Greedy("", 5);
+  auto* m = bad.add_messages();
+  m->set_role("user");
+  m->set_content("hi \xED\xA0\x80");  // a surrogate
+  expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "not valid UTF-8");
   // Sizes that would wrap a 32-bit sum (issue 13): refused, nothing allocated.
   for (int32_t synthetic : {INT32_MAX, INT32_MAX - 3, 2048, 2047}) {
     bad = Greedy("Once", 5);
@@ -424,6 +434,58 @@ TEST(Integration, LauncherRefusesBadModelsAndSplits) {
     EXPECT_TRUE(LeftoverSegments(system.pid()).empty());
   }
   fs::remove_all(dir);
+}
+
+// A model whose config reads but whose weights do not (a tensor is missing)
+// fails the launch in about a second: the coordinator, still connecting to
+// the workers, stops at once on SIGTERM (it took 5.5 s).
+TEST(Integration, AModelThatFailsToLoadEndsTheLaunchQuickly) {
+  const std::string dir = testing::MakeTempDir("badweights");
+  auto full = GgufFile::Open(kStories);
+  ASSERT_TRUE(full.ok());
+  GgufWriter w;
+  for (const auto& [key, value] : (*full)->metadata()) w.SetValue(key, value);
+  for (const GgufTensorInfo& t : (*full)->tensors()) {
+    if (t.name == "blk.2.ffn_down.weight") continue;
+    const uint8_t* data = (*full)->TensorData(t);
+    ASSERT_TRUE(w.AddTensor(t.name, t.shape, t.type, std::string(reinterpret_cast<const char*>(data), t.bytes)).ok());
+  }
+  const std::string path = dir + "/missing-tensor.gguf";
+  ASSERT_TRUE(w.WriteFile(path).ok());
+  const auto start = std::chrono::steady_clock::now();
+  EllmSystem system({"--model=" + path, "--attn-workers=2", "--no-numactl"});
+  EXPECT_FALSE(system.ready());
+  const int status = system.WaitExit();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0);
+  EXPECT_NE(system.Log().find("blk.2.ffn_down.weight"), std::string::npos) << system.Log();
+  EXPECT_LT(seconds, 4.0) << system.Log();
+  EXPECT_EQ(system.Log().find("did not stop within 5 s"), std::string::npos) << system.Log();
+  EXPECT_TRUE(LeftoverSegments(system.pid()).empty());
+  fs::remove_all(dir);
+}
+
+// A launcher killed with SIGKILL cannot clean up; the next one removes what
+// it left (its run folder, its segments) once its pid is gone.
+TEST(Integration, TheNextLaunchRemovesAKilledLaunchersLeftovers) {
+  pid_t killed = -1;
+  {
+    EllmSystem first({"--model=" + kStories, "--attn-workers=1", "--no-numactl"});
+    ASSERT_TRUE(first.ready()) << first.Log();
+    killed = first.pid();
+    const std::vector<pid_t> children = ChildrenOf(killed);
+    kill(killed, SIGKILL);
+    first.WaitExit();  // reaped: the pid is gone
+    for (pid_t c : children) {
+      for (int i = 0; i < 100 && kill(c, 0) == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_FALSE(LeftoverSegments(killed).empty()) << "SIGKILL leaves the run folder behind";
+  }
+  EllmSystem second({"--model=" + kStories, "--attn-workers=1", "--no-numactl"});
+  ASSERT_TRUE(second.ready()) << second.Log();
+  EXPECT_TRUE(LeftoverSegments(killed).empty());
+  EXPECT_NE(second.Log().find("leftovers of launches that were killed"), std::string::npos);
+  ExpectCleanShutdown(second);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-#include "bench/probe.h"
+#include "core/read_probe.h"
 
 #include <immintrin.h>
 #include <sys/mman.h>
@@ -10,7 +10,7 @@
 #include <cstring>
 #include <vector>
 
-namespace ellm::bench {
+namespace ellm {
 namespace {
 
 double Now() {
@@ -79,4 +79,4 @@ double ReadProbe::Measure(ThreadPool& pool) {
   return rates[rates.size() / 2];
 }
 
-}  // namespace ellm::bench
+}  // namespace ellm

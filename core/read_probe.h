@@ -7,7 +7,7 @@
 
 #include "core/thread_pool.h"
 
-namespace ellm::bench {
+namespace ellm {
 
 class ReadProbe {
  public:
@@ -26,4 +26,4 @@ class ReadProbe {
   uint64_t (*sum_)(const uint8_t*, size_t) = nullptr;
 };
 
-}  // namespace ellm::bench
+}  // namespace ellm

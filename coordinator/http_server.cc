@@ -1,0 +1,351 @@
+#include "coordinator/http_server.h"
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/strand.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "coordinator/openai_api.h"
+#include "core/log.h"
+
+namespace ellm::coord {
+namespace {
+
+namespace beast = boost::beast;
+namespace http = beast::http;
+namespace net = boost::asio;
+using tcp = net::ip::tcp;
+
+constexpr auto kRequestTimeout = std::chrono::seconds(60);
+
+}  // namespace
+
+struct HttpServer::Impl {
+  HttpOptions options;
+  const EllmService* service = nullptr;
+  Scheduler* scheduler = nullptr;
+  const Tokenizer* tokenizer = nullptr;
+  net::io_context ioc;
+  tcp::acceptor acceptor{ioc};
+  std::vector<std::thread> threads;
+  std::atomic<uint64_t> next_id{1};
+  void Accept();
+};
+
+namespace {
+
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(tcp::socket socket, HttpServer::Impl* server) : stream_(std::move(socket)), server_(server) {}
+  ~Session() {
+    if (request_ == nullptr) return;
+    request_->SetNotify(nullptr);
+    if (!finished_) request_->Cancel();  // the client went away mid-generation
+  }
+
+  void Start() { Read(); }
+
+ private:
+  void Read() {
+    parser_.emplace();
+    parser_->body_limit(static_cast<uint64_t>(server_->options.max_body_bytes));
+    stream_.expires_after(kRequestTimeout);
+    http::async_read(stream_, buffer_, *parser_,
+                     [self = shared_from_this()](beast::error_code ec, size_t) { self->OnRead(ec); });
+  }
+
+  void OnRead(beast::error_code ec) {
+    if (ec == http::error::end_of_stream || ec == net::error::eof) return Close();
+    if (ec == http::error::body_limit) {
+      keep_alive_ = false;
+      return SendError(absl::ResourceExhaustedError(absl::StrCat(
+                           "the body is over the limit of ", server_->options.max_body_bytes >> 20,
+                           " MiB (--http-max-body-mb)")),
+                       413);
+    }
+    if (ec) return Close();
+    const http::request<http::string_body>& req = parser_->get();
+    keep_alive_ = req.keep_alive();
+    version_ = req.version();
+    Route(req);
+  }
+
+  void Route(const http::request<http::string_body>& req) {
+    const std::string target(req.target());
+    const std::string path = target.substr(0, target.find('?'));
+    const bool get = req.method() == http::verb::get, post = req.method() == http::verb::post;
+    if (get && path == "/health") {
+      const bool ok = server_->options.serving && server_->options.serving();
+      return Send(ok ? 200 : 503, ok ? "{\"status\":\"ok\"}" : "{\"status\":\"unavailable\"}", "application/json");
+    }
+    if (get && path == "/metrics") {
+      return Send(200, server_->options.metrics ? server_->options.metrics() : "",
+                  "text/plain; version=0.0.4; charset=utf-8");
+    }
+    // The API: the key when there is one.
+    const auto auth = req.find(http::field::authorization);
+    if (!server_->service->AuthorizeHttp(auth == req.end() ? std::string_view()
+                                                           : std::string_view(auth->value().data(), auth->value().size()))) {
+      return SendError(absl::UnauthenticatedError("this server needs an API key: 'Authorization: Bearer <key>'"));
+    }
+    if (get && path == "/v1/models") {
+      nlohmann::json body = {{"object", "list"},
+                             {"data", nlohmann::json::array({{{"id", server_->options.model_id},
+                                                              {"object", "model"},
+                                                              {"created", 0},
+                                                              {"owned_by", "ellm"}}})}};
+      return Send(200, body.dump(), "application/json");
+    }
+    if (post && (path == "/v1/completions" || path == "/v1/chat/completions")) {
+      return Generate(req.body(), path == "/v1/chat/completions");
+    }
+    if (path == "/v1/completions" || path == "/v1/chat/completions" || path == "/v1/models" ||
+        path == "/health" || path == "/metrics") {
+      return SendError(absl::InvalidArgumentError(absl::StrCat("method ", std::string(req.method_string()),
+                                                                " is not allowed on ", path)),
+                       405);
+    }
+    SendError(absl::NotFoundError(absl::StrCat("no such endpoint: ", path)));
+  }
+
+  void Generate(const std::string& body, bool chat) {
+    absl::StatusOr<OpenAiRequest> parsed = ParseOpenAiRequest(body, chat, server_->options.model_id);
+    if (!parsed.ok()) return SendError(parsed.status());
+    absl::StatusOr<GenerateOptions> options = server_->service->Validate(parsed->generate);
+    if (!options.ok()) return SendError(options.status());
+    absl::StatusOr<std::shared_ptr<RequestStream>> request = server_->scheduler->Submit(*std::move(options));
+    if (!request.ok()) return SendError(request.status());
+    request_ = *std::move(request);
+    streaming_ = parsed->stream;
+    const uint64_t n = server_->next_id.fetch_add(1);
+    responder_ = std::make_unique<OpenAiResponder>(
+        *parsed, absl::StrFormat("%s-%016x", chat ? "chatcmpl" : "cmpl", n * 0x9E3779B97F4A7C15ULL),
+        server_->options.model_id, static_cast<int64_t>(std::time(nullptr)), *server_->tokenizer);
+    stream_.expires_never();
+    std::weak_ptr<Session> weak = shared_from_this();
+    auto executor = stream_.get_executor();
+    request_->SetNotify([weak, executor] {
+      net::post(executor, [weak] {
+        if (auto self = weak.lock()) self->Drain();
+      });
+    });
+    if (streaming_) {
+      header_.emplace(http::status::ok, version_);
+      header_->set(http::field::content_type, "text/event-stream");
+      header_->set(http::field::cache_control, "no-cache");
+      header_->keep_alive(keep_alive_);
+      header_->chunked(true);
+      serializer_.emplace(*header_);
+      writing_ = true;
+      http::async_write_header(stream_, *serializer_, [self = shared_from_this()](beast::error_code ec, size_t) {
+        self->writing_ = false;
+        if (ec) return self->Close();
+        self->WriteNext();
+      });
+    }
+    WatchPeer();
+    Drain();  // events that arrived before the notifier was set
+  }
+
+  // Takes every event the request has; queues its bytes (streaming) or,
+  // at the end, the whole response.
+  void Drain() {
+    if (request_ == nullptr || finished_) return;
+    while (std::optional<StreamEvent> e = request_->Pop(absl::ZeroDuration())) {
+      if (!e->error.ok()) {
+        finished_ = true;
+        if (streaming_) {
+          // The headers may be out: report in the stream, as OpenAI's servers do.
+          outbox_.push_back(absl::StrCat("data: ", OpenAiErrorBody(e->error), "\n\n"));
+          last_queued_ = true;
+          WriteNext();
+        } else {
+          SendError(e->error);
+        }
+        return;
+      }
+      if (streaming_) {
+        std::string bytes = responder_->SseFor(*e);
+        if (!bytes.empty()) outbox_.push_back(std::move(bytes));
+      } else {
+        responder_->Add(*e);
+      }
+      if (e->finished) {
+        finished_ = true;
+        if (!streaming_) return Send(200, responder_->Final(), "application/json");
+        last_queued_ = true;
+        break;
+      }
+    }
+    WriteNext();
+  }
+
+  void WriteNext() {
+    if (!streaming_ || writing_ || closed_) return;
+    if (outbox_.empty()) {
+      if (last_queued_ && !last_written_) {
+        last_written_ = true;
+        writing_ = true;
+        net::async_write(stream_, http::make_chunk_last(), [self = shared_from_this()](beast::error_code ec, size_t) {
+          self->writing_ = false;
+          if (ec || !self->keep_alive_) return self->Close();
+          self->Reset();
+          self->Read();
+        });
+      }
+      return;
+    }
+    auto chunk = std::make_shared<std::string>(std::move(outbox_.front()));
+    outbox_.pop_front();
+    writing_ = true;
+    net::async_write(stream_, http::make_chunk(net::buffer(*chunk)),
+                     [self = shared_from_this(), chunk](beast::error_code ec, size_t) {
+                       self->writing_ = false;
+                       if (ec) return self->ClientGone();
+                       self->WriteNext();
+                     });
+  }
+
+  // While a generation runs nothing is read: wait for the socket to turn
+  // readable, which a closed client end makes it (a read of 0 bytes).
+  void WatchPeer() {
+    stream_.socket().async_wait(tcp::socket::wait_read, [self = shared_from_this()](beast::error_code ec) {
+      if (self->finished_ || self->closed_) return;
+      char probe;
+      beast::error_code rec;
+      const size_t n = self->stream_.socket().receive(net::buffer(&probe, 1), tcp::socket::message_peek, rec);
+      if (ec || rec || n == 0) self->ClientGone();
+      // Data (a pipelined request) is left for after the response.
+    });
+  }
+
+  void ClientGone() {
+    if (request_ != nullptr && !finished_) {
+      LogInfo("HTTP client went away; cancelling its request");
+      request_->Cancel();
+      finished_ = true;
+    }
+    Close();
+  }
+
+  void Send(int status, std::string body, const char* content_type) {
+    auto res = std::make_shared<http::response<http::string_body>>(static_cast<http::status>(status), version_);
+    res->set(http::field::content_type, content_type);
+    res->set(http::field::server, "ellm");
+    res->keep_alive(keep_alive_);
+    res->body() = std::move(body);
+    res->prepare_payload();
+    writing_ = true;
+    http::async_write(stream_, *res, [self = shared_from_this(), res](beast::error_code ec, size_t) {
+      self->writing_ = false;
+      if (ec || !res->keep_alive()) return self->Close();
+      self->Reset();
+      self->Read();
+    });
+  }
+
+  void SendError(const absl::Status& status, int http_status = 0) {
+    if (http_status == 0) http_status = HttpStatusOf(status);
+    Send(http_status, OpenAiErrorBody(status), "application/json");
+  }
+
+  void Reset() {
+    if (request_ != nullptr) request_->SetNotify(nullptr);
+    request_.reset();
+    responder_.reset();
+    streaming_ = finished_ = last_queued_ = last_written_ = false;
+    outbox_.clear();
+    serializer_.reset();
+    header_.reset();
+  }
+
+  void Close() {
+    if (closed_) return;
+    closed_ = true;
+    beast::error_code ec;
+    stream_.socket().shutdown(tcp::socket::shutdown_send, ec);
+    stream_.socket().close(ec);
+  }
+
+  beast::tcp_stream stream_;
+  beast::flat_buffer buffer_;
+  HttpServer::Impl* server_;
+  std::optional<http::request_parser<http::string_body>> parser_;
+  unsigned version_ = 11;
+  bool keep_alive_ = false;
+  // The generation this connection serves.
+  std::shared_ptr<RequestStream> request_;
+  std::unique_ptr<OpenAiResponder> responder_;
+  bool streaming_ = false, finished_ = false, last_queued_ = false, last_written_ = false;
+  std::optional<http::response<http::empty_body>> header_;
+  std::optional<http::response_serializer<http::empty_body>> serializer_;
+  std::deque<std::string> outbox_;
+  bool writing_ = false, closed_ = false;
+};
+
+}  // namespace
+
+void HttpServer::Impl::Accept() {
+  acceptor.async_accept(net::make_strand(ioc), [this](beast::error_code ec, tcp::socket socket) {
+    if (ec) {
+      if (ec == net::error::operation_aborted) return;  // stopping
+      LogWarning("HTTP accept: %s", ec.message());
+    } else {
+      std::make_shared<Session>(std::move(socket), this)->Start();
+    }
+    Accept();
+  });
+}
+
+HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpOptions& options,
+                                                              const EllmService* service,
+                                                              Scheduler* scheduler,
+                                                              const Tokenizer* tokenizer) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->service = service;
+  impl->scheduler = scheduler;
+  impl->tokenizer = tokenizer;
+  beast::error_code ec;
+  const net::ip::address address = net::ip::make_address(options.host, ec);
+  if (ec) return absl::InvalidArgumentError(absl::StrCat("bad HTTP host '", options.host, "': ", ec.message()));
+  const tcp::endpoint endpoint(address, static_cast<unsigned short>(options.port));
+  impl->acceptor.open(endpoint.protocol(), ec);
+  if (!ec) impl->acceptor.set_option(net::socket_base::reuse_address(true), ec);
+  if (!ec) impl->acceptor.bind(endpoint, ec);
+  if (!ec) impl->acceptor.listen(net::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return absl::UnavailableError(absl::StrCat("cannot listen for HTTP on ", options.host, ":", options.port, ": ",
+                                               ec.message(), " (is another server using the port?)"));
+  }
+  impl->Accept();
+  for (int i = 0; i < std::max(1, options.threads); ++i) {
+    impl->threads.emplace_back([io = &impl->ioc] { io->run(); });
+  }
+  return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
+}
+
+HttpServer::~HttpServer() {
+  net::post(impl_->ioc, [impl = impl_.get()] {
+    beast::error_code ec;
+    impl->acceptor.close(ec);
+  });
+  impl_->ioc.stop();
+  for (std::thread& t : impl_->threads) t.join();
+}
+
+int HttpServer::port() const { return impl_->acceptor.local_endpoint().port(); }
+
+}  // namespace ellm::coord

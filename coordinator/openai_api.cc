@@ -1,0 +1,297 @@
+#include "coordinator/openai_api.h"
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace ellm::coord {
+namespace {
+
+using json = nlohmann::json;
+
+absl::Status Bad(const std::string& field, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat("'", field, "' ", what));
+}
+
+std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// A text field: a string, or (chat content) an array of {"type": "text", "text": ...} parts.
+absl::StatusOr<std::string> TextOf(const json& v, const std::string& field, bool allow_parts) {
+  if (v.is_string()) return v.get<std::string>();
+  if (allow_parts && v.is_array()) {
+    std::string out;
+    for (const json& part : v) {
+      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+          !part["text"].is_string()) {
+        return Bad(field, "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts");
+      }
+      out += part["text"].get<std::string>();
+    }
+    return out;
+  }
+  return Bad(field, "must be a string");
+}
+
+}  // namespace
+
+absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool chat,
+                                                 const std::string& model_id) {
+  json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return absl::InvalidArgumentError("the body is not valid JSON");
+  if (!j.is_object()) return absl::InvalidArgumentError("the body must be a JSON object");
+  OpenAiRequest r;
+  r.chat = chat;
+  ellm::v1::GenerateRequest& g = r.generate;
+  auto number = [&](const char* field, double lo, double hi) -> absl::StatusOr<std::optional<double>> {
+    if (!j.contains(field) || j[field].is_null()) return std::optional<double>();
+    if (!j[field].is_number()) return Bad(field, "must be a number");
+    const double v = j[field].get<double>();
+    if (!(v >= lo && v <= hi)) return Bad(field, absl::StrCat("must be in [", lo, ", ", hi, "]"));
+    return std::optional<double>(v);
+  };
+  auto boolean = [&](const char* field) -> absl::StatusOr<bool> {
+    if (!j.contains(field) || j[field].is_null()) return false;
+    if (!j[field].is_boolean()) return Bad(field, "must be true or false");
+    return j[field].get<bool>();
+  };
+
+  if (j.contains("model") && !j["model"].is_null()) {
+    if (!j["model"].is_string()) return Bad("model", "must be a string");
+    const std::string model = j["model"].get<std::string>();
+    if (!model.empty() && model != model_id) {
+      return absl::NotFoundError(
+          absl::StrCat("the model '", model, "' does not exist; this server serves '", model_id, "'"));
+    }
+  }
+  if (chat) {
+    if (!j.contains("messages") || !j["messages"].is_array() || j["messages"].empty()) {
+      return Bad("messages", "must be a non-empty list");
+    }
+    for (size_t i = 0; i < j["messages"].size(); ++i) {
+      const json& m = j["messages"][i];
+      const std::string field = absl::StrCat("messages[", i, "]");
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
+        return Bad(field, "must be an object with a string 'role'");
+      }
+      ellm::v1::ChatMessage* out = g.add_messages();
+      out->set_role(m["role"].get<std::string>());
+      if (m.contains("content") && !m["content"].is_null()) {
+        ASSIGN_OR_RETURN(std::string content, TextOf(m["content"], field + ".content", true));
+        out->set_content(content);
+      }
+    }
+  } else {
+    if (!j.contains("prompt")) return Bad("prompt", "is required");
+    const json& p = j["prompt"];
+    if (p.is_array()) {
+      if (p.size() != 1 || !p[0].is_string()) {
+        return Bad("prompt", "must be a string or a list of exactly one string (one prompt per request)");
+      }
+      g.set_prompt(p[0].get<std::string>());
+    } else {
+      ASSIGN_OR_RETURN(std::string prompt, TextOf(p, "prompt", false));
+      g.set_prompt(prompt);
+    }
+    if (j.contains("echo") && j["echo"].is_boolean() && j["echo"].get<bool>()) {
+      return Bad("echo", "is not supported");
+    }
+    if (j.contains("suffix") && !j["suffix"].is_null()) return Bad("suffix", "is not supported");
+  }
+
+  for (const char* field : {"max_tokens", "max_completion_tokens"}) {
+    if (!j.contains(field) || j[field].is_null()) continue;
+    if (!j[field].is_number_integer()) return Bad(field, "must be an integer");
+    const int64_t v = j[field].get<int64_t>();
+    if (v <= 0 || v > INT32_MAX) return Bad(field, "must be positive");
+    g.set_max_tokens(static_cast<int32_t>(v));
+  }
+  ASSIGN_OR_RETURN(std::optional<double> temperature, number("temperature", 0, 100));
+  if (temperature) g.mutable_sampling()->set_temperature(static_cast<float>(*temperature));
+  ASSIGN_OR_RETURN(std::optional<double> top_p, number("top_p", 0, 1));
+  if (top_p) g.mutable_sampling()->set_top_p(static_cast<float>(*top_p));
+  if (j.contains("top_k") && !j["top_k"].is_null()) {
+    if (!j["top_k"].is_number_integer() || j["top_k"].get<int64_t>() < 0 || j["top_k"].get<int64_t>() > INT32_MAX) {
+      return Bad("top_k", "must be a non-negative integer");
+    }
+    g.mutable_sampling()->set_top_k(static_cast<int32_t>(j["top_k"].get<int64_t>()));
+  }
+  if (j.contains("seed") && !j["seed"].is_null()) {
+    if (!j["seed"].is_number_integer()) return Bad("seed", "must be an integer");
+    g.mutable_sampling()->set_seed(j["seed"].is_number_unsigned() ? j["seed"].get<uint64_t>()
+                                                                   : static_cast<uint64_t>(j["seed"].get<int64_t>()));
+  }
+  if (j.contains("stop") && !j["stop"].is_null()) {
+    const json& stop = j["stop"];
+    if (stop.is_string()) {
+      g.add_stop(stop.get<std::string>());
+    } else if (stop.is_array()) {
+      for (const json& s : stop) {
+        if (!s.is_string()) return Bad("stop", "must be a string or a list of strings");
+        g.add_stop(s.get<std::string>());
+      }
+    } else {
+      return Bad("stop", "must be a string or a list of strings");
+    }
+  }
+  ASSIGN_OR_RETURN(r.stream, boolean("stream"));
+  if (j.contains("stream_options") && !j["stream_options"].is_null()) {
+    const json& o = j["stream_options"];
+    if (!o.is_object()) return Bad("stream_options", "must be an object");
+    if (o.contains("include_usage")) {
+      if (!o["include_usage"].is_boolean()) return Bad("stream_options.include_usage", "must be true or false");
+      r.include_usage = o["include_usage"].get<bool>();
+    }
+  }
+  if (j.contains("n") && !j["n"].is_null()) {
+    if (!j["n"].is_number_integer() || j["n"].get<int64_t>() != 1) return Bad("n", "must be 1 (one choice per request)");
+  }
+  for (const char* field : {"presence_penalty", "frequency_penalty"}) {
+    ASSIGN_OR_RETURN(std::optional<double> v, number(field, -2, 2));
+    if (v && *v != 0) return Bad(field, "is not supported (use 0)");
+  }
+  if (chat) {
+    ASSIGN_OR_RETURN(r.logprobs, boolean("logprobs"));
+    ASSIGN_OR_RETURN(std::optional<double> top, number("top_logprobs", 0, 20));
+    if (top && *top > 0) return Bad("top_logprobs", "is not supported yet (the chosen token's logprob is: logprobs=true)");
+  } else if (j.contains("logprobs") && !j["logprobs"].is_null()) {
+    if (!j["logprobs"].is_number_integer() || j["logprobs"].get<int64_t>() < 0) {
+      return Bad("logprobs", "must be a non-negative integer");
+    }
+    if (j["logprobs"].get<int64_t>() > 1) {
+      return Bad("logprobs", "above 1 is not supported yet (1 gives the chosen token's logprob)");
+    }
+    r.logprobs = j["logprobs"].get<int64_t>() == 1;
+  }
+  return r;
+}
+
+const char* OpenAiFinishReason(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kMaxTokens:
+    case FinishReason::kContext: return "length";
+    default: return "stop";
+  }
+}
+
+OpenAiResponder::OpenAiResponder(const OpenAiRequest& request, std::string id, std::string model_id,
+                                 int64_t created, const Tokenizer& tokenizer)
+    : request_(request), tokenizer_(tokenizer), id_(std::move(id)), model_id_(std::move(model_id)),
+      created_(created) {}
+
+json OpenAiResponder::Usage(const FinishInfo& f) const {
+  return {{"prompt_tokens", f.prompt_tokens},
+          {"completion_tokens", f.completion_tokens},
+          {"total_tokens", f.prompt_tokens + f.completion_tokens},
+          {"prompt_tokens_details", {{"cached_tokens", f.cached_tokens}}}};
+}
+
+json OpenAiResponder::LogprobsOf(const std::vector<int32_t>& ids, const std::vector<float>& logprobs) {
+  json content = json::array();
+  json tokens = json::array(), token_logprobs = json::array();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const std::string piece = tokenizer_.TokenBytes(prev_token_, ids[i]);
+    prev_token_ = ids[i];
+    const float lp = i < logprobs.size() ? logprobs[i] : 0.0f;
+    json bytes = json::array();
+    for (unsigned char c : piece) bytes.push_back(static_cast<int>(c));
+    content.push_back({{"token", piece}, {"logprob", lp}, {"bytes", bytes}, {"top_logprobs", json::array()}});
+    tokens.push_back(piece);
+    token_logprobs.push_back(lp);
+  }
+  if (request_.chat) return {{"content", content}};
+  return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", nullptr}};
+}
+
+json OpenAiResponder::Chunk(const json& choice) const {
+  return {{"id", id_},
+          {"object", request_.chat ? "chat.completion.chunk" : "text_completion"},
+          {"created", created_},
+          {"model", model_id_},
+          {"choices", json::array({choice})}};
+}
+
+std::string OpenAiResponder::SseFor(const coord::StreamEvent& e) {
+  std::string out;
+  auto emit = [&out](const json& j) { absl::StrAppend(&out, "data: ", Dump(j), "\n\n"); };
+  if (request_.chat && !sent_role_) {
+    sent_role_ = true;
+    emit(Chunk({{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
+                {"finish_reason", nullptr}}));
+  }
+  if (!e.text.empty() || !e.token_ids.empty() || e.finished) {
+    json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+    if (request_.chat) {
+      choice["delta"] = e.text.empty() ? json::object() : json{{"content", e.text}};
+    } else {
+      choice["text"] = e.text;
+    }
+    if (request_.logprobs && !e.token_ids.empty()) choice["logprobs"] = LogprobsOf(e.token_ids, e.logprobs);
+    if (e.finished) choice["finish_reason"] = OpenAiFinishReason(e.finish.reason);
+    if (!(e.text.empty() && e.token_ids.empty() && !e.finished)) emit(Chunk(choice));
+  }
+  if (e.finished) {
+    if (request_.include_usage) {
+      json usage = Chunk({});
+      usage["choices"] = json::array();
+      usage["usage"] = Usage(e.finish);
+      emit(usage);
+    }
+    out += "data: [DONE]\n\n";
+  }
+  return out;
+}
+
+void OpenAiResponder::Add(const coord::StreamEvent& e) {
+  text_ += e.text;
+  ids_.insert(ids_.end(), e.token_ids.begin(), e.token_ids.end());
+  logprobs_.insert(logprobs_.end(), e.logprobs.begin(), e.logprobs.end());
+  if (e.finished) finish_ = e.finish;
+}
+
+std::string OpenAiResponder::Final() {
+  json choice = {{"index", 0}, {"finish_reason", OpenAiFinishReason(finish_.reason)}, {"logprobs", nullptr}};
+  if (request_.chat) {
+    choice["message"] = {{"role", "assistant"}, {"content", text_}};
+  } else {
+    choice["text"] = text_;
+  }
+  if (request_.logprobs) choice["logprobs"] = LogprobsOf(ids_, logprobs_);
+  json body = {{"id", id_},
+               {"object", request_.chat ? "chat.completion" : "text_completion"},
+               {"created", created_},
+               {"model", model_id_},
+               {"choices", json::array({choice})},
+               {"usage", Usage(finish_)}};
+  return Dump(body);
+}
+
+int HttpStatusOf(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kOk: return 200;
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kOutOfRange: return 400;
+    case absl::StatusCode::kUnauthenticated: return 401;
+    case absl::StatusCode::kPermissionDenied: return 403;
+    case absl::StatusCode::kNotFound: return 404;
+    case absl::StatusCode::kResourceExhausted:
+      // A full wait queue is "try again later"; a request that can never
+      // fit the KV cache is the client's to change.
+      return absl::StrContains(status.message(), "wait queue") ? 429 : 400;
+    case absl::StatusCode::kUnavailable: return 503;
+    case absl::StatusCode::kCancelled: return 499;
+    default: return 500;
+  }
+}
+
+std::string OpenAiErrorBody(const absl::Status& status) {
+  const int http = HttpStatusOf(status);
+  const char* type = http == 400 || http == 404 ? "invalid_request_error"
+                     : http == 401          ? "authentication_error"
+                     : http == 429          ? "rate_limit_error"
+                     : http == 503          ? "service_unavailable"
+                                            : "server_error";
+  return Dump({{"error", {{"message", std::string(status.message())}, {"type", type}, {"param", nullptr},
+                          {"code", absl::StatusCodeToString(status.code())}}}});
+}
+
+}  // namespace ellm::coord

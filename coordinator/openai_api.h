@@ -1,0 +1,84 @@
+// The OpenAI-compatible API's request and response shapes, free of any
+// transport: a JSON body becomes a GenerateRequest (then validated exactly as
+// the gRPC API validates it, by EllmService::Validate), and a request's
+// events become OpenAI's JSON objects and Server-Sent-Events chunks.
+//
+// Supported: POST /v1/completions (prompt: a string or a one-string array)
+// and /v1/chat/completions (messages with string or text-part content) with
+// model, max_tokens / max_completion_tokens, temperature, top_p, seed, stop
+// (string or list), stream, stream_options.include_usage, logprobs (chat:
+// true; completions: 0 or 1; the chosen token's log-probability), n = 1.
+// Refused with 400 naming the field: top_logprobs / logprobs > 1, n > 1,
+// nonzero presence or frequency penalties, echo, suffix, and any field of the
+// wrong type.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "coordinator/request_stream.h"
+#include "core/tokenizer.h"
+#include "core/status.h"
+#include "proto/ellm.pb.h"
+
+namespace ellm::coord {
+
+struct OpenAiRequest {
+  bool chat = false;
+  bool stream = false;
+  bool include_usage = false;
+  bool logprobs = false;
+  ellm::v1::GenerateRequest generate;
+};
+
+// Parses a request body of /v1/completions (chat false) or
+// /v1/chat/completions. InvalidArgument naming the field; NotFound for a
+// model other than `model_id`.
+absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool chat,
+                                                 const std::string& model_id);
+
+// "stop" for a stop token or string, "length" for max_tokens or the context.
+const char* OpenAiFinishReason(FinishReason reason);
+
+// Builds the responses of one request: `id` like "cmpl-..." / "chatcmpl-...".
+class OpenAiResponder {
+ public:
+  // `tokenizer` names each token in logprobs.
+  OpenAiResponder(const OpenAiRequest& request, std::string id, std::string model_id, int64_t created,
+                  const Tokenizer& tokenizer);
+
+  // Streaming: the SSE bytes ("data: {...}\n\n" ...) for one event, and after
+  // the last event the usage chunk (when asked) and "data: [DONE]\n\n".
+  std::string SseFor(const coord::StreamEvent& event);
+  // Not streaming: folds in an event; Final() is the whole response body.
+  void Add(const coord::StreamEvent& event);
+  std::string Final();
+
+ private:
+  nlohmann::json Chunk(const nlohmann::json& choice) const;
+  nlohmann::json Usage(const FinishInfo& f) const;
+  // The logprobs object of these tokens (advances prev_token_).
+  nlohmann::json LogprobsOf(const std::vector<int32_t>& ids, const std::vector<float>& logprobs);
+
+  OpenAiRequest request_;
+  const Tokenizer& tokenizer_;
+  int32_t prev_token_ = -1;  // for each token's text in logprobs
+  std::string id_, model_id_;
+  int64_t created_;
+  bool sent_role_ = false;
+  // Not streaming: what the request gave.
+  std::string text_;
+  std::vector<int32_t> ids_;
+  std::vector<float> logprobs_;
+  FinishInfo finish_;
+};
+
+// OpenAI's error body: {"error": {"message", "type", "param", "code"}}, and
+// the HTTP status a status maps to (400, 401, 404, 413, 429, 503, 500).
+std::string OpenAiErrorBody(const absl::Status& status);
+int HttpStatusOf(const absl::Status& status);
+
+}  // namespace ellm::coord

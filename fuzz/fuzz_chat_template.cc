@@ -1,0 +1,51 @@
+// libFuzzer harness: chat templates on arbitrary messages. The input is a
+// template family (first byte) and messages (role byte, content up to a NUL).
+// Checks that a rendered prompt's markup spans are sorted, disjoint and
+// inside the text, and tokenizes it as the service does (BPE, special tokens
+// parsed in the markup only). test_chat_template checks what the spans keep
+// out.
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "coordinator/chat_template.h"
+#include "core/gguf.h"
+#include "core/tokenizer.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const std::unique_ptr<ellm::Tokenizer> bpe = [] {
+    auto file = ellm::GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/vocab/qwen2.5-vocab-derived.gguf");
+    if (!file.ok()) std::abort();
+    auto tok = ellm::Tokenizer::FromGguf(**file);
+    if (!tok.ok()) std::abort();
+    return *std::move(tok);
+  }();
+  if (size < 1) return 0;
+  static const char* kTemplates[] = {"<|im_start|>", "<|im_start|><think>", "<|start_header_id|>", "[INST]", "", "?"};
+  const auto tmpl = ellm::coord::ChatTemplate::FromGgufTemplate(kTemplates[data[0] % 6]);
+  static const char* kRoles[] = {"system", "user", "assistant", "tool"};
+  std::vector<ellm::coord::ChatMessage> messages;
+  size_t i = 1;
+  while (i < size && messages.size() < 16) {
+    const char* role = kRoles[data[i++] % 4];
+    size_t end = i;
+    while (end < size && data[end] != 0) ++end;
+    messages.push_back({role, std::string(reinterpret_cast<const char*>(data + i), end - i)});
+    i = end + 1;
+  }
+  auto prompt = tmpl.Render(messages);
+  if (!prompt.ok()) return 0;
+  size_t at = 0;
+  for (const auto& [b, e] : prompt->markup) {
+    if (b < at || e <= b || e > prompt->text.size()) std::abort();
+    at = e;
+  }
+  const std::vector<int32_t> ids = bpe->Encode(prompt->text, false, prompt->markup);
+  for (int32_t id : ids) {
+    if (id < 0 || id >= bpe->vocab_size()) std::abort();
+  }
+  return 0;
+}

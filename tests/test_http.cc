@@ -1,0 +1,384 @@
+// The OpenAI-compatible HTTP front, /metrics and gRPC reflection, end to end
+// on the real processes, through a real HTTP client (Boost.Beast): streaming
+// and non-streaming completions and chat, SSE framing, usage, stop strings,
+// logprobs, every error status, a client that disconnects mid-stream, 32
+// concurrent streams each equal to its solo run, and the service list a
+// reflection client sees.
+#include <signal.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <future>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <grpcpp/grpcpp.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gtest/gtest.h"
+#include "tests/integration_harness.h"
+#include "tests/proto/reflection_list.grpc.pb.h"
+#include "tests/tests_util.h"
+
+namespace ellm {
+namespace {
+
+namespace beast = boost::beast;
+namespace http = beast::http;
+namespace net = boost::asio;
+using tcp = net::ip::tcp;
+using json = nlohmann::json;
+using namespace ellm::testing;  // NOLINT: the harness
+
+const std::string kStories = ELLM_MODELS_DIR "/stories260K.gguf";
+
+struct HttpResult {
+  int status = 0;
+  std::string content_type;
+  std::string body;
+  json Json() const { return json::parse(body, nullptr, false); }
+};
+
+HttpResult Call(int port, http::verb method, const std::string& target, const std::string& body = "",
+                const std::string& api_key = "") {
+  net::io_context ioc;
+  tcp::socket socket(ioc);
+  socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
+  http::request<http::string_body> req(method, target, 11);
+  req.set(http::field::host, "127.0.0.1");
+  if (!body.empty()) req.set(http::field::content_type, "application/json");
+  if (!api_key.empty()) req.set(http::field::authorization, "Bearer " + api_key);
+  req.body() = body;
+  req.prepare_payload();
+  beast::error_code write_ec;
+  http::write(socket, req, write_ec);  // a server that refuses a body answers before reading it all
+  beast::flat_buffer buffer;
+  http::response_parser<http::string_body> parser;
+  parser.body_limit(64 << 20);
+  beast::error_code ec;
+  http::read(socket, buffer, parser, ec);
+  HttpResult r;
+  if (ec) return r;
+  r.status = parser.get().result_int();
+  r.content_type = std::string(parser.get()[http::field::content_type]);
+  r.body = parser.get().body();
+  return r;
+}
+
+HttpResult Post(int port, const std::string& target, const json& body, const std::string& key = "") {
+  return Call(port, http::verb::post, target, body.dump(), key);
+}
+
+// The "data: " payloads of an SSE body, in order; every event must be a
+// "data: ..." line followed by a blank line.
+std::vector<std::string> SseData(const std::string& body) {
+  std::vector<std::string> out;
+  for (absl::string_view event : absl::StrSplit(body, "\n\n", absl::SkipEmpty())) {
+    EXPECT_TRUE(absl::StartsWith(event, "data: ")) << "not an SSE data line: " << event;
+    out.emplace_back(event.substr(6));
+  }
+  EXPECT_TRUE(absl::EndsWith(body, "\n\n"));
+  return out;
+}
+
+// Text of a streamed completion (and its finish reason, usage chunk).
+struct Streamed {
+  std::string text;
+  std::string finish_reason;
+  json usage;
+  int chunks = 0;
+};
+Streamed Collect(const HttpResult& r, bool chat) {
+  Streamed s;
+  const std::vector<std::string> data = SseData(r.body);
+  EXPECT_FALSE(data.empty());
+  EXPECT_EQ(data.back(), "[DONE]");
+  for (size_t i = 0; i + 1 < data.size(); ++i) {
+    const json j = json::parse(data[i], nullptr, false);
+    EXPECT_FALSE(j.is_discarded()) << data[i];
+    EXPECT_EQ(j["object"], chat ? "chat.completion.chunk" : "text_completion");
+    if (j.contains("usage") && !j["usage"].is_null()) s.usage = j["usage"];
+    if (j["choices"].empty()) continue;
+    const json& c = j["choices"][0];
+    if (chat) {
+      if (c["delta"].contains("content")) s.text += c["delta"]["content"].get<std::string>();
+    } else {
+      s.text += c["text"].get<std::string>();
+    }
+    if (!c["finish_reason"].is_null()) s.finish_reason = c["finish_reason"];
+    ++s.chunks;
+  }
+  return s;
+}
+
+json Completion(const std::string& prompt, int max_tokens, bool stream) {
+  return {{"model", "llama"}, {"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0}, {"stream", stream}};
+}
+
+TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const int port = system.http_port();
+  const Generated grpc_answer = Generate(system.stub(), Greedy("Once upon a time", 40));
+  ASSERT_TRUE(grpc_answer.status.ok());
+
+  HttpResult r = Post(port, "/v1/completions", Completion("Once upon a time", 40, false));
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.content_type, "application/json");
+  json j = r.Json();
+  EXPECT_EQ(j["object"], "text_completion");
+  EXPECT_EQ(j["model"], "llama");
+  EXPECT_EQ(j["choices"][0]["text"], grpc_answer.text);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 5);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 40);
+  EXPECT_EQ(j["usage"]["total_tokens"], 45);
+  EXPECT_TRUE(j["usage"]["prompt_tokens_details"].contains("cached_tokens"));
+
+  json stream_req = Completion("Once upon a time", 40, true);
+  stream_req["stream_options"] = {{"include_usage", true}};
+  r = Post(port, "/v1/completions", stream_req);
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.content_type, "text/event-stream");
+  const Streamed s = Collect(r, false);
+  EXPECT_EQ(s.text, grpc_answer.text);
+  EXPECT_EQ(s.finish_reason, "length");
+  EXPECT_GT(s.chunks, 10);  // streamed, not in one piece
+  EXPECT_EQ(s.usage["completion_tokens"], 40);
+
+  // Stop strings: the text ends before the stop, finish_reason stop.
+  json stop_req = Completion("Once upon a time", 100, false);
+  stop_req["stop"] = json::array({"Lily", "zzz"});
+  j = Post(port, "/v1/completions", stop_req).Json();
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(j["choices"][0]["text"], grpc_answer.text.substr(0, grpc_answer.text.find("Lily")));
+  // Logprobs: the chosen token's, as the gRPC API gives them.
+  json lp_req = Completion("Once upon a time", 8, false);
+  lp_req["logprobs"] = 1;
+  j = Post(port, "/v1/completions", lp_req).Json();
+  ASSERT_EQ(j["choices"][0]["logprobs"]["token_logprobs"].size(), 8u);
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_FLOAT_EQ(j["choices"][0]["logprobs"]["token_logprobs"][i].get<float>(), grpc_answer.logprobs[i]);
+  }
+  // /v1/models and /health.
+  j = Call(port, http::verb::get, "/v1/models").Json();
+  EXPECT_EQ(j["data"][0]["id"], "llama");
+  EXPECT_EQ(Call(port, http::verb::get, "/health").status, 200);
+  ExpectCleanShutdown(system);
+}
+
+TEST(Http, ChatCompletionsWithTheModelsTemplate) {
+  const std::string dir = MakeTempDir("httpchat");
+  const std::string model = dir + "/qwen3.gguf";
+  const std::string cmd = absl::StrCat(ELLM_BINARY_DIR, "/ellm-make-model --arch qwen3 --layers 1 --hidden 64 ",
+                                       "--heads 4 --kv-heads 2 --head-dim 16 --ffn 128 --context 512 --vocab-from ",
+                                       ELLM_MODELS_DIR, "/vocab/qwen2.5-vocab-derived.gguf --chat-template qwen3 --out ",
+                                       model, " 2>/dev/null");
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  EllmSystem system({"--model=" + model, "--attn-workers=1", "--no-numactl"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const int port = system.http_port();
+  json req = {{"messages", {{{"role", "system"}, {"content", "Be brief."}}, {{"role", "user"}, {"content", "Hi there"}}}},
+              {"max_completion_tokens", 12},
+              {"temperature", 0},
+              {"logprobs", true}};
+  HttpResult r = Post(port, "/v1/chat/completions", req);
+  ASSERT_EQ(r.status, 200) << r.body;
+  json j = r.Json();
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  const std::string text = j["choices"][0]["message"]["content"];
+  EXPECT_EQ(j["usage"]["completion_tokens"], 12);
+  EXPECT_EQ(j["choices"][0]["logprobs"]["content"].size(), 12u);
+  req["stream"] = true;
+  r = Post(port, "/v1/chat/completions", req);
+  ASSERT_EQ(r.status, 200) << r.body;
+  const std::vector<std::string> data = SseData(r.body);
+  ASSERT_GE(data.size(), 3u);
+  EXPECT_EQ(json::parse(data[0])["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_EQ(Collect(r, true).text, text);
+  // The prompt is exactly the template's (the gRPC Tokenize of the messages).
+  EXPECT_EQ(j["usage"]["prompt_tokens"].get<int>() > 10, true);
+  ExpectCleanShutdown(system);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl", "--http-max-body-mb=1",
+                     "--max-batch=1", "--max-queue=1", "--no-restart"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const int port = system.http_port();
+  auto expect = [&](const HttpResult& r, int status, const std::string& needle) {
+    EXPECT_EQ(r.status, status) << r.body;
+    const json j = r.Json();
+    ASSERT_TRUE(j.contains("error")) << r.body;
+    EXPECT_TRUE(j["error"]["message"].is_string());
+    EXPECT_NE(j["error"]["message"].get<std::string>().find(needle), std::string::npos) << r.body;
+  };
+  expect(Call(port, http::verb::post, "/v1/completions", "{not json"), 400, "not valid JSON");
+  expect(Post(port, "/v1/completions", {{"prompt", 5}}), 400, "'prompt'");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", "ten"}}), 400, "'max_tokens'");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", -1}}), 400, "'max_tokens'");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"temperature", -1}}), 400, "'temperature'");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"top_p", 2}}), 400, "'top_p'");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stop", 3}}), 400, "'stop'");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"n", 2}}), 400, "'n'");
+  expect(Post(port, "/v1/completions", {{"prompt", ""}}), 400, "prompt is empty");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 5000}}), 400, "exceeds");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stream", "yes"}}), 400, "'stream'");
+  expect(Post(port, "/v1/chat/completions", {{"messages", json::array()}}), 400, "'messages'");
+  expect(Post(port, "/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "hi"}}}}}), 400,
+         "no chat template");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"model", "gpt-4"}}), 404, "gpt-4");
+  expect(Call(port, http::verb::get, "/v2/nothing"), 404, "no such endpoint");
+  expect(Call(port, http::verb::get, "/v1/completions"), 405, "not allowed");
+  expect(Call(port, http::verb::post, "/v1/completions", std::string(2 << 20, ' ')), 413, "limit");
+  // One request runs (--max-batch=1), one waits (--max-queue=1): a third is 429.
+  auto running = std::async(std::launch::async, [&] {
+    return Post(port, "/v1/completions", Completion("Once upon a time", 1500, false));
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  auto waiting = std::async(std::launch::async, [&] {
+    return Post(port, "/v1/completions", Completion("The dog", 1500, false));
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  expect(Post(port, "/v1/completions", Completion("The cat", 5, false)), 429, "wait queue");
+  EXPECT_EQ(running.get().status, 200);
+  EXPECT_EQ(waiting.get().status, 200);
+  // A dead worker (no restarts): 503, and /health says so.
+  kill(system.FindChild("ellm-attn-worker"), SIGKILL);
+  for (int i = 0; i < 50 && Call(port, http::verb::get, "/health").status != 503; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(Call(port, http::verb::get, "/health").status, 503);
+  expect(Post(port, "/v1/completions", Completion("Once", 4, false)), 503, "worker");
+  ExpectCleanShutdown(system);
+}
+
+TEST(Http, ApiKeyIsRequiredWhenSet) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl", "--api-key=k3y"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const int port = system.http_port();
+  EXPECT_EQ(Post(port, "/v1/completions", Completion("Once", 4, false)).status, 401);
+  EXPECT_EQ(Post(port, "/v1/completions", Completion("Once", 4, false), "nope").status, 401);
+  EXPECT_EQ(Post(port, "/v1/completions", Completion("Once", 4, false), "k3y").status, 200);
+  EXPECT_EQ(Call(port, http::verb::get, "/health").status, 200);  // load balancers need no key
+  ExpectCleanShutdown(system);
+}
+
+TEST(Http, ADisconnectCancelsAndConcurrentStreamsMatchTheirSoloRuns) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--max-batch=32"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const int port = system.http_port();
+  // Read the start of a long stream, then hang up.
+  {
+    net::io_context ioc;
+    tcp::socket socket(ioc);
+    socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
+    http::request<http::string_body> req(http::verb::post, "/v1/completions", 11);
+    req.set(http::field::host, "127.0.0.1");
+    req.body() = Completion("Once upon a time", 1900, true).dump();
+    req.prepare_payload();
+    http::write(socket, req);
+    std::string seen;
+    char buf[4096];
+    while (seen.find("data: ") == std::string::npos) {
+      const size_t n = socket.read_some(net::buffer(buf));
+      seen.append(buf, n);
+    }
+    socket.close();
+  }
+  // The server cancels it: nothing runs a moment later.
+  bool idle = false;
+  for (int i = 0; i < 100 && !idle; ++i) {
+    ellm::v1::ModelInfo info;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(system.stub()->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info).ok());
+    idle = info.running() == 0 && info.waiting() == 0;
+    if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(idle) << "the disconnected request still runs";
+  EXPECT_EQ(Post(port, "/v1/completions", Completion("Once", 4, false)).status, 200);
+
+  // 32 concurrent streams, each what it gives alone.
+  std::vector<std::string> prompts;
+  for (int i = 0; i < 32; ++i) prompts.push_back(absl::StrCat(i % 2 ? "The little dog" : "Once upon a time", " ", i));
+  std::vector<std::string> solo;
+  for (const std::string& p : prompts) solo.push_back(Collect(Post(port, "/v1/completions", Completion(p, 48, true)), false).text);
+  std::vector<std::future<std::string>> together;
+  for (const std::string& p : prompts) {
+    together.push_back(std::async(std::launch::async, [&, p] {
+      return Collect(Post(port, "/v1/completions", Completion(p, 48, true)), false).text;
+    }));
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(together[i].get(), solo[i]) << prompts[i];
+  ExpectCleanShutdown(system);
+}
+
+TEST(Http, MetricsCountWhatHappenedAndReflectionListsTheApi) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const int port = system.http_port();
+  for (int i = 0; i < 3; ++i) ASSERT_EQ(Post(port, "/v1/completions", Completion("Once upon a time", 20, false)).status, 200);
+  EXPECT_EQ(Post(port, "/v1/completions", {{"prompt", ""}}).status, 400);
+  const HttpResult m = Call(port, http::verb::get, "/metrics");
+  ASSERT_EQ(m.status, 200);
+  EXPECT_TRUE(absl::StartsWith(m.content_type, "text/plain"));
+  // Parse the exposition: name{labels} value per sample line.
+  std::map<std::string, double> samples;
+  for (absl::string_view line : absl::StrSplit(m.body, '\n', absl::SkipEmpty())) {
+    if (line[0] == '#') continue;
+    const size_t space = line.rfind(' ');
+    ASSERT_NE(space, absl::string_view::npos) << line;
+    samples[std::string(line.substr(0, space))] = std::stod(std::string(line.substr(space + 1)));
+  }
+  EXPECT_EQ(samples["ellm_requests_total{outcome=\"length\"}"], 3);
+  EXPECT_EQ(samples["ellm_generated_tokens_total"], 60);
+  EXPECT_EQ(samples["ellm_prompt_tokens_total"], 15);
+  EXPECT_EQ(samples["ellm_time_to_first_token_seconds_count"], 3);
+  EXPECT_EQ(samples["ellm_inter_token_latency_seconds_count"], 57);
+  EXPECT_EQ(samples["ellm_requests_running"], 0);
+  // Bandwidth accounting per attention worker: positive, and at most ~1.5x its probe.
+  for (int shard : {0, 1}) {
+    const std::string w = absl::StrCat("{worker=\"attn-", shard, "\"}");
+    EXPECT_GT(samples["ellm_kv_read_probe_bytes_per_second" + w], 1e9);
+    EXPECT_GT(samples["ellm_kv_read_bytes_total" + w], 0);
+    EXPECT_LE(samples["ellm_kv_read_bandwidth_ratio" + w], 1.5);
+    EXPECT_GE(samples["ellm_kv_read_bandwidth_ratio" + w], 0);
+  }
+  EXPECT_GT(samples["ellm_weight_read_bytes_total{worker=\"mlp\"}"], 0);
+  if (std::system("command -v promtool >/dev/null 2>&1") == 0) {
+    const std::string path = MakeTempDir("metrics") + "/m.txt";
+    std::ofstream(path) << m.body;
+    EXPECT_EQ(std::system(("promtool check metrics < " + path).c_str()), 0);
+  }
+
+  // gRPC reflection on the public port.
+  auto stub = grpc::reflection::v1alpha::ServerReflection::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", system.port()), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  auto rw = stub->ServerReflectionInfo(&ctx);
+  grpc::reflection::v1alpha::ServerReflectionRequest req;
+  req.set_list_services("");
+  ASSERT_TRUE(rw->Write(req));
+  rw->WritesDone();
+  grpc::reflection::v1alpha::ServerReflectionResponse resp;
+  std::vector<std::string> services;
+  while (rw->Read(&resp)) {
+    for (const auto& s : resp.list_services_response().service()) services.push_back(s.name());
+  }
+  EXPECT_TRUE(rw->Finish().ok());
+  EXPECT_NE(std::find(services.begin(), services.end(), "ellm.v1.Ellm"), services.end());
+  ExpectCleanShutdown(system);
+}
+
+}  // namespace
+}  // namespace ellm
