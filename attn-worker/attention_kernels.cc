@@ -1,5 +1,7 @@
 #include "attn-worker/attention_kernels.h"
 
+#include "core/cpu_features.h"
+
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -21,17 +23,9 @@ const AttentionKernel kAvx512{"avx512", 127, 255, internal::AttendF16Avx512,
                               internal::AttendInt8Avx512};
 const AttentionKernel kAmx{"amx", 127, 255, internal::AttendF16Avx512, internal::AttendInt8Amx};
 
-bool HasAvx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
-bool HasAvxVnni() { return HasAvx2() && __builtin_cpu_supports("avxvnni"); }
-bool HasAvx512() {
-  return HasAvx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512vnni");
-}
+bool HasAvx2() { return Cpu().Avx2Set(); }
+bool HasAvxVnni() { return Cpu().Avx2Set() && Cpu().avx_vnni; }
+bool HasAvx512() { return Cpu().Avx512Set(); }
 
 // AMX-TILE and AMX-INT8 (CPUID leaf 7 EDX bits 24 and 25; GCC 12's
 // __builtin_cpu_supports does not know them), and Linux's permission to use

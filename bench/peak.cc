@@ -1,5 +1,7 @@
 #include "bench/peak.h"
 
+#include "core/cpu_features.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -94,13 +96,13 @@ std::string DotUnitName(DotUnit unit) {
 }
 
 bool DotUnitSupported(DotUnit unit) {
-  __builtin_cpu_init();
+  const CpuFeatures& cpu = Cpu();
   switch (unit) {
-    case DotUnit::kAvx512Vnni: return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
-    case DotUnit::kAvxVnni: return __builtin_cpu_supports("avxvnni");
-    case DotUnit::kAvx2Madd: return __builtin_cpu_supports("avx2");
-    case DotUnit::kAvx512Fma: return __builtin_cpu_supports("avx512f");
-    case DotUnit::kAvx2Fma: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case DotUnit::kAvx512Vnni: return cpu.avx512_vnni && cpu.avx512bw;
+    case DotUnit::kAvxVnni: return cpu.avx_vnni;
+    case DotUnit::kAvx2Madd: return cpu.avx2;
+    case DotUnit::kAvx512Fma: return cpu.avx512f;
+    case DotUnit::kAvx2Fma: return cpu.avx2 && cpu.fma;
   }
   return false;
 }

@@ -1,5 +1,7 @@
 #include "core/read_probe.h"
 
+#include "core/cpu_features.h"
+
 #include <immintrin.h>
 #include <sys/mman.h>
 
@@ -56,7 +58,7 @@ ReadProbe::ReadProbe(int64_t bytes) : bytes_(bytes) {
   data_ = static_cast<uint8_t*>(p);
   std::memset(data_, 1, bytes_);
   __builtin_cpu_init();
-  sum_ = __builtin_cpu_supports("avx2") ? SumAvx2 : SumPlain;
+  sum_ = Cpu().avx2 ? SumAvx2 : SumPlain;
 }
 
 ReadProbe::~ReadProbe() { munmap(data_, bytes_); }

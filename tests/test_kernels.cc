@@ -25,7 +25,9 @@
 #include <thread>
 #include <vector>
 
+#include "core/cpu_features.h"
 #include "core/thread_pool.h"
+#include "tests/tests_util.h"
 #include "gtest/gtest.h"
 
 namespace ellm {
@@ -341,6 +343,29 @@ TEST(ThreadPool, ParallelForUsesTheWorkers) {
     ids.insert(std::this_thread::get_id());
   });
   EXPECT_EQ(ids.size(), 3u);
+}
+
+}  // namespace
+}  // namespace ellm
+
+namespace ellm {
+namespace {
+
+// core/cpu_features against the kernel's own account of the CPU.
+TEST(CpuFeatures, AgreeWithProcCpuinfo) {
+  using ellm::testing::CpuinfoHas;
+  const CpuFeatures& cpu = Cpu();
+  EXPECT_EQ(cpu.avx2, CpuinfoHas("avx2"));
+  EXPECT_EQ(cpu.fma, CpuinfoHas("fma"));
+  EXPECT_EQ(cpu.f16c, CpuinfoHas("f16c"));
+  EXPECT_EQ(cpu.avx_vnni, CpuinfoHas("avx_vnni"));
+  EXPECT_EQ(cpu.avx512f, CpuinfoHas("avx512f"));
+  EXPECT_EQ(cpu.avx512bw, CpuinfoHas("avx512bw"));
+  EXPECT_EQ(cpu.avx512vl, CpuinfoHas("avx512vl"));
+  EXPECT_EQ(cpu.avx512dq, CpuinfoHas("avx512dq"));
+  EXPECT_EQ(cpu.avx512_vnni, CpuinfoHas("avx512_vnni"));
+  EXPECT_EQ(cpu.amx_tile, CpuinfoHas("amx_tile"));
+  EXPECT_EQ(cpu.amx_int8, CpuinfoHas("amx_int8"));
 }
 
 }  // namespace

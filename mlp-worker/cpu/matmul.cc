@@ -4,6 +4,8 @@
 // matmul_avx512.cc.
 #include "mlp-worker/cpu/matmul.h"
 
+#include "core/cpu_features.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -465,19 +467,9 @@ const Activations::Q8& Activations::q8x256() {
 
 namespace {
 
-bool CpuHasAvx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
-
-bool CpuHasAvx2Vnni() { return CpuHasAvx2() && __builtin_cpu_supports("avxvnni"); }
-
-bool CpuHasAvx512Vnni() {
-  return CpuHasAvx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512vnni");
-}
+bool CpuHasAvx2() { return Cpu().Avx2Set(); }
+bool CpuHasAvx2Vnni() { return Cpu().Avx2Set() && Cpu().avx_vnni; }
+bool CpuHasAvx512Vnni() { return Cpu().Avx512Set(); }
 
 internal::MatKernel KernelFor(DType type, MatIsa isa) {
   switch (isa) {

@@ -1,0 +1,56 @@
+#include "core/cpu_features.h"
+
+#include <cpuid.h>
+
+#include <cstdint>
+
+namespace ellm {
+namespace {
+
+uint64_t Xgetbv0() {
+  uint32_t eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (uint64_t{edx} << 32) | eax;
+}
+
+CpuFeatures Detect() {
+  CpuFeatures f;
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return f;
+  const bool osxsave = (ecx >> 27) & 1, avx = (ecx >> 28) & 1;
+  if (!osxsave || !avx) return f;
+  const uint64_t xcr0 = Xgetbv0();
+  const bool os_avx = (xcr0 & 0x6) == 0x6;              // XMM and YMM state
+  const bool os_avx512 = os_avx && (xcr0 & 0xE0) == 0xE0;  // opmask, ZMM hi256, hi16 ZMM
+  if (!os_avx) return f;
+  f.fma = (ecx >> 12) & 1;
+  f.f16c = (ecx >> 29) & 1;
+  unsigned max_leaf = __get_cpuid_max(0, nullptr);
+  if (max_leaf < 7) return f;
+  __cpuid_count(7, 0, eax, ebx, ecx, edx);
+  f.avx2 = (ebx >> 5) & 1;
+  if (os_avx512) {
+    f.avx512f = (ebx >> 16) & 1;
+    f.avx512dq = (ebx >> 17) & 1;
+    f.avx512bw = (ebx >> 30) & 1;
+    f.avx512vl = (ebx >> 31) & 1;
+    f.avx512_vnni = (ecx >> 11) & 1;
+  }
+  f.amx_tile = (edx >> 24) & 1;
+  f.amx_int8 = (edx >> 25) & 1;
+  const unsigned subleaves = eax;
+  if (subleaves >= 1) {
+    __cpuid_count(7, 1, eax, ebx, ecx, edx);
+    f.avx_vnni = (eax >> 4) & 1;
+  }
+  return f;
+}
+
+}  // namespace
+
+const CpuFeatures& Cpu() {
+  static const CpuFeatures features = Detect();
+  return features;
+}
+
+}  // namespace ellm
