@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -448,7 +449,11 @@ int main(int argc, char** argv) {
       "attention requests over a shared-memory channel. Flags: --help shows them.");
   absl::ParseCommandLine(argc, argv);
   ellm::LogLevel level = ellm::LogLevel::kInfo;
-  ellm::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level);
+  if (!ellm::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
+    std::fprintf(stderr, "--log_level must be debug, info, warning or error, got '%s'\n",
+                 absl::GetFlag(FLAGS_log_level).c_str());
+    return 2;
+  }
   ellm::SetLogIdentity(absl::StrCat("attn-worker[", absl::GetFlag(FLAGS_shard), "]"), level);
   ellm::InstallStopSignalHandlers();
   absl::StatusOr<ellm::attn::AttnWorkerConfig> config = ellm::attn::ConfigFromFlags();

@@ -257,6 +257,7 @@ int E2eMain(int argc, char** argv) {
             "restart from the KV store");
   args.Flag("turn-tokens", "256", "--turns: new tokens each turn appends");
   args.Flag("answer-tokens", "64", "--turns: tokens each turn generates");
+  args.Flag("no-prefix-cache", "", "launch with --no-prefix-cache (decode with and without the cache)", true);
   args.Flag("bin-dir", "", "folder of ellm-launch (default: this program's folder)");
   args.Flag("port", "50391", "port for the launched system");
   if (std::optional<int> exit = args.ParseFlagsOnly(argc + 1, argv - 1)) return *exit;
@@ -371,6 +372,7 @@ int E2eMain(int argc, char** argv) {
         absl::StrCat("--port=", *port), "--kv-dtype=" + args.Get("kv-dtype"),
         absl::StrCat("--kv-cache-mb=", kv_mb), "--max-batch=2", "--ready-timeout=600",
         absl::StrCat("--attn-workers=", args.Get("attn-workers"))};
+    if (args.GetBool("no-prefix-cache")) launch.push_back("--no-prefix-cache");
     absl::Status st = launched.Start(launch);
     if (!st.ok()) {
       std::fprintf(stderr, "ellm-bench e2e: %s\n", std::string(st.message()).c_str());
@@ -412,11 +414,11 @@ int E2eMain(int argc, char** argv) {
     const double bound_ms = (kv_bytes + weight_bytes) / (probe_gb_per_s * 1e9) * 1e3;
     rows.push_back({context, ms, bound_ms});
     std::printf(
-        "context=%d kv_dtype=%s fill=%s ms_per_token=%.3f tokens_per_s=%.2f bound_ms=%.3f ratio=%.3f "
-        "kv_mb=%.1f weight_mb=%.1f probe_gb_per_s=%.1f\n",
-        context, args.Get("kv-dtype").c_str(), fill.c_str(), ms, ms > 0 ? 1e3 / ms : 0, bound_ms,
-        bound_ms > 0 ? ms / bound_ms : 0, kv_bytes / 1048576.0, weight_bytes / 1048576.0,
-        probe_gb_per_s);
+        "context=%d kv_dtype=%s fill=%s prefix_cache=%s ms_per_token=%.3f tokens_per_s=%.2f bound_ms=%.3f "
+        "ratio=%.3f kv_mb=%.1f weight_mb=%.1f probe_gb_per_s=%.1f cpu=\"%s\"\n",
+        context, args.Get("kv-dtype").c_str(), fill.c_str(), args.GetBool("no-prefix-cache") ? "off" : "on", ms,
+        ms > 0 ? 1e3 / ms : 0, bound_ms, bound_ms > 0 ? ms / bound_ms : 0, kv_bytes / 1048576.0,
+        weight_bytes / 1048576.0, probe_gb_per_s, CpuModelName().c_str());
     std::fflush(stdout);
   }
 

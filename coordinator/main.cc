@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <cstdio>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -350,7 +351,11 @@ int main(int argc, char** argv) {
       "Tokenizes, schedules requests into steps, and streams generated text.");
   absl::ParseCommandLine(argc, argv);
   ellm::LogLevel level = ellm::LogLevel::kInfo;
-  ellm::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level);
+  if (!ellm::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
+    std::fprintf(stderr, "--log_level must be debug, info, warning or error, got '%s'\n",
+                 absl::GetFlag(FLAGS_log_level).c_str());
+    return 2;
+  }
   ellm::SetLogIdentity("coordinator", level);
   ellm::InstallStopSignalHandlers();
   absl::StatusOr<ellm::coord::CoordinatorConfig> config = ellm::coord::ConfigFromFlags();

@@ -18,7 +18,7 @@ uint64_t Mix(uint64_t x) {
 
 uint64_t ChainKey(uint64_t parent, const int32_t* tokens, int n) {
   uint64_t h = Mix(parent + 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(n + 1));
-  for (int i = 0; i < n; ++i) h = Mix(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(tokens[i])) + (uint64_t{i} << 32)));
+  for (int i = 0; i < n; ++i) h = Mix(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(tokens[i])) + (static_cast<uint64_t>(i) << 32)));
   return h;
 }
 

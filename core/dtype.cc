@@ -11,8 +11,6 @@
 namespace ellm {
 namespace {
 
-// Debian's abseil has its own string_view type, which StrCat wants.
-
 static_assert(std::endian::native == std::endian::little,
               "ellm reads little-endian tensor data in place");
 
@@ -49,12 +47,8 @@ const DTypeTraits* FindDTypeTraits(uint32_t type_id) {
 
 const DTypeTraits& Traits(DType type) {
   const DTypeTraits* t = FindDTypeTraits(static_cast<uint32_t>(type));
-  if (t == nullptr) {
-    // Only reachable by casting an arbitrary integer to DType: a bug.
-    std::fprintf(stderr, "ellm: Traits() called with invalid DType %u\n",
-                 static_cast<unsigned>(type));
-    std::abort();
-  }
+  // Only reachable by casting an arbitrary integer to DType: a bug.
+  ELLM_CHECK(t != nullptr, absl::StrCat("Traits() called with invalid DType ", static_cast<unsigned>(type)));
   return *t;
 }
 

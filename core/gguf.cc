@@ -28,8 +28,6 @@ namespace {
 static_assert(std::endian::native == std::endian::little,
               "the GGUF reader reads little-endian fields in place");
 
-// Debian's abseil has its own string_view type, which StrCat wants.
-
 constexpr uint32_t kGgufMagic = 0x46554747;  // "GGUF" read as a little-endian u32
 
 // A name from the file, quoted and escaped for an error message; long names

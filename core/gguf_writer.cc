@@ -14,8 +14,6 @@
 namespace ellm {
 namespace {
 
-// Debian's abseil has its own string_view type, which StrCat wants.
-
 constexpr uint32_t kGgufMagic = 0x46554747;  // "GGUF" as a little-endian u32
 constexpr uint32_t kGgufVersion = 3;
 constexpr uint64_t kDefaultAlignment = 32;
@@ -85,9 +83,9 @@ void PutScalar(std::string* out, GgufValueType type, const GgufValue& v) {
     case GgufValueType::kString: PutString(out, v.s); return;
     case GgufValueType::kArray: break;
   }
-  std::fprintf(stderr, "ellm: GgufWriter: cannot write a value of type %u as a scalar\n",
-               static_cast<unsigned>(type));
-  std::abort();
+  ::ellm::internal::CheckFailed(__FILE__, __LINE__, "scalar type",
+                                absl::StrCat("GgufWriter cannot write a value of type ",
+                                             static_cast<unsigned>(type), " as a scalar"));
 }
 
 // u32 value_type | value (arrays: u32 elem_type | u64 count | elements).
@@ -221,11 +219,8 @@ absl::Status GgufWriter::AddTensor(std::string name, std::vector<int64_t> shape,
 }
 
 std::string GgufWriter::ToBytes(uint64_t alignment) const {
-  if (alignment == 0 || (alignment & (alignment - 1)) != 0) {
-    std::fprintf(stderr, "ellm: GgufWriter::ToBytes: alignment %llu is not a power of two\n",
-                 static_cast<unsigned long long>(alignment));
-    std::abort();
-  }
+  ELLM_CHECK(alignment != 0 && (alignment & (alignment - 1)) == 0,
+             absl::StrCat("GgufWriter::ToBytes: alignment ", alignment, " is not a power of two"));
   bool has_alignment_key = false;
   for (const Entry& e : entries_) has_alignment_key |= e.key == "general.alignment";
   const bool add_alignment_key = alignment != kDefaultAlignment && !has_alignment_key;

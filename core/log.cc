@@ -1,5 +1,7 @@
 #include "core/log.h"
 
+#include <cstdlib>
+
 #include <sys/time.h>
 #include <time.h>
 
@@ -62,4 +64,14 @@ void LogLine(LogLevel level, std::string_view message) {
   std::fflush(stderr);
 }
 
+namespace internal {
+
+void CheckFailed(const char* file, int line, const char* condition, std::string_view message) {
+  std::fprintf(stderr, "%s:%d: check failed: %s: %.*s\n", file, line, condition,
+               static_cast<int>(message.size()), message.data());
+  std::fflush(stderr);
+  std::abort();
+}
+
+}  // namespace internal
 }  // namespace ellm

@@ -14,6 +14,18 @@ namespace ellm {
 inline absl::string_view ToAbsl(std::string_view s) { return {s.data(), s.size()}; }
 }  // namespace ellm
 
+namespace ellm::internal {
+// Prints "<file>:<line>: check failed: <condition>: <message>" and aborts.
+[[noreturn]] void CheckFailed(const char* file, int line, const char* condition, std::string_view message);
+}  // namespace ellm::internal
+
+// Programmer errors only (a misused API, a broken invariant): never for file
+// contents, requests or ring frames, which get an absl::Status.
+#define ELLM_CHECK(cond, message)                                              \
+  do {                                                                         \
+    if (!(cond)) ::ellm::internal::CheckFailed(__FILE__, __LINE__, #cond, (message)); \
+  } while (0)
+
 #define ELLM_CONCAT_INNER_(a, b) a##b
 #define ELLM_CONCAT_(a, b) ELLM_CONCAT_INNER_(a, b)
 

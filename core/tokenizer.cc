@@ -48,8 +48,6 @@ int ParseByteToken(std::string_view text) {
   return value;
 }
 
-// Debian's abseil has its own string_view type, distinct from std's.
-
 void ReplaceAll(std::string& s, std::string_view from, std::string_view to) {
   std::string out;
   out.reserve(s.size());

@@ -87,11 +87,14 @@ absl::StatusOr<ModelWeights> LoadWeights(const GgufFile& file, const ModelConfig
   ModelWeights w;
   w.config = c;
   const int64_t dim = c.dim, q = c.q_dim(), kv = c.kv_dim(), ffn = c.ffn_dim;
-  const int total = 3 + (9 + (c.qkv_bias ? 3 : 0) + (c.qk_norm ? 2 : 0)) * c.n_layers;
-  int done = 0;
-  auto tick = [&] {
-    ++done;
-    if (options.progress) options.progress(done, total);
+  int64_t total = 0, done = 0;
+  for (const GgufTensorInfo& t : file.tensors()) total += static_cast<int64_t>(t.bytes);
+  // Called after reading tensor `name` (empty: none).
+  auto tick = [&](const std::string& name) {
+    if (const GgufTensorInfo* t = name.empty() ? nullptr : file.FindTensor(name)) {
+      done += static_cast<int64_t>(t->bytes);
+    }
+    if (options.progress) options.progress(std::min(done, total), total);
   };
   // A matrix {cols, rows}: fp32 into `f`, or as stored into `raw`.
   auto matrix = [&](const std::string& name, int64_t cols, int64_t rows, std::vector<float>* f,
@@ -101,7 +104,7 @@ absl::StatusOr<ModelWeights> LoadWeights(const GgufFile& file, const ModelConfig
     } else {
       ASSIGN_OR_RETURN(*f, ReadTensorF32(file, name, {cols, rows}));
     }
-    tick();
+    tick(name);
     return absl::OkStatus();
   };
   RETURN_IF_ERROR(matrix("token_embd.weight", dim, c.vocab_size, &w.token_embd, &w.raw_token_embd));
@@ -110,39 +113,39 @@ absl::StatusOr<ModelWeights> LoadWeights(const GgufFile& file, const ModelConfig
     LayerWeights& L = w.layers[l];
     const std::string p = absl::StrCat("blk.", l, ".");
     ASSIGN_OR_RETURN(L.attn_norm, ReadTensorF32(file, p + "attn_norm.weight", {dim}));
-    tick();
+    tick(p + "attn_norm.weight");
     RETURN_IF_ERROR(matrix(p + "attn_q.weight", dim, q, &L.wq, &L.raw_wq));
     RETURN_IF_ERROR(matrix(p + "attn_k.weight", dim, kv, &L.wk, &L.raw_wk));
     RETURN_IF_ERROR(matrix(p + "attn_v.weight", dim, kv, &L.wv, &L.raw_wv));
     if (c.qkv_bias) {
       ASSIGN_OR_RETURN(L.bq, ReadTensorF32(file, p + "attn_q.bias", {q}));
-      tick();
+      tick(p + "attn_q.bias");
       ASSIGN_OR_RETURN(L.bk, ReadTensorF32(file, p + "attn_k.bias", {kv}));
-      tick();
+      tick(p + "attn_k.bias");
       ASSIGN_OR_RETURN(L.bv, ReadTensorF32(file, p + "attn_v.bias", {kv}));
-      tick();
+      tick(p + "attn_v.bias");
     }
     if (c.qk_norm) {
       ASSIGN_OR_RETURN(L.q_norm, ReadTensorF32(file, p + "attn_q_norm.weight", {c.head_dim}));
-      tick();
+      tick(p + "attn_q_norm.weight");
       ASSIGN_OR_RETURN(L.k_norm, ReadTensorF32(file, p + "attn_k_norm.weight", {c.head_dim}));
-      tick();
+      tick(p + "attn_k_norm.weight");
     }
     RETURN_IF_ERROR(matrix(p + "attn_output.weight", q, dim, &L.wo, &L.raw_wo));
     ASSIGN_OR_RETURN(L.ffn_norm, ReadTensorF32(file, p + "ffn_norm.weight", {dim}));
-    tick();
+    tick(p + "ffn_norm.weight");
     RETURN_IF_ERROR(matrix(p + "ffn_gate.weight", dim, ffn, &L.w_gate, &L.raw_w_gate));
     RETURN_IF_ERROR(matrix(p + "ffn_up.weight", dim, ffn, &L.w_up, &L.raw_w_up));
     RETURN_IF_ERROR(matrix(p + "ffn_down.weight", ffn, dim, &L.w_down, &L.raw_w_down));
   }
   ASSIGN_OR_RETURN(w.output_norm, ReadTensorF32(file, "output_norm.weight", {dim}));
-  tick();
+  tick("output_norm.weight");
   if (file.FindTensor("output.weight") != nullptr) {
     RETURN_IF_ERROR(matrix("output.weight", dim, c.vocab_size, &w.output, &w.raw_output));
   } else {
     w.tied_embeddings = true;
     if (!options.raw_matrices) w.output = w.token_embd;  // tied embeddings
-    tick();
+    tick("");
   }
   return w;
 }

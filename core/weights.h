@@ -60,8 +60,9 @@ struct ModelWeights {
   RawMatrix raw_token_embd, raw_output;
 };
 
-// Called after each tensor with (tensors done, tensors total).
-using LoadProgress = std::function<void(int done, int total)>;
+// Progress of a long load: (done, total) in the loader's unit (LoadWeights:
+// bytes of the tensors read so far, of all the file's tensors).
+using LoadProgress = std::function<void(int64_t done, int64_t total)>;
 
 // What follows the q, k, v projections of one token, in the model's order:
 // biases (qkv_bias), RMSNorm of each q and k head (qk_norm), then RoPE by

@@ -595,6 +595,10 @@ int Main(int argc, char** argv) {
   c.topology_spec = args.Get("topology");
   c.bin_dir = FindBinDir(args.Get("bin-dir"), argv[0]);
   c.log_level = args.Get("log-level");
+  if (LogLevel parsed; !ParseLogLevel(c.log_level, &parsed)) {
+    LogError("--log-level must be debug, info, warning or error, got '%s'", c.log_level);
+    return 2;
+  }
   c.use_numactl = !args.GetBool("no-numactl");
   c.prefix_cache = !args.GetBool("no-prefix-cache");
   c.kv_store = args.Get("kv-store");

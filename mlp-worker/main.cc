@@ -180,6 +180,12 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
   std::atomic<int64_t>* steps_;
 };
 
+int64_t WeightFileBytes(const GgufFile& file) {
+  int64_t bytes = 0;
+  for (const GgufTensorInfo& t : file.tensors()) bytes += static_cast<int64_t>(t.bytes);
+  return bytes;
+}
+
 // Bytes of weights one step reads: every tensor but the embedding table (one
 // row per token is gathered), which counts once as the LM head when tied.
 int64_t WeightBytesPerStep(const GgufFile& file) {
@@ -205,8 +211,8 @@ absl::StatusOr<std::unique_ptr<MlpBackend>> MakeBackend(const MlpWorkerConfig& c
     options.device = config.device;
     options.use_graphs = config.cuda_graphs;
     int last_percent = -1;
-    options.progress = [&](int done, int total) {
-      const int percent = done * 100 / total;
+    options.progress = [&](int64_t done, int64_t total) {
+      const int percent = static_cast<int>(done * 100 / std::max<int64_t>(1, total));
       if (percent / 10 != last_percent / 10 || done == total) {
         LogInfo("uploading weights to cuda:%d: %d/%d tensors (%d%%)", config.device, done, total,
                 percent);
@@ -236,19 +242,25 @@ absl::Status Run(const MlpWorkerConfig& config) {
   ASSIGN_OR_RETURN(auto file, GgufFile::Open(config.model_path));
   ASSIGN_OR_RETURN(ModelConfig model, ModelConfig::FromGguf(*file));
   LogInfo("model %s: %s", config.model_path, model.DebugString());
-  int last_percent = -1;
   LoadOptions load;
   // The CPU backend's native kernels take the matrices as stored; other
   // backends get fp32.
   load.raw_matrices = config.backend == "cpu" && config.cpu_weights == "native";
-  load.progress = [&](int done, int total) {
-    const int percent = done * 100 / total;
-    if (percent / 10 != last_percent / 10 || done == total) {
-      LogInfo("loading weights: %d/%d tensors (%d%%)", done, total, percent);
-      last_percent = percent;
-    }
+  // On a terminal, one line that counts up; in a log, a line per stage.
+  const bool terminal = isatty(STDERR_FILENO) != 0;
+  const absl::Time load_start = absl::Now();
+  int last_percent = -1;
+  load.progress = [&](int64_t done, int64_t total) {
+    const int percent = static_cast<int>(done * 100 / std::max<int64_t>(1, total));
+    if (!terminal || percent == last_percent) return;
+    last_percent = percent;
+    std::fprintf(stderr, "\r[mlp-worker] loading weights: %.0f of %.0f MiB (%d%%)%s", done / 1048576.0,
+                 total / 1048576.0, percent, done == total ? "\n" : "");
+    std::fflush(stderr);
   };
+  LogInfo("loading weights (%.1f MiB)...", static_cast<double>(WeightFileBytes(*file)) / 1048576.0);
   ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(*file, model, load));
+  LogInfo("weights loaded in %.1f s", absl::ToDoubleSeconds(absl::Now() - load_start));
   ASSIGN_OR_RETURN(std::unique_ptr<MlpBackend> backend, MakeBackend(config, std::move(weights)));
   LogInfo("backend %s", backend->name());
 
@@ -332,7 +344,11 @@ int main(int argc, char** argv) {
       "Runs the coordinator's step plans, sending each attention shard its heads.");
   absl::ParseCommandLine(argc, argv);
   ellm::LogLevel level = ellm::LogLevel::kInfo;
-  ellm::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level);
+  if (!ellm::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
+    std::fprintf(stderr, "--log_level must be debug, info, warning or error, got '%s'\n",
+                 absl::GetFlag(FLAGS_log_level).c_str());
+    return 2;
+  }
   ellm::SetLogIdentity("mlp-worker", level);
   ellm::InstallStopSignalHandlers();
   if (absl::GetFlag(FLAGS_probe_cuda)) return ellm::mlp::ProbeCuda();

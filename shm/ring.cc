@@ -71,15 +71,6 @@ static_assert(Ring::kPayloadOffset >= sizeof(FrameHeader) && Ring::kPayloadOffse
 
 namespace {
 
-// Programmer errors (misuse of the API by this process), never bad input.
-#define ELLM_RING_CHECK(cond, msg)                                            \
-  do {                                                                        \
-    if (!(cond)) {                                                            \
-      std::fprintf(stderr, "%s:%d: ring misuse: %s\n", __FILE__, __LINE__, msg); \
-      std::abort();                                                           \
-    }                                                                         \
-  } while (0)
-
 constexpr auto kMaxSleep = std::chrono::milliseconds(100);
 
 uint64_t RoundUp64(uint64_t n) { return (n + 63) & ~uint64_t{63}; }
@@ -273,8 +264,8 @@ pid_t Ring::consumer_pid() const { return control_->consumer_pid.load(std::memor
 uint8_t* Ring::Slot(uint64_t index) const { return slots_ + (index % slot_count_) * slot_stride_; }
 
 absl::StatusOr<uint8_t*> Ring::BeginWrite(const WaitOptions& wait) {
-  ELLM_RING_CHECK(control_ != nullptr, "BeginWrite on an empty Ring");
-  ELLM_RING_CHECK(!writing_, "BeginWrite twice without CommitWrite");
+  ELLM_CHECK(control_ != nullptr, "BeginWrite on an empty Ring");
+  ELLM_CHECK(!writing_, "BeginWrite twice without CommitWrite");
   const uint64_t head = control_->head.load(std::memory_order_relaxed);
   // seq_cst loads of tail also order our slot writes after the consumer's reads.
   RETURN_IF_ERROR(Await(
@@ -285,8 +276,8 @@ absl::StatusOr<uint8_t*> Ring::BeginWrite(const WaitOptions& wait) {
 }
 
 void Ring::CommitWrite(const FrameHeader& header) {
-  ELLM_RING_CHECK(writing_, "CommitWrite without BeginWrite");
-  ELLM_RING_CHECK(header.payload_bytes <= max_payload_bytes(),
+  ELLM_CHECK(writing_, "CommitWrite without BeginWrite");
+  ELLM_CHECK(header.payload_bytes <= max_payload_bytes(),
                   "CommitWrite payload exceeds the slot capacity");
   FrameHeader h = header;
   h.magic = kFrameMagic;
@@ -314,8 +305,8 @@ absl::Status Ring::Write(const FrameHeader& header, const void* payload, const W
 }
 
 absl::StatusOr<Ring::Frame> Ring::BeginRead(const WaitOptions& wait) {
-  ELLM_RING_CHECK(control_ != nullptr, "BeginRead on an empty Ring");
-  ELLM_RING_CHECK(!reading_, "BeginRead twice without EndRead");
+  ELLM_CHECK(control_ != nullptr, "BeginRead on an empty Ring");
+  ELLM_CHECK(!reading_, "BeginRead twice without EndRead");
   const uint64_t tail = control_->tail.load(std::memory_order_relaxed);
   RETURN_IF_ERROR(Await([&] { return control_->head.load(std::memory_order_seq_cst) != tail; },
                         control_->data_seq, control_->data_waiters, wait, "ring frame"));
@@ -332,7 +323,7 @@ absl::StatusOr<Ring::Frame> Ring::BeginRead(const WaitOptions& wait) {
 }
 
 void Ring::EndRead() {
-  ELLM_RING_CHECK(reading_, "EndRead without BeginRead");
+  ELLM_CHECK(reading_, "EndRead without BeginRead");
   const uint64_t tail = control_->tail.load(std::memory_order_relaxed);
   control_->tail.store(tail + 1, std::memory_order_seq_cst);
   Signal(control_->space_seq, control_->space_waiters);

@@ -552,7 +552,7 @@ void CompareWithCpu(const BackendCase& bc, std::mt19937_64& rng) {
   options.graph_max_tokens = 16;
   options.mapped_ring_io = bc.io == Io::kDirectMapped;
   int last_done = 0;
-  options.progress = [&](int done, int total) {
+  options.progress = [&](int64_t done, int64_t total) {
     EXPECT_EQ(done, last_done + 1);
     last_done = done;
   };

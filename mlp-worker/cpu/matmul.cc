@@ -281,10 +281,7 @@ const MatType* FindMatType(DType type) {
 
 const MatType& MatTypeOf(DType type) {
   const MatType* t = FindMatType(type);
-  if (t == nullptr) {
-    std::fprintf(stderr, "ellm: no CPU matrix kernels for type %u\n", static_cast<unsigned>(type));
-    std::abort();
-  }
+  ELLM_CHECK(t != nullptr, absl::StrCat("no CPU matrix kernels for type ", static_cast<unsigned>(type)));
   return *t;
 }
 
@@ -305,10 +302,7 @@ void AlignedBytes::Resize(size_t n) {
   if (n > capacity_) {
     const size_t bytes = std::max<size_t>(64, (n + 63) / 64 * 64);
     auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, bytes));
-    if (p == nullptr) {
-      std::fprintf(stderr, "ellm: out of memory allocating %zu bytes\n", bytes);
-      std::abort();
-    }
+    ELLM_CHECK(p != nullptr, absl::StrCat("out of memory allocating ", bytes, " bytes"));
     std::memset(p, 0, bytes);
     data_.reset(p);
     capacity_ = bytes;
@@ -365,10 +359,7 @@ QuantMatrix QuantMatrix::FromF32(const float* w, int64_t rows, int64_t cols) {
   absl::StatusOr<QuantMatrix> m =
       FromRaw(DType::kF32, rows, cols, reinterpret_cast<const uint8_t*>(w),
               static_cast<size_t>(rows * cols) * sizeof(float));
-  if (!m.ok()) {
-    std::fprintf(stderr, "ellm: QuantMatrix::FromF32: %s\n", m.status().ToString().c_str());
-    std::abort();
-  }
+  ELLM_CHECK(m.ok(), m.status().ToString());
   return *std::move(m);
 }
 
@@ -541,12 +532,9 @@ std::string KernelName(DType type, MatIsa isa) {
 
 void MatMul(const QuantMatrix& w, Activations& x, float* y, ThreadPool* pool, MatIsa isa) {
   const internal::MatKernel kernel = KernelFor(w.type(), isa);
-  if (kernel == nullptr || !MatIsaSupported(isa) || x.cols() != w.cols() || x.tokens() < 0) {
-    std::fprintf(stderr, "ellm: MatMul: bad call (type %u, isa %d, x cols %lld, w cols %lld)\n",
-                 static_cast<unsigned>(w.type()), static_cast<int>(isa),
-                 static_cast<long long>(x.cols()), static_cast<long long>(w.cols()));
-    std::abort();
-  }
+  ELLM_CHECK(kernel != nullptr && MatIsaSupported(isa) && x.cols() == w.cols() && x.tokens() >= 0,
+             absl::StrCat("MatMul: bad call (type ", static_cast<unsigned>(w.type()), ", isa ",
+                          static_cast<int>(isa), ", x cols ", x.cols(), ", w cols ", w.cols(), ")"));
   if (x.tokens() == 0 || w.empty()) return;
   internal::KernelArgs args;
   args.w = &w;
