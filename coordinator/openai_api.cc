@@ -148,18 +148,20 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
     ASSIGN_OR_RETURN(std::optional<double> v, number(field, -2, 2));
     if (v && *v != 0) return Bad(field, "is not supported (use 0)");
   }
+  // The number of alternatives: chat's top_logprobs, completions' logprobs.
+  const char* top_field = chat ? "top_logprobs" : "logprobs";
   if (chat) {
     ASSIGN_OR_RETURN(r.logprobs, boolean("logprobs"));
-    ASSIGN_OR_RETURN(std::optional<double> top, number("top_logprobs", 0, 20));
-    if (top && *top > 0) return Bad("top_logprobs", "is not supported yet (the chosen token's logprob is: logprobs=true)");
-  } else if (j.contains("logprobs") && !j["logprobs"].is_null()) {
-    if (!j["logprobs"].is_number_integer() || j["logprobs"].get<int64_t>() < 0) {
-      return Bad("logprobs", "must be a non-negative integer");
+  }
+  if (j.contains(top_field) && !j[top_field].is_null()) {
+    const json& v = j[top_field];
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxTopLogprobs) {
+      return Bad(top_field, absl::StrCat("must be an integer in [0, ", kMaxTopLogprobs, "]"));
     }
-    if (j["logprobs"].get<int64_t>() > 1) {
-      return Bad("logprobs", "above 1 is not supported yet (1 gives the chosen token's logprob)");
-    }
-    r.logprobs = j["logprobs"].get<int64_t>() == 1;
+    r.top_logprobs = static_cast<int>(v.get<int64_t>());
+    if (!chat) r.logprobs = true;
+    if (chat && !r.logprobs && r.top_logprobs > 0) return Bad(top_field, "needs logprobs: true");
+    g.set_top_logprobs(r.top_logprobs);
   }
   return r;
 }
@@ -184,21 +186,47 @@ json OpenAiResponder::Usage(const FinishInfo& f) const {
           {"prompt_tokens_details", {{"cached_tokens", f.cached_tokens}}}};
 }
 
-json OpenAiResponder::LogprobsOf(const std::vector<int32_t>& ids, const std::vector<float>& logprobs) {
-  json content = json::array();
-  json tokens = json::array(), token_logprobs = json::array();
-  for (size_t i = 0; i < ids.size(); ++i) {
-    const std::string piece = tokenizer_.TokenBytes(prev_token_, ids[i]);
-    prev_token_ = ids[i];
-    const float lp = i < logprobs.size() ? logprobs[i] : 0.0f;
+json OpenAiResponder::LogprobsOf(const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
+                                 const std::vector<std::vector<TokenLogprob>>& top) {
+  auto bytes_of = [](const std::string& piece) {
     json bytes = json::array();
     for (unsigned char c : piece) bytes.push_back(static_cast<int>(c));
-    content.push_back({{"token", piece}, {"logprob", lp}, {"bytes", bytes}, {"top_logprobs", json::array()}});
+    return bytes;
+  };
+  json content = json::array();
+  json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(),
+       text_offset = json::array();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    // Every candidate at this position reads as it would after the same
+    // previous token (a SentencePiece word start depends on it).
+    const int32_t prev = prev_token_;
+    const std::string piece = tokenizer_.TokenBytes(prev, ids[i]);
+    prev_token_ = ids[i];
+    const float lp = i < logprobs.size() ? logprobs[i] : 0.0f;
+    static const std::vector<TokenLogprob> kNone;
+    const std::vector<TokenLogprob>& alternatives = i < top.size() ? top[i] : kNone;
+    if (request_.chat) {
+      json alt = json::array();
+      for (const TokenLogprob& a : alternatives) {
+        const std::string p = tokenizer_.TokenBytes(prev, a.token);
+        alt.push_back({{"token", p}, {"logprob", a.logprob}, {"bytes", bytes_of(p)}});
+      }
+      content.push_back({{"token", piece}, {"logprob", lp}, {"bytes", bytes_of(piece)}, {"top_logprobs", alt}});
+      continue;
+    }
+    // Completions: {text: logprob} of the alternatives and the chosen token.
+    json alt = json::object();
+    for (const TokenLogprob& a : alternatives) alt[tokenizer_.TokenBytes(prev, a.token)] = a.logprob;
+    alt[piece] = lp;
     tokens.push_back(piece);
     token_logprobs.push_back(lp);
+    top_logprobs.push_back(alt);
+    text_offset.push_back(text_offset_);
+    text_offset_ += static_cast<int64_t>(piece.size());
   }
   if (request_.chat) return {{"content", content}};
-  return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", nullptr}};
+  return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs},
+          {"text_offset", text_offset}};
 }
 
 json OpenAiResponder::Chunk(const json& choice) const {
@@ -224,7 +252,7 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e) {
     } else {
       choice["text"] = e.text;
     }
-    if (request_.logprobs && !e.token_ids.empty()) choice["logprobs"] = LogprobsOf(e.token_ids, e.logprobs);
+    if (request_.logprobs && !e.token_ids.empty()) choice["logprobs"] = LogprobsOf(e.token_ids, e.logprobs, e.top_logprobs);
     if (e.finished) choice["finish_reason"] = OpenAiFinishReason(e.finish.reason);
     if (!(e.text.empty() && e.token_ids.empty() && !e.finished)) emit(Chunk(choice));
   }
@@ -244,6 +272,7 @@ void OpenAiResponder::Add(const coord::StreamEvent& e) {
   text_ += e.text;
   ids_.insert(ids_.end(), e.token_ids.begin(), e.token_ids.end());
   logprobs_.insert(logprobs_.end(), e.logprobs.begin(), e.logprobs.end());
+  top_.insert(top_.end(), e.top_logprobs.begin(), e.top_logprobs.end());
   if (e.finished) finish_ = e.finish;
 }
 
@@ -254,7 +283,7 @@ std::string OpenAiResponder::Final() {
   } else {
     choice["text"] = text_;
   }
-  if (request_.logprobs) choice["logprobs"] = LogprobsOf(ids_, logprobs_);
+  if (request_.logprobs) choice["logprobs"] = LogprobsOf(ids_, logprobs_, top_);
   json body = {{"id", id_},
                {"object", request_.chat ? "chat.completion" : "text_completion"},
                {"created", created_},

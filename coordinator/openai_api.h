@@ -7,10 +7,12 @@
 // and /v1/chat/completions (messages with string or text-part content) with
 // model, max_tokens / max_completion_tokens, temperature, top_p, seed, stop
 // (string or list), stream, stream_options.include_usage, logprobs (chat:
-// true; completions: 0 or 1; the chosen token's log-probability), n = 1.
-// Refused with 400 naming the field: top_logprobs / logprobs > 1, n > 1,
-// nonzero presence or frequency penalties, echo, suffix, and any field of the
-// wrong type.
+// true, with top_logprobs 0..20 alternatives per token; completions: an
+// integer 0..20, the number of alternatives, the chosen token always
+// included), n = 1. Refused with 400 naming the field: n > 1, nonzero
+// presence or frequency penalties, echo, suffix, and any field of the wrong
+// type. Log-probabilities are of the model's raw distribution (temperature
+// 1, before top-k / top-p).
 #pragma once
 
 #include <cstdint>
@@ -31,6 +33,7 @@ struct OpenAiRequest {
   bool stream = false;
   bool include_usage = false;
   bool logprobs = false;
+  int top_logprobs = 0;  // alternatives per token (also in generate)
   ellm::v1::GenerateRequest generate;
 };
 
@@ -60,12 +63,14 @@ class OpenAiResponder {
  private:
   nlohmann::json Chunk(const nlohmann::json& choice) const;
   nlohmann::json Usage(const FinishInfo& f) const;
-  // The logprobs object of these tokens (advances prev_token_).
-  nlohmann::json LogprobsOf(const std::vector<int32_t>& ids, const std::vector<float>& logprobs);
+  // The logprobs object of these tokens (advances prev_token_ and text_offset_).
+  nlohmann::json LogprobsOf(const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
+                            const std::vector<std::vector<TokenLogprob>>& top);
 
   OpenAiRequest request_;
   const Tokenizer& tokenizer_;
   int32_t prev_token_ = -1;  // for each token's text in logprobs
+  int64_t text_offset_ = 0;  // completions' text_offset: bytes of the tokens so far
   std::string id_, model_id_;
   int64_t created_;
   bool sent_role_ = false;
@@ -73,6 +78,7 @@ class OpenAiResponder {
   std::string text_;
   std::vector<int32_t> ids_;
   std::vector<float> logprobs_;
+  std::vector<std::vector<TokenLogprob>> top_;
   FinishInfo finish_;
 };
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "core/sampler.h"
 #include "core/status.h"
 
 namespace ellm::coord {
@@ -33,6 +34,7 @@ struct StreamEvent {
   std::string text;                 // whole UTF-8
   std::vector<int32_t> token_ids;
   std::vector<float> logprobs;
+  std::vector<std::vector<TokenLogprob>> top_logprobs;  // per token, when the request asked
   bool finished = false;            // last event of the request
   FinishInfo finish;
   absl::Status error;               // non-OK: the request failed (last event)

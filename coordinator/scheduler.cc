@@ -219,6 +219,7 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
       p.temperature = s->options.sampling.temperature;
       p.top_k = s->options.sampling.top_k;
       p.top_p = s->options.sampling.top_p;
+      p.top_logprobs = s->options.sampling.top_logprobs;
       p.u = p.sample ? s->rng.NextUniform() : 0;
       plan.seqs.push_back(p);
       in_step->push_back(s.get());
@@ -417,6 +418,9 @@ void Scheduler::Deliver(const shm::SampledSeq& r, absl::Time now) {
   StreamEvent e;
   e.token_ids.push_back(r.token);
   e.logprobs.push_back(r.logprob);
+  if (s->options.sampling.top_logprobs > 0) {
+    e.top_logprobs.emplace_back(r.top, r.top + std::min<uint32_t>(r.n_top, kMaxTopLogprobs));
+  }
   FinishReason reason = FinishReason::kNone;
   if (tokenizer_.IsEndOfGeneration(r.token)) {
     reason = FinishReason::kStopToken;

@@ -76,6 +76,7 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
   o.sampling.temperature = s.has_temperature() ? s.temperature() : 1.0f;
   o.sampling.top_k = s.top_k();
   o.sampling.top_p = s.has_top_p() ? s.top_p() : 1.0f;
+  o.sampling.top_logprobs = r.top_logprobs();
   RETURN_IF_ERROR(ValidateSamplingParams(o.sampling, config_.vocab_size));
   o.seed = s.has_seed() ? s.seed() : std::random_device{}() * 0x100000001ULL;
   if (r.synthetic_context() < 0) {
@@ -133,6 +134,13 @@ grpc::Status EllmService::Generate(grpc::ServerContext* context,
     resp.set_text(e->text);
     for (int32_t id : e->token_ids) resp.add_token_ids(id);
     for (float lp : e->logprobs) resp.add_logprobs(lp);
+    for (const std::vector<TokenLogprob>& top : e->top_logprobs) {
+      ellm::v1::TopLogprobs* t = resp.add_top_logprobs();
+      for (const TokenLogprob& a : top) {
+        t->add_token_ids(a.token);
+        t->add_logprobs(a.logprob);
+      }
+    }
     if (e->finished) {
       ellm::v1::Finish* f = resp.mutable_finish();
       f->set_reason(ToProto(e->finish.reason));

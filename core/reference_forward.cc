@@ -41,6 +41,14 @@ ReferenceModel::ReferenceModel(ModelWeights weights, int max_positions)
 }
 
 const std::vector<float>& ReferenceModel::Forward(int32_t token, int pos) {
+  Feed(token, pos);
+  const ModelConfig& c = w_.config;
+  RmsNorm(x_.data(), w_.output_norm.data(), xb_.data(), c.dim, c.norm_eps);
+  MatVec(w_.output.data(), xb_.data(), logits_.data(), c.vocab_size, c.dim);
+  return logits_;
+}
+
+void ReferenceModel::Feed(int32_t token, int pos) {
   const ModelConfig& c = w_.config;
   const int dim = c.dim, kv_dim = c.kv_dim(), hd = c.head_dim;
   std::copy_n(w_.token_embd.data() + static_cast<size_t>(token) * dim, dim, x_.data());
@@ -84,17 +92,19 @@ const std::vector<float>& ReferenceModel::Forward(int32_t token, int pos) {
     MatVec(L.w_down.data(), hb_.data(), proj_.data(), dim, c.ffn_dim);
     for (int i = 0; i < dim; ++i) x_[i] += proj_[i];
   }
-
-  RmsNorm(x_.data(), w_.output_norm.data(), xb_.data(), dim, c.norm_eps);
-  MatVec(w_.output.data(), xb_.data(), logits_.data(), c.vocab_size, dim);
-  return logits_;
 }
 
 std::vector<int32_t> ReferenceModel::GenerateGreedy(const std::vector<int32_t>& prompt, int n) {
   std::vector<int32_t> out;
   int pos = 0;
   const std::vector<float>* logits = nullptr;
-  for (int32_t t : prompt) logits = &Forward(t, pos++);
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    if (i + 1 < prompt.size()) {
+      Feed(prompt[i], pos++);
+    } else {
+      logits = &Forward(prompt[i], pos++);
+    }
+  }
   for (int i = 0; i < n && logits != nullptr; ++i) {
     const int32_t next = static_cast<int32_t>(
         std::max_element(logits->begin(), logits->end()) - logits->begin());

@@ -20,6 +20,8 @@ class ReferenceModel {
   // Runs `token` at position `pos` (positions must come in order 0, 1, ...)
   // and returns the logits [vocab] for the next token.
   const std::vector<float>& Forward(int32_t token, int pos);
+  // The same without the logits (a prompt token whose successor is known).
+  void Feed(int32_t token, int pos);
 
   // Feeds `prompt` from position 0, then appends `n` greedy tokens.
   std::vector<int32_t> GenerateGreedy(const std::vector<int32_t>& prompt, int n);

@@ -20,6 +20,11 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int vocab_size) {
   if (!std::isfinite(p.top_p) || p.top_p <= 0 || p.top_p > 1) {
     return absl::InvalidArgumentError(absl::StrCat("top_p must be in (0, 1], got ", p.top_p));
   }
+  const int max_top = std::min(kMaxTopLogprobs, vocab_size);
+  if (p.top_logprobs < 0 || p.top_logprobs > max_top) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_logprobs must be in [0, ", max_top, "], got ", p.top_logprobs));
+  }
   return absl::OkStatus();
 }
 
@@ -34,11 +39,31 @@ double LogSumExp(const float* x, int n) {
   return max + std::log(sum);
 }
 
+// The k most likely tokens into out->top (k <= kMaxTopLogprobs, n).
+void TopLogprobs(const float* logits, int n, int k, double lse, SampledToken* out) {
+  k = std::clamp(k, 0, std::min(n, kMaxTopLogprobs));
+  // One pass keeping the k best seen so far, sorted; each new logit that
+  // beats the last is inserted (k is small, the vocabulary is large).
+  int m = 0;
+  for (int i = 0; i < n && k > 0; ++i) {
+    if (m == k && logits[i] <= logits[out->top[m - 1].token]) continue;
+    int j = m < k ? m++ : m - 1;
+    while (j > 0 && logits[out->top[j - 1].token] < logits[i]) {
+      out->top[j] = out->top[j - 1];
+      --j;
+    }
+    out->top[j].token = i;
+  }
+  for (int j = 0; j < m; ++j) out->top[j].logprob = static_cast<float>(logits[out->top[j].token] - lse);
+  out->n_top = m;
+}
+
 }  // namespace
 
 SampledToken Sample(const float* logits, int n, const SamplingParams& params, float u) {
   SampledToken out;
   const double lse = LogSumExp(logits, n);
+  if (params.top_logprobs > 0) TopLogprobs(logits, n, params.top_logprobs, lse, &out);
   if (params.temperature == 0) {
     int best = 0;
     for (int i = 1; i < n; ++i) {

@@ -10,19 +10,34 @@
 
 namespace ellm {
 
+// The most alternatives a sampled token can report (OpenAI's top_logprobs limit).
+constexpr int kMaxTopLogprobs = 20;
+
 struct SamplingParams {
   float temperature = 1.0f;  // 0: greedy (argmax)
   int32_t top_k = 0;         // 0: off
   float top_p = 1.0f;        // 1: off
+  int32_t top_logprobs = 0;  // report this many most likely tokens with each pick (not a sampling rule)
 };
 
 // InvalidArgument naming the parameter: temperature in [0, 100], top_k in
-// [0, vocab_size], top_p in (0, 1], all finite.
+// [0, vocab_size], top_p in (0, 1], all finite, top_logprobs in
+// [0, min(kMaxTopLogprobs, vocab_size)].
 absl::Status ValidateSamplingParams(const SamplingParams& params, int vocab_size);
+
+// A token and log p(token) under the model's raw distribution (temperature 1,
+// before top-k / top-p): what OpenAI's API calls a logprob.
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0;
+};
 
 struct SampledToken {
   int32_t token = 0;
-  float logprob = 0;  // log p(token) under the model's raw distribution (temperature 1)
+  float logprob = 0;  // of `token`, as in TokenLogprob
+  // The params' top_logprobs most likely tokens, most likely first (ties: lower id).
+  int32_t n_top = 0;
+  TokenLogprob top[kMaxTopLogprobs];
 };
 
 // Picks a token from logits [n]. `u` is uniform in [0, 1). Greedy ignores u;

@@ -82,9 +82,12 @@ for t in range(4):
 # --- frames: header (magic, version, kind, step, layer, n_seqs, n_tokens, status, payload_bytes) + payload ---
 def frame(kind, step, layer, n_seqs, n_tokens, status, payload):
     return struct.pack("<IHHQIIIIQ", 0x464D4C45, 1, kind, step, layer, n_seqs, n_tokens, status, len(payload)) + payload
-plan_seq = struct.pack("<QII", 7, 0, 3) + struct.pack("<IffIf", 1, 0.0, 1.0, 0, 0.5)
+# PlanSeq (40 bytes): slice (seq_id, start_pos, n_tokens), sample, temperature, top_k, top_p, u, top_logprobs
+plan_seq = struct.pack("<QII", 7, 0, 3) + struct.pack("<Ififfi", 1, 0.0, 0, 1.0, 0.5, 2)
 put("frames", "step_plan", frame(1, 1, 0, 1, 3, 0, plan_seq + struct.pack("<3i", 1, 2, 3)))
-put("frames", "step_result", frame(2, 1, 0, 1, 1, 0, struct.pack("<Qif", 7, 42, -0.5)))
+# SampledSeq (184 bytes): seq_id, token, logprob, n_top, reserved, 20 x (token, logprob)
+sampled = struct.pack("<QifII", 7, 42, -0.5, 2, 0) + struct.pack("<if", 42, -0.5) + struct.pack("<if", 3, -1.5) + b"\0" * (8 * 18)
+put("frames", "step_result", frame(2, 1, 0, 1, 1, 0, sampled))
 put("frames", "attn_request", frame(3, 1, 0, 1, 1, 0, struct.pack("<QII", 7, 0, 1) + b"\0" * (4 * (4 * 8 + 2 * 2 * 8))))
 put("frames", "error", frame(5, 1, 0, 0, 0, 14, b"the mlp-worker has exited"))
 
@@ -106,3 +109,4 @@ put("request", "plain", field_bytes(1, b"Once upon a time") + field_varint(2, 16
 put("request", "chat", field_bytes(6, field_bytes(1, b"user") + field_bytes(2, b"Hello")) + field_varint(2, 8))
 put("request", "stops", field_bytes(1, b"Lily") + field_bytes(4, b".") + field_bytes(4, b"end") + field_varint(7, 100))
 put("request", "overflow", field_bytes(1, b"x") + field_varint(2, 2**31 - 1) + field_varint(7, 2**31 - 1))
+put("request", "top_logprobs", field_bytes(1, b"Once") + field_varint(2, 4) + field_varint(8, 5))

@@ -254,9 +254,14 @@ absl::StatusOr<std::vector<shm::SampledSeq>> StepRunner::Run(uint64_t step,
   size_t i = 0;
   for (const shm::PlanSeq& s : plan.seqs) {
     if (!s.sample) continue;
-    SamplingParams params{s.temperature, s.top_k, s.top_p};
-    SampledToken tok = Sample(logits_.data() + i * c_.vocab_size, c_.vocab_size, params, s.u);
-    out.push_back({s.slice.seq_id, tok.token, tok.logprob});
+    SamplingParams params{s.temperature, s.top_k, s.top_p, s.top_logprobs};
+    const SampledToken tok = Sample(logits_.data() + i * c_.vocab_size, c_.vocab_size, params, s.u);
+    shm::SampledSeq& r = out.emplace_back();
+    r.seq_id = s.slice.seq_id;
+    r.token = tok.token;
+    r.logprob = tok.logprob;
+    r.n_top = static_cast<uint32_t>(tok.n_top);
+    std::copy(tok.top, tok.top + tok.n_top, r.top);
     ++i;
   }
   return out;

@@ -7,6 +7,15 @@
 #include "absl/strings/str_cat.h"
 
 namespace ellm::shm {
+namespace {
+
+// memcpy of n bytes where either side may be an empty vector's null data():
+// memcpy's pointers must be valid even for 0 bytes.
+void CopyBytes(void* dst, const void* src, size_t n) {
+  if (n > 0) std::memcpy(dst, src, n);
+}
+
+}  // namespace
 
 absl::Status ValidateSlices(const SeqSlice* slices, uint32_t n_seqs, uint32_t n_tokens,
                             uint32_t max_positions) {
@@ -61,8 +70,8 @@ absl::Status CheckBytes(const FrameHeader& header, uint64_t expected, const char
 
 std::string EncodeStepPlan(const StepPlan& plan) {
   std::string out(plan.seqs.size() * sizeof(PlanSeq) + plan.tokens.size() * sizeof(int32_t), '\0');
-  std::memcpy(out.data(), plan.seqs.data(), plan.seqs.size() * sizeof(PlanSeq));
-  std::memcpy(out.data() + plan.seqs.size() * sizeof(PlanSeq), plan.tokens.data(),
+  CopyBytes(out.data(), plan.seqs.data(), plan.seqs.size() * sizeof(PlanSeq));
+  CopyBytes(out.data() + plan.seqs.size() * sizeof(PlanSeq), plan.tokens.data(),
               plan.tokens.size() * sizeof(int32_t));
   return out;
 }
@@ -87,12 +96,19 @@ absl::StatusOr<StepPlan> DecodeStepPlan(const FrameHeader& header, const uint8_t
   StepPlan plan;
   plan.seqs.resize(header.n_seqs);
   plan.tokens.resize(header.n_tokens);
-  std::memcpy(plan.seqs.data(), payload, plan.seqs.size() * sizeof(PlanSeq));
-  std::memcpy(plan.tokens.data(), payload + plan.seqs.size() * sizeof(PlanSeq),
+  CopyBytes(plan.seqs.data(), payload, plan.seqs.size() * sizeof(PlanSeq));
+  CopyBytes(plan.tokens.data(), payload + plan.seqs.size() * sizeof(PlanSeq),
               plan.tokens.size() * sizeof(int32_t));
   std::vector<SeqSlice> slices;
   for (const PlanSeq& s : plan.seqs) slices.push_back(s.slice);
   RETURN_IF_ERROR(ValidateSlices(slices.data(), header.n_seqs, header.n_tokens, max_positions));
+  for (const PlanSeq& s : plan.seqs) {
+    const absl::Status st =
+        ValidateSamplingParams({s.temperature, s.top_k, s.top_p, s.top_logprobs}, vocab_size);
+    if (!st.ok()) {
+      return absl::DataLossError(absl::StrCat("step plan of sequence ", s.slice.seq_id, ": ", st.message()));
+    }
+  }
   for (int32_t t : plan.tokens) {
     if (t < 0 || t >= vocab_size) {
       return absl::DataLossError(absl::StrCat("step plan has token id ", t,
@@ -110,7 +126,13 @@ absl::StatusOr<std::vector<SampledSeq>> DecodeStepResult(const FrameHeader& head
   RETURN_IF_ERROR(CheckKind(header, FrameKind::kStepResult, "step result"));
   RETURN_IF_ERROR(CheckBytes(header, uint64_t{header.n_seqs} * sizeof(SampledSeq), "step result"));
   std::vector<SampledSeq> out(header.n_seqs);
-  std::memcpy(out.data(), payload, out.size() * sizeof(SampledSeq));
+  CopyBytes(out.data(), payload, out.size() * sizeof(SampledSeq));
+  for (const SampledSeq& s : out) {
+    if (s.n_top > kMaxTopLogprobs) {
+      return absl::DataLossError(absl::StrCat("step result of sequence ", s.seq_id, " has ", s.n_top,
+                                              " top logprobs (at most ", kMaxTopLogprobs, ")"));
+    }
+  }
   return out;
 }
 

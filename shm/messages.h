@@ -18,6 +18,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/sampler.h"
 #include "core/status.h"
 #include "absl/time/time.h"
 #include "shm/frame.h"
@@ -40,7 +41,7 @@ struct PlanSeq {
   int32_t top_k = 0;
   float top_p = 1;
   float u = 0;              // the sequence's uniform draw for this step
-  uint32_t reserved = 0;
+  int32_t top_logprobs = 0; // alternatives to report, 0 .. kMaxTopLogprobs
 };
 static_assert(sizeof(PlanSeq) == 40);
 
@@ -48,8 +49,11 @@ struct SampledSeq {
   uint64_t seq_id = 0;
   int32_t token = 0;
   float logprob = 0;
+  uint32_t n_top = 0;       // entries of `top` in use, <= kMaxTopLogprobs
+  uint32_t reserved = 0;
+  TokenLogprob top[kMaxTopLogprobs];
 };
-static_assert(sizeof(SampledSeq) == 16);
+static_assert(sizeof(SampledSeq) == 24 + 8 * kMaxTopLogprobs);
 
 struct StepPlan {
   std::vector<PlanSeq> seqs;

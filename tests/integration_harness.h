@@ -204,6 +204,7 @@ struct Generated {
   std::string text;
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;  // one per token
+  std::vector<ellm::v1::TopLogprobs> top_logprobs;  // one per token when asked
   ellm::v1::Finish finish;
   int messages = 0;
 };
@@ -228,6 +229,7 @@ inline Generated Generate(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRe
     g.text += resp.text();
     g.tokens.insert(g.tokens.end(), resp.token_ids().begin(), resp.token_ids().end());
     g.logprobs.insert(g.logprobs.end(), resp.logprobs().begin(), resp.logprobs().end());
+    g.top_logprobs.insert(g.top_logprobs.end(), resp.top_logprobs().begin(), resp.top_logprobs().end());
     if (resp.has_finish()) g.finish = resp.finish();
     if (on_message) on_message(g);
   }

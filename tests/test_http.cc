@@ -160,13 +160,36 @@ TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
   j = Post(port, "/v1/completions", stop_req).Json();
   EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(j["choices"][0]["text"], grpc_answer.text.substr(0, grpc_answer.text.find("Lily")));
-  // Logprobs: the chosen token's, as the gRPC API gives them.
+  // Logprobs: the chosen token's, as the gRPC API gives them, and (logprobs
+  // = 3) the three most likely with it, as gRPC's top_logprobs name them.
+  ellm::v1::GenerateRequest top_req = Greedy("Once upon a time", 8);
+  top_req.set_top_logprobs(3);
+  const Generated grpc_top = Generate(system.stub(), top_req);
+  ASSERT_TRUE(grpc_top.status.ok());
+  ASSERT_EQ(grpc_top.top_logprobs.size(), 8u);
+  EXPECT_EQ(grpc_top.tokens, std::vector<int32_t>(grpc_answer.tokens.begin(), grpc_answer.tokens.begin() + 8));
   json lp_req = Completion("Once upon a time", 8, false);
-  lp_req["logprobs"] = 1;
+  lp_req["logprobs"] = 3;
   j = Post(port, "/v1/completions", lp_req).Json();
-  ASSERT_EQ(j["choices"][0]["logprobs"]["token_logprobs"].size(), 8u);
+  const json& lp = j["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["token_logprobs"].size(), 8u);
+  ASSERT_EQ(lp["top_logprobs"].size(), 8u);
+  int64_t offset = 0;
   for (int i = 0; i < 8; ++i) {
-    EXPECT_FLOAT_EQ(j["choices"][0]["logprobs"]["token_logprobs"][i].get<float>(), grpc_answer.logprobs[i]);
+    EXPECT_FLOAT_EQ(lp["token_logprobs"][i].get<float>(), grpc_answer.logprobs[i]);
+    // Greedy: the chosen token is the best of the three.
+    const json& top = lp["top_logprobs"][i];
+    EXPECT_EQ(top.size(), 3u) << top;
+    float best = -1e30f;
+    for (const auto& [piece, value] : top.items()) best = std::max(best, value.get<float>());
+    EXPECT_FLOAT_EQ(top[lp["tokens"][i].get<std::string>()].get<float>(), best);
+    for (int k = 0; k < 3; ++k) {
+      bool found = false;
+      for (const auto& [piece, value] : top.items()) found |= value.get<float>() == grpc_top.top_logprobs[i].logprobs(k);
+      EXPECT_TRUE(found) << "alternative " << k << " of token " << i << ": " << top;
+    }
+    EXPECT_EQ(lp["text_offset"][i].get<int64_t>(), offset);
+    offset += static_cast<int64_t>(lp["tokens"][i].get<std::string>().size());
   }
   // /v1/models and /health.
   j = Call(port, http::verb::get, "/v1/models").Json();
@@ -189,7 +212,8 @@ TEST(Http, ChatCompletionsWithTheModelsTemplate) {
   json req = {{"messages", {{{"role", "system"}, {"content", "Be brief."}}, {{"role", "user"}, {"content", "Hi there"}}}},
               {"max_completion_tokens", 12},
               {"temperature", 0},
-              {"logprobs", true}};
+              {"logprobs", true},
+              {"top_logprobs", 4}};
   HttpResult r = Post(port, "/v1/chat/completions", req);
   ASSERT_EQ(r.status, 200) << r.body;
   json j = r.Json();
@@ -197,7 +221,18 @@ TEST(Http, ChatCompletionsWithTheModelsTemplate) {
   EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
   const std::string text = j["choices"][0]["message"]["content"];
   EXPECT_EQ(j["usage"]["completion_tokens"], 12);
-  EXPECT_EQ(j["choices"][0]["logprobs"]["content"].size(), 12u);
+  const json& content = j["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 12u);
+  for (const json& c : content) {
+    // Four alternatives, most likely first, the first the (greedy) choice.
+    ASSERT_EQ(c["top_logprobs"].size(), 4u) << c;
+    EXPECT_EQ(c["top_logprobs"][0]["token"], c["token"]);
+    EXPECT_EQ(c["top_logprobs"][0]["logprob"], c["logprob"]);
+    for (int k = 1; k < 4; ++k) {
+      EXPECT_LE(c["top_logprobs"][k]["logprob"].get<float>(), c["top_logprobs"][k - 1]["logprob"].get<float>());
+      EXPECT_NE(c["top_logprobs"][k]["token"], c["token"]);
+    }
+  }
   req["stream"] = true;
   r = Post(port, "/v1/chat/completions", req);
   ASSERT_EQ(r.status, 200) << r.body;
@@ -231,6 +266,9 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"top_p", 2}}), 400, "'top_p'");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stop", 3}}), 400, "'stop'");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"n", 2}}), 400, "'n'");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"logprobs", 21}}), 400, "'logprobs'");
+  expect(Post(port, "/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"top_logprobs", 2}}),
+         400, "'top_logprobs'");
   expect(Post(port, "/v1/completions", {{"prompt", ""}}), 400, "prompt is empty");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 5000}}), 400, "exceeds");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stream", "yes"}}), 400, "'stream'");

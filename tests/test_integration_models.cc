@@ -55,7 +55,9 @@ std::string MakeModel(const std::string& dir, const std::string& type) {
 struct RefRun {
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
+  std::vector<std::vector<TokenLogprob>> top;  // kTop alternatives per token
 };
+constexpr int kTop = 5;
 RefRun ReferenceGreedyWithLogprobs(const std::string& model_path, const std::string& prompt, int n,
                                    const std::function<void(ModelConfig*)>& edit = nullptr) {
   auto file = GgufFile::Open(model_path);
@@ -70,11 +72,15 @@ RefRun ReferenceGreedyWithLogprobs(const std::string& model_path, const std::str
   RefRun out;
   int pos = 0;
   const std::vector<float>* logits = nullptr;
-  for (int32_t t : (*tokenizer)->Encode(prompt, (*tokenizer)->add_bos())) logits = &(*model)->Forward(t, pos++);
+  const std::vector<int32_t> ids = (*tokenizer)->Encode(prompt, (*tokenizer)->add_bos());
+  for (size_t i = 0; i + 1 < ids.size(); ++i) (*model)->Feed(ids[i], pos++);
+  logits = &(*model)->Forward(ids.back(), pos++);
   for (int i = 0; i < n; ++i) {
-    const SampledToken s = Sample(logits->data(), config->vocab_size, SamplingParams{.temperature = 0}, 0);
+    const SampledToken s =
+        Sample(logits->data(), config->vocab_size, SamplingParams{.temperature = 0, .top_logprobs = kTop}, 0);
     out.tokens.push_back(s.token);
     out.logprobs.push_back(s.logprob);
+    out.top.emplace_back(s.top, s.top + s.n_top);
     if (i + 1 < n) logits = &(*model)->Forward(s.token, pos++);
   }
   return out;
@@ -192,11 +198,22 @@ TEST(IntegrationModels, EveryRopeLayoutMatchesTheReference) {
     EllmSystem system({"--model=" + model, "--attn-workers=2", "--no-numactl", "--kv-dtype=f32",
                        "--cpu-weights=f32"});
     ASSERT_TRUE(system.ready()) << system.Log();
-    Generated g = Generate(system.stub(), Greedy(prompt, 24));
+    ellm::v1::GenerateRequest req = Greedy(prompt, 24);
+    req.set_top_logprobs(kTop);
+    Generated g = Generate(system.stub(), req);
     ASSERT_TRUE(g.status.ok()) << g.status.error_message();
     EXPECT_GT(g.finish.prompt_tokens(), 100);
     EXPECT_EQ(g.tokens, expected.tokens);
     EXPECT_EQ(g.logprobs, expected.logprobs);  // bit for bit
+    // And the alternatives, from the same logits.
+    ASSERT_EQ(g.top_logprobs.size(), expected.top.size());
+    for (size_t i = 0; i < expected.top.size(); ++i) {
+      ASSERT_EQ(g.top_logprobs[i].token_ids_size(), kTop) << i;
+      for (int j = 0; j < kTop; ++j) {
+        EXPECT_EQ(g.top_logprobs[i].token_ids(j), expected.top[i][j].token) << i << "," << j;
+        EXPECT_EQ(g.top_logprobs[i].logprobs(j), expected.top[i][j].logprob) << i << "," << j;
+      }
+    }
     ExpectCleanShutdown(system);
   }
   std::filesystem::remove_all(dir);

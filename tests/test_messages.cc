@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -37,10 +38,12 @@ PlanSeq MakePlanSeq(uint64_t id, uint32_t start, uint32_t n, uint32_t sample = 1
   PlanSeq p;
   p.slice = {id, start, n};
   p.sample = sample;
-  p.temperature = 0.25f * static_cast<float>(id);
-  p.top_k = static_cast<int32_t>(id) + 3;
-  p.top_p = 0.5f + 0.01f * static_cast<float>(id);
+  // Valid sampling parameters that differ between sequences.
+  p.temperature = 0.25f * static_cast<float>(id % 64);
+  p.top_k = static_cast<int32_t>(id % 100) + 3;
+  p.top_p = 0.5f + 0.01f * static_cast<float>(id % 50);
   p.u = 0.125f * static_cast<float>(n % 8);
+  p.top_logprobs = static_cast<int32_t>(id % (kMaxTopLogprobs + 1));
   return p;
 }
 
@@ -88,6 +91,7 @@ TEST(StepPlan, RoundTrips) {
     EXPECT_EQ(b.top_k, a.top_k);
     EXPECT_EQ(b.top_p, a.top_p);
     EXPECT_EQ(b.u, a.u);
+    EXPECT_EQ(b.top_logprobs, a.top_logprobs);
   }
   EXPECT_EQ(decoded->tokens, plan.tokens);
 }
@@ -167,6 +171,21 @@ TEST(StepPlan, TokenOutsideVocabIsAnError) {
   }
 }
 
+TEST(StepPlan, BadSamplingParamsAreAnError) {
+  const std::vector<std::pair<std::function<void(PlanSeq*)>, std::string>> cases = {
+      {[](PlanSeq* p) { p->temperature = -1; }, "temperature"},
+      {[](PlanSeq* p) { p->top_k = kVocab + 1; }, "top_k"},
+      {[](PlanSeq* p) { p->top_p = 0; }, "top_p"},
+      {[](PlanSeq* p) { p->top_logprobs = kMaxTopLogprobs + 1; }, "top_logprobs"},
+      {[](PlanSeq* p) { p->top_logprobs = -3; }, "top_logprobs"},
+  };
+  for (const auto& [edit, name] : cases) {
+    StepPlan plan = ThreeSeqPlan();
+    edit(&plan.seqs[1]);
+    ExpectDataLoss(RoundTrip(plan).status(), name);
+  }
+}
+
 TEST(StepPlan, WrongKindIsAnError) {
   const StepPlan plan = ThreeSeqPlan();
   const Payload payload(EncodeStepPlan(plan));
@@ -178,7 +197,12 @@ TEST(StepPlan, WrongKindIsAnError) {
 }
 
 TEST(StepResult, RoundTrips) {
-  const std::vector<SampledSeq> seqs = {{5, 17, -0.25f}, {~0ull, 0, -7.5f}, {9, 511, 0.0f}};
+  std::vector<SampledSeq> seqs(3);
+  seqs[0].seq_id = 5, seqs[0].token = 17, seqs[0].logprob = -0.25f;
+  seqs[1].seq_id = ~0ull, seqs[1].token = 0, seqs[1].logprob = -7.5f;
+  seqs[2].seq_id = 9, seqs[2].token = 511, seqs[2].logprob = 0.0f;
+  seqs[1].n_top = kMaxTopLogprobs;  // alternatives travel with their token
+  for (int j = 0; j < kMaxTopLogprobs; ++j) seqs[1].top[j] = {j * 3, -0.5f * j};
   FrameHeader header;
   header.kind = static_cast<uint16_t>(FrameKind::kStepResult);
   header.n_seqs = 3;
@@ -192,7 +216,17 @@ TEST(StepResult, RoundTrips) {
     EXPECT_EQ((*decoded)[i].seq_id, seqs[i].seq_id);
     EXPECT_EQ((*decoded)[i].token, seqs[i].token);
     EXPECT_EQ((*decoded)[i].logprob, seqs[i].logprob);
+    ASSERT_EQ((*decoded)[i].n_top, seqs[i].n_top);
+    for (uint32_t j = 0; j < seqs[i].n_top; ++j) {
+      EXPECT_EQ((*decoded)[i].top[j].token, seqs[i].top[j].token);
+      EXPECT_EQ((*decoded)[i].top[j].logprob, seqs[i].top[j].logprob);
+    }
   }
+  // More alternatives than a result can hold: a corrupt frame.
+  std::vector<SampledSeq> bad = seqs;
+  bad[2].n_top = kMaxTopLogprobs + 1;
+  const Payload bad_payload(std::string(reinterpret_cast<const char*>(bad.data()), bad.size() * sizeof(SampledSeq)));
+  ExpectDataLoss(DecodeStepResult(header, bad_payload.data()).status(), "top logprobs");
   header.payload_bytes -= 1;
   ExpectDataLoss(DecodeStepResult(header, payload.data()).status(), "payload");
   header.payload_bytes += 1;

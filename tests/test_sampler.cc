@@ -298,6 +298,45 @@ TEST(SamplerTopP, TinyTopPIsArgmax) {
   }
 }
 
+// top_logprobs: the k best by logit (ties by id, as SortedIds), each with its
+// log-softmax, whatever the sampling rule; the pick is unchanged by asking.
+TEST(SamplerTopLogprobs, AreTheKBestWithTheirLogSoftmax) {
+  std::mt19937 gen(31);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = std::uniform_int_distribution<int>(1, 700)(gen);
+    std::vector<float> logits = RandomLogits(n, 1000 + trial);
+    // Some ties, among the best too.
+    if (trial % 3 == 0) {
+      for (float& v : logits) v = std::round(v);
+    }
+    const int k = std::uniform_int_distribution<int>(1, kMaxTopLogprobs)(gen);
+    SamplingParams params;
+    params.temperature = trial % 2 ? 0.0f : 0.8f;
+    params.top_k = trial % 5 == 0 ? 3 : 0;
+    params.top_logprobs = k;
+    const float u = std::uniform_real_distribution<float>(0, 1)(gen);
+    const SampledToken t = Sample(logits.data(), n, params, u);
+    const std::vector<int> sorted = SortedIds(logits);
+    const int expect_n = std::min(k, n);
+    ASSERT_EQ(t.n_top, expect_n) << "n=" << n << " k=" << k;
+    for (int j = 0; j < expect_n; ++j) {
+      EXPECT_EQ(t.top[j].token, sorted[j]) << "trial " << trial << " rank " << j;
+      EXPECT_NEAR(t.top[j].logprob, LogSoftmax(logits, sorted[j]), 1e-5);
+    }
+    SamplingParams without = params;
+    without.top_logprobs = 0;
+    const SampledToken plain = Sample(logits.data(), n, without, u);
+    EXPECT_EQ(plain.n_top, 0);
+    EXPECT_EQ(plain.token, t.token);
+    EXPECT_EQ(plain.logprob, t.logprob);
+    if (params.temperature == 0) {
+      // Greedy's pick is the first alternative, with the very same logprob.
+      EXPECT_EQ(t.top[0].token, t.token);
+      EXPECT_EQ(t.top[0].logprob, t.logprob);
+    }
+  }
+}
+
 TEST(ValidateSamplingParams, AcceptsTheEdgesOfEachRange) {
   EXPECT_TRUE(ValidateSamplingParams({}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.temperature = 0}, 100).ok());
@@ -306,6 +345,8 @@ TEST(ValidateSamplingParams, AcceptsTheEdgesOfEachRange) {
   EXPECT_TRUE(ValidateSamplingParams({.top_k = 100}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.top_p = 1.0f}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.top_p = 1e-6f}, 100).ok());
+  EXPECT_TRUE(ValidateSamplingParams({.top_logprobs = kMaxTopLogprobs}, 100).ok());
+  EXPECT_TRUE(ValidateSamplingParams({.top_logprobs = 5}, 5).ok());
 }
 
 TEST(ValidateSamplingParams, RejectsEachBadParameterByName) {
@@ -321,6 +362,7 @@ TEST(ValidateSamplingParams, RejectsEachBadParameterByName) {
       {{.top_k = -1}, "top_k"},                {{.top_k = 101}, "top_k"},
       {{.top_p = 0.0f}, "top_p"},              {{.top_p = -0.1f}, "top_p"},
       {{.top_p = 1.01f}, "top_p"},             {{.top_p = nan}, "top_p"},
+      {{.top_logprobs = -1}, "top_logprobs"},  {{.top_logprobs = kMaxTopLogprobs + 1}, "top_logprobs"},
   };
   for (const Case& c : cases) {
     const absl::Status st = ValidateSamplingParams(c.params, 100);
