@@ -192,15 +192,18 @@ absl::StatusOr<GgufWriter> MakeRandomModel(const MakeModelOptions& o,
 
   // A matrix [rows, cols] with N(0, scale²) entries, in the weight type (F16
   // when its rows do not split into whole blocks of that type).
-  auto add_matrix = [&](const std::string& name, int64_t cols, int64_t rows, float scale) -> absl::Status {
+  auto add_typed_matrix = [&](const std::string& name, int64_t cols, int64_t rows, float scale,
+                              DType type) -> absl::Status {
     std::vector<float> v(static_cast<size_t>(rows * cols));
     for (float& x : v) x = normal.Next() * scale;
-    DType type = o.weight_type;
     if (cols % Traits(type).block_elements != 0) type = DType::kF16;
     ASSIGN_OR_RETURN(std::string bytes, Encode(v, cols, type));
     RETURN_IF_ERROR(w.AddTensor(name, {cols, rows}, type, std::move(bytes)));
     if (progress) progress(++done, total);
     return absl::OkStatus();
+  };
+  auto add_matrix = [&](const std::string& name, int64_t cols, int64_t rows, float scale) {
+    return add_typed_matrix(name, cols, rows, scale, o.weight_type);
   };
   auto add_vector = [&](const std::string& name, int64_t n, float value, float noise) -> absl::Status {
     std::vector<float> v(n);
@@ -212,7 +215,8 @@ absl::StatusOr<GgufWriter> MakeRandomModel(const MakeModelOptions& o,
   };
 
   const float in_hidden = 1.0f / std::sqrt(static_cast<float>(o.hidden));
-  RETURN_IF_ERROR(add_matrix("token_embd.weight", o.hidden, n_vocab, 2.0f * in_hidden));
+  const DType embedding_type = o.embedding_type.value_or(o.weight_type);
+  RETURN_IF_ERROR(add_typed_matrix("token_embd.weight", o.hidden, n_vocab, 2.0f * in_hidden, embedding_type));
   if (scaling == "llama3") {
     const std::vector<float> f = Llama3RopeFactors(o.head_dim, rope_base, rope_factor,
                                                    o.rope_low_freq_factor, o.rope_high_freq_factor,
@@ -248,7 +252,7 @@ absl::StatusOr<GgufWriter> MakeRandomModel(const MakeModelOptions& o,
   RETURN_IF_ERROR(add_vector("output_norm.weight", o.hidden, 1.0f, 0));
   // qwen2 and qwen3 tie the LM head to the embeddings (no output.weight), as
   // Qwen2.5-0.5B and Qwen3-0.6B do.
-  if (!qwen) RETURN_IF_ERROR(add_matrix("output.weight", o.hidden, n_vocab, 2.0f * in_hidden));
+  if (!qwen) RETURN_IF_ERROR(add_typed_matrix("output.weight", o.hidden, n_vocab, 2.0f * in_hidden, embedding_type));
   return w;
 }
 

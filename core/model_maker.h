@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,10 @@ struct MakeModelOptions {
   int head_dim = 16;
   int ffn = 128;
   DType weight_type = DType::kF32;
+  // token_embd (and output) type; unset: weight_type. (As llama.cpp's
+  // quantize --token-embedding-type: the vocabulary matrices are the
+  // largest, and the k-quant search is slow on them.)
+  std::optional<DType> embedding_type;
   std::string vocab_from;       // GGUF whose tokenizer.* metadata the model gets
   int context = 0;              // 0: the vocab file's {arch}.context_length, else 4096
   uint64_t seed = 1;

@@ -35,6 +35,7 @@ int Main(int argc, char** argv) {
   args.Flag("head-dim", "", "head width (default hidden / heads)");
   args.Flag("ffn", "", "MLP width");
   args.Flag("weight-type", "f32", "f32, f16, bf16, q8_0, q4_0, q4_k, q5_k or q6_k");
+  args.Flag("embedding-type", "", "type of token_embd (and output) when not --weight-type");
   args.Flag("vocab-from", "", "GGUF whose tokenizer the model gets (e.g. a vocab-only file)");
   args.Flag("context", "0", "context length (0: the vocab file's, else 4096)");
   args.Flag("seed", "1", "random seed");
@@ -95,6 +96,14 @@ int Main(int argc, char** argv) {
     return 2;
   }
   o.weight_type = *type;
+  if (!args.Get("embedding-type").empty()) {
+    absl::StatusOr<DType> embedding = ParseWeightType(args.Get("embedding-type"));
+    if (!embedding.ok()) {
+      LogError("--embedding-type: %s", embedding.status().message());
+      return 2;
+    }
+    o.embedding_type = *embedding;
+  }
   const std::string out = args.Get("out");
   if (out.empty()) {
     LogError("--out is required");

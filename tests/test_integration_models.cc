@@ -38,12 +38,16 @@ void RunMakeModel(const std::string& flags, const std::string& out) {
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
 }
 
-// Writes the model with the real tool; returns its path.
+// Writes the model with the real tool; returns its path. Every layer
+// matrix's rows are whole blocks of each type (512 and 1024 columns), so
+// every layer weight is of the named type (a width that is not falls back to
+// f16); the 152K-row embedding is f16 (the k-quant search on it takes a
+// minute).
 std::string MakeModel(const std::string& dir, const std::string& type) {
   const std::string out = absl::StrCat(dir, "/qwen2-", type, ".gguf");
   const std::string cmd = absl::StrCat(
-      ELLM_BINARY_DIR, "/ellm-make-model --arch qwen2 --layers 2 --hidden 896 --heads 14 ",
-      "--kv-heads 2 --head-dim 64 --ffn 1024 --weight-type ", type, " --vocab-from ", kQwenVocab,
+      ELLM_BINARY_DIR, "/ellm-make-model --arch qwen2 --layers 2 --hidden 512 --heads 8 ",
+      "--kv-heads 2 --head-dim 64 --ffn 1024 --weight-type ", type, " --embedding-type f16 --vocab-from ", kQwenVocab,
       " --context 512 --seed 5 --chat-template chatml --out ", out, " 2>/dev/null");
   EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
   return out;
