@@ -194,7 +194,9 @@ int PrefillMain(int argc, char** argv) {
     const double total_s = Now() - start;
     (*cache)->Free(seq++);
     const double matrix_gmacs = (matrix_macs_per_token * prompt + head_macs) / matrix_s / 1e9;
-    const double attention_macs = 2.0 * c.n_heads * c.head_dim * (static_cast<double>(prompt) * (prompt + 1) / 2);
+    // Every layer's query heads against the positions each token sees, q·K and p·V.
+    const double attention_macs =
+        2.0 * c.n_layers * c.n_heads * c.head_dim * (static_cast<double>(prompt) * (prompt + 1) / 2);
     const double attention_gmacs = attention_macs / attention_s / 1e9;
     std::printf(
         "prompt=%d tokens_per_s=%.1f s=%.2f matrix_s=%.2f attention_s=%.2f matrix_gmacs=%.1f "
