@@ -80,6 +80,7 @@ class AttentionShard {
   // bandwidth accounting divides by time.
   int64_t kv_read_bytes() const { return kv_read_bytes_.load(std::memory_order_relaxed); }
   int chunk_positions() const { return chunk_; }
+  const ShardGeometry& geometry() const { return g_; }
 
  private:
   // One work item: tokens [token0, token0 + n_tokens) of slice `slice` (at

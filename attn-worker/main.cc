@@ -24,6 +24,7 @@
 #include "attn-worker/attention_shard.h"
 #include "attn-worker/kv_cache.h"
 #include "attn-worker/kv_store.h"
+#include "attn-worker/serve.h"
 #include "attn-worker/synthetic_fill.h"
 #include "core/gguf.h"
 #include "core/log.h"
@@ -280,11 +281,6 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
   std::atomic<int64_t>* steps_;
 };
 
-void ReplyError(shm::Ring& ring, uint64_t step, const absl::Status& status) {
-  absl::Status st = shm::WriteError(ring, step, status);
-  if (!st.ok()) LogError("cannot send error reply: %s", st.ToString());
-}
-
 absl::Status Run(const AttnWorkerConfig& config) {
   ASSIGN_OR_RETURN(auto file, GgufFile::Open(config.model_path));
   ASSIGN_OR_RETURN(ModelConfig model, ModelConfig::FromGguf(*file));
@@ -381,58 +377,11 @@ absl::Status Run(const AttnWorkerConfig& config) {
   server->GetHealthCheckService()->SetServingStatus(true);
   LogInfo("serving channel %s, control on %s", config.channel, config.listen);
 
-  shm::WaitOptions wait;
-  wait.peer_alive = [] { return !StopRequested(); };
-  while (!StopRequested()) {
-    absl::StatusOr<shm::Ring::Frame> frame = channel->requests().BeginRead(wait);
-    if (!frame.ok()) {
-      if (StopRequested()) break;
-      LogError("bad frame from the mlp-worker: %s", frame.status().ToString());
-      ReplyError(channel->replies(), 0, frame.status());
-      continue;
-    }
-    const shm::FrameHeader header = frame->header;
-    absl::Status status;
-    bool replied = false;  // a reply slot was taken and committed
-    absl::StatusOr<shm::AttnRequestView> request =
-        shm::DecodeAttnRequest(header, frame->payload, shape, geometry.max_positions);
-    if (!request.ok()) {
-      status = request.status();
-    } else {
-      shm::WaitOptions write_wait;
-      write_wait.timeout = absl::Seconds(30);
-      absl::StatusOr<uint8_t*> slot = channel->replies().BeginWrite(write_wait);
-      if (!slot.ok()) {
-        status = slot.status();
-      } else {
-        {
-          std::lock_guard<std::mutex> lock(cache_mu);
-          status = shard.Process(header.layer, header.n_seqs, header.n_tokens, *request,
-                                 reinterpret_cast<float*>(*slot));
-        }
-        if (status.ok()) {
-          shm::FrameHeader reply;
-          reply.kind = static_cast<uint16_t>(shm::FrameKind::kAttnResult);
-          reply.step = header.step;
-          reply.layer = header.layer;
-          reply.n_seqs = header.n_seqs;
-          reply.n_tokens = header.n_tokens;
-          reply.payload_bytes = shape.ResultBytes(header.n_tokens);
-          channel->replies().CommitWrite(reply);
-        } else {
-          // The taken slot carries the error (a second BeginWrite would abort).
-          shm::CommitError(channel->replies(), *slot, header.step, status);
-        }
-        replied = true;
-      }
-    }
-    channel->requests().EndRead();
-    if (header.layer == 0) ++steps;  // a step is one frame per layer
-    if (!status.ok()) {
-      LogError("step %d layer %d: %s", header.step, header.layer, status.ToString());
-      if (!replied) ReplyError(channel->replies(), header.step, status);
-    }
-  }
+  ServeOptions serve;
+  serve.stop = [] { return StopRequested(); };
+  serve.cache_mu = &cache_mu;
+  serve.steps = &steps;
+  ServeChannel(*channel, shard, serve);
   LogInfo("stopping");
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   return absl::OkStatus();

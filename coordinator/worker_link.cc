@@ -67,21 +67,21 @@ const ellm::v1::WorkerInfo* WorkerLink::mlp_worker() const {
   return nullptr;
 }
 
-absl::StatusOr<std::vector<shm::SampledSeq>> WorkerLink::Run(uint64_t step,
-                                                             const shm::StepPlan& plan) {
+absl::StatusOr<std::vector<shm::SampledSeq>> RunStep(shm::Channel& channel, uint64_t step,
+                                                     const shm::StepPlan& plan, absl::Duration timeout) {
   const std::string payload = shm::EncodeStepPlan(plan);
   shm::WaitOptions wait;
-  wait.timeout = step_timeout;
-  wait.peer_alive = [this] { return channel_->PeerAlive(); };
-  absl::Status st = channel_->requests().Write(shm::StepPlanHeader(step, plan), payload.data(), wait);
+  wait.timeout = timeout;
+  wait.peer_alive = [&channel] { return channel.PeerAlive(); };
+  absl::Status st = channel.requests().Write(shm::StepPlanHeader(step, plan), payload.data(), wait);
   if (!st.ok()) {
     return absl::Status(st.code(), absl::StrCat("mlp-worker: ", st.message()));
   }
-  absl::StatusOr<shm::Ring::Frame> frame = channel_->replies().BeginRead(wait);
+  absl::StatusOr<shm::Ring::Frame> frame = channel.replies().BeginRead(wait);
   if (!frame.ok()) {
     if (frame.status().code() == absl::StatusCode::kUnavailable) {
       return absl::UnavailableError(absl::StrCat("the mlp-worker (pid ",
-                                                 channel_->replies().producer_pid(), ") has exited"));
+                                                 channel.replies().producer_pid(), ") has exited"));
     }
     return absl::Status(frame.status().code(),
                         absl::StrCat("mlp-worker: ", frame.status().message()));
@@ -91,8 +91,13 @@ absl::StatusOr<std::vector<shm::SampledSeq>> WorkerLink::Run(uint64_t step,
           ? absl::DataLossError(absl::StrCat("mlp-worker answered step ", frame->header.step,
                                              " to step ", step))
           : shm::DecodeStepResult(frame->header, frame->payload);
-  channel_->replies().EndRead();
+  channel.replies().EndRead();
   return result;
+}
+
+absl::StatusOr<std::vector<shm::SampledSeq>> WorkerLink::Run(uint64_t step,
+                                                             const shm::StepPlan& plan) {
+  return RunStep(*channel_, step, plan, step_timeout);
 }
 
 template <typename Rpc>

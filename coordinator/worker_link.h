@@ -16,6 +16,13 @@
 
 namespace ellm::coord {
 
+// One step over the mlp-worker's channel: writes the plan, then waits (up to
+// `timeout`, and while the worker lives) for its sampled tokens. Unavailable
+// when the worker has exited; the worker's own error when it could not run
+// the step; DataLoss for a reply to another step.
+absl::StatusOr<std::vector<shm::SampledSeq>> RunStep(shm::Channel& channel, uint64_t step,
+                                                     const shm::StepPlan& plan, absl::Duration timeout);
+
 struct WorkerHandle {
   std::string address;
   std::unique_ptr<ellm::v1::WorkerControl::Stub> stub;

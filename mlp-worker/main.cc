@@ -24,6 +24,7 @@
 #include "core/signals.h"
 #include "core/weights.h"
 #include "mlp-worker/backend.h"
+#include "mlp-worker/serve.h"
 #include "mlp-worker/step_runner.h"
 #if ELLM_HAVE_CUDA
 #include "mlp-worker/cuda/cuda_backend.h"
@@ -198,11 +199,6 @@ int64_t WeightBytesPerStep(const GgufFile& file) {
   return bytes;
 }
 
-void ReplyError(shm::Ring& ring, uint64_t step, const absl::Status& status) {
-  absl::Status st = shm::WriteError(ring, step, status);
-  if (!st.ok()) LogError("cannot send error reply: %s", st.ToString());
-}
-
 absl::StatusOr<std::unique_ptr<MlpBackend>> MakeBackend(const MlpWorkerConfig& config,
                                                          ModelWeights weights) {
 #if ELLM_HAVE_CUDA
@@ -294,41 +290,10 @@ absl::Status Run(const MlpWorkerConfig& config) {
   server->GetHealthCheckService()->SetServingStatus(true);
   LogInfo("serving channel %s, control on %s", config.channel, config.listen);
 
-  shm::WaitOptions wait;
-  wait.peer_alive = [] { return !StopRequested(); };
-  absl::Status broken;  // set once a shard has died: every later step fails fast
-  while (!StopRequested()) {
-    absl::StatusOr<shm::Ring::Frame> frame = coord->requests().BeginRead(wait);
-    if (!frame.ok()) {
-      if (StopRequested()) break;
-      LogError("bad frame from the coordinator: %s", frame.status().ToString());
-      ReplyError(coord->replies(), 0, frame.status());
-      continue;
-    }
-    const shm::FrameHeader header = frame->header;
-    absl::StatusOr<shm::StepPlan> plan =
-        shm::DecodeStepPlan(header, frame->payload, model.context_length, model.vocab_size);
-    coord->requests().EndRead();
-    absl::StatusOr<std::vector<shm::SampledSeq>> result =
-        !plan.ok() ? plan.status() : !broken.ok() ? broken : runner->Run(header.step, *plan);
-    ++steps;
-    if (!result.ok()) {
-      LogError("step %d: %s", header.step, result.status().ToString());
-      if (result.status().code() == absl::StatusCode::kUnavailable) broken = result.status();
-      ReplyError(coord->replies(), header.step, result.status());
-      continue;
-    }
-    shm::FrameHeader reply;
-    reply.kind = static_cast<uint16_t>(shm::FrameKind::kStepResult);
-    reply.step = header.step;
-    reply.n_seqs = static_cast<uint32_t>(result->size());
-    reply.n_tokens = header.n_tokens;
-    reply.payload_bytes = result->size() * sizeof(shm::SampledSeq);
-    shm::WaitOptions write_wait;
-    write_wait.timeout = absl::Seconds(30);
-    absl::Status st = coord->replies().Write(reply, result->data(), write_wait);
-    if (!st.ok()) LogError("cannot send step %d result: %s", header.step, st.ToString());
-  }
+  ServeOptions serve;
+  serve.stop = [] { return StopRequested(); };
+  serve.steps = &steps;
+  ServeChannel(*coord, *runner, model, serve);
   LogInfo("stopping");
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   return absl::OkStatus();

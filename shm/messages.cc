@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "core/log.h"
 
 namespace ellm::shm {
 namespace {
@@ -190,6 +191,11 @@ absl::Status WriteError(Ring& ring, uint64_t step, const absl::Status& status,
   ASSIGN_OR_RETURN(uint8_t * slot, ring.BeginWrite(wait));
   CommitError(ring, slot, step, status);
   return absl::OkStatus();
+}
+
+void ReplyError(Ring& ring, uint64_t step, const absl::Status& status) {
+  const absl::Status st = WriteError(ring, step, status);
+  if (!st.ok()) LogError("cannot send the error reply of step %d: %s", step, st.ToString());
 }
 
 }  // namespace ellm::shm

@@ -107,5 +107,8 @@ void CommitError(Ring& ring, uint8_t* slot, uint64_t step, const absl::Status& s
 // worker gives when it cannot serve a request), waiting up to `timeout` for a slot.
 absl::Status WriteError(Ring& ring, uint64_t step, const absl::Status& status,
                         absl::Duration timeout = absl::Seconds(5));
+// WriteError for a serve loop: a reply that cannot be sent is logged (the
+// caller's peer then times out or sees it has died), never returned.
+void ReplyError(Ring& ring, uint64_t step, const absl::Status& status);
 
 }  // namespace ellm::shm
