@@ -45,7 +45,8 @@ bool HasAmx() {
 
 }  // namespace
 
-void PrepareQueries(const float* q, int rows, int head_dim, int q_max, QueryPrep* prep) {
+void PrepareQueries(const float* q, int rows, int head_dim, int q_max, QueryPrep* prep,
+                    ThreadPool* pool) {
   const int hp = (head_dim + 15) / 16 * 16;
   prep->rows = rows;
   prep->head_dim = head_dim;
@@ -56,7 +57,9 @@ void PrepareQueries(const float* q, int rows, int head_dim, int q_max, QueryPrep
   prep->codes.Resize(static_cast<size_t>(rows) * hp);
   prep->code_scale.resize(rows);
   prep->code_sum.resize(rows);
-  for (int r = 0; r < rows; ++r) {
+  // Rows are independent: a prefill step's (tokens x heads) split over the pool.
+  auto prepare = [&](int64_t r_begin, int64_t r_end, int) {
+  for (int64_t r = r_begin; r < r_end; ++r) {
     const float* x = q + static_cast<size_t>(r) * head_dim;
     float* raw = prep->raw.data() + static_cast<size_t>(r) * hp;
     float* scaled = prep->scaled.data() + static_cast<size_t>(r) * hp;
@@ -78,6 +81,12 @@ void PrepareQueries(const float* q, int rows, int head_dim, int q_max, QueryPrep
     }
     prep->code_scale[r] = sq * prep->score_scale;
     prep->code_sum[r] = sum;
+  }
+  };
+  if (pool != nullptr && pool->size() > 1 && rows >= 256) {
+    pool->ParallelFor(rows, prepare);
+  } else {
+    prepare(0, rows, 0);
   }
 }
 

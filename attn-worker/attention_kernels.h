@@ -60,6 +60,7 @@
 #include "attn-worker/kv_format.h"
 #include "attn-worker/partial.h"
 #include "core/status.h"
+#include "core/thread_pool.h"
 
 namespace ellm::attn {
 
@@ -102,7 +103,9 @@ struct QueryPrep {
   std::vector<int32_t> code_sum;  // [rows] sum of codes
 };
 // Fills `prep` from q [rows][head_dim] f32; int8 codes lie in [-q_max, q_max].
-void PrepareQueries(const float* q, int rows, int head_dim, int q_max, QueryPrep* prep);
+// Many rows (a prefill step) are split over `pool` when given.
+void PrepareQueries(const float* q, int rows, int head_dim, int q_max, QueryPrep* prep,
+                    ThreadPool* pool = nullptr);
 
 struct ChunkArgs {
   KvSeqView kv;               // the sequence's K and V of one (layer, KV head)

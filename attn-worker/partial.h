@@ -1,7 +1,9 @@
 // The online-softmax partial: what attention over a subset of positions
 // leaves for one query head, and the one Merge() that combines two of them.
-// Every split (tiles inside a kernel, chunks across threads, chunks of a
-// prefill) goes through this type.
+// Every split across work items (chunks of a sequence on different threads,
+// chunks of a prefill) is merged here, always in chunk order; inside a chunk
+// the SIMD kernels fold tile after tile into the same representation with
+// their own vector code (SoftmaxStep in attention_avx512.cc / _avx2.cc).
 //
 // Scores are in base 2: s_t = log2(e) * q·k_t / sqrt(head_dim). For a set T of
 // positions a partial holds, for a reference score m at most the maximum

@@ -133,7 +133,7 @@ class Activations {
   const float* f32() const { return x_; }
 
   // The int8 forms, converted once per Set (kQ8x32: cols % 32 == 0;
-  // kQ8x256: cols % 256 == 0).
+  // kQ8x256: cols % 256 == 0), the tokens split over `pool` when given.
   struct Q8 {
     int64_t token_stride = 0;    // bytes of one token's codes (cols rounded up to 64)
     AlignedBytes qs;             // [T][token_stride] int8 codes, |code| <= 127
@@ -145,8 +145,8 @@ class Activations {
       return reinterpret_cast<const int8_t*>(qs.data() + t * token_stride);
     }
   };
-  const Q8& q8x32();
-  const Q8& q8x256();
+  const Q8& q8x32(ThreadPool* pool = nullptr);
+  const Q8& q8x256(ThreadPool* pool = nullptr);
 
  private:
   const float* x_ = nullptr;
