@@ -108,6 +108,13 @@ absl::StatusOr<ModelWeights> LoadWeights(const GgufFile& file, const ModelConfig
     return absl::OkStatus();
   };
   RETURN_IF_ERROR(matrix("token_embd.weight", dim, c.vocab_size, &w.token_embd, &w.raw_token_embd));
+  // The layer count comes from the metadata: a file must hold the tensors
+  // of its last layer before anything is sized by that count.
+  if (const std::string last = absl::StrCat("blk.", c.n_layers - 1, ".attn_norm.weight");
+      file.FindTensor(last) == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("the model declares ", c.n_layers,
+                                                   " layers but has no tensor '", last, "'"));
+  }
   w.layers.resize(c.n_layers);
   for (int l = 0; l < c.n_layers; ++l) {
     LayerWeights& L = w.layers[l];

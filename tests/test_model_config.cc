@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/model_maker.h"
+#include "core/weights.h"
 #include "gtest/gtest.h"
 
 namespace ellm {
@@ -96,6 +97,30 @@ TEST(ModelConfigTest, VocabOnlyFileHasHyperparameters) {
   EXPECT_EQ(c->dim, 4096);
   EXPECT_EQ(c->head_dim, 128);
   EXPECT_EQ(c->vocab_size, 32000);
+}
+
+// A layer count the tensors do not back is an error before anything is sized
+// by it (a fuzzed file with block_count 2^31 - 1 asked for 180 GB).
+TEST(ModelConfigTest, LayersWithoutTensorsAreAnErrorBeforeAnyAllocation) {
+  MakeModelOptions options;
+  options.vocab_from = kModels + "/stories260K.gguf";
+  absl::StatusOr<GgufWriter> writer = MakeRandomModel(options);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  for (const uint32_t layers : {3u, 0x7fffffffu}) {
+    writer->SetUint32("llama.block_count", layers);
+    absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::FromBytes(writer->ToBytes());
+    ASSERT_TRUE(file.ok()) << file.status();
+    absl::StatusOr<ModelConfig> c = ModelConfig::FromGguf(**file);
+    ASSERT_TRUE(c.ok()) << c.status();
+    absl::StatusOr<ModelWeights> w = LoadWeights(**file, *c);
+    EXPECT_TRUE(IsInvalid(w.status(), absl::StrCat("declares ", layers, " layers")));
+  }
+  writer->SetUint32("llama.block_count", 2);
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::FromBytes(writer->ToBytes());
+  ASSERT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<ModelWeights> w = LoadWeights(**file, *ModelConfig::FromGguf(**file));
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->layers.size(), 2u);
 }
 
 TEST(ModelConfigTest, UnsupportedArchitectureIsNamed) {
