@@ -57,7 +57,7 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
-#include "attn-worker/kv_format.h"
+#include "core/kv_format.h"
 #include "attn-worker/partial.h"
 #include "core/status.h"
 #include "core/thread_pool.h"

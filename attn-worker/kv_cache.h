@@ -47,7 +47,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "attn-worker/kv_format.h"
+#include "core/kv_format.h"
 #include "core/kv_ops.h"
 #include "core/status.h"
 

@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "attn-worker/kv_format.h"
+#include "core/kv_format.h"
 #include "core/status.h"
 
 namespace ellm::attn {

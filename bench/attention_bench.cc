@@ -49,8 +49,6 @@
 namespace ellm::bench {
 namespace {
 
-using attn::KvDType;
-
 struct Shape {
   std::string name;
   int q_heads, kv_heads, head_dim;
@@ -197,7 +195,7 @@ absl::StatusOr<Options> Parse(int argc, char** argv, bool* help) {
     if (parts.size() != 4 || !absl::SimpleAtoi(parts[1], &custom.q_heads) ||
         !absl::SimpleAtoi(parts[2], &custom.kv_heads) || !absl::SimpleAtoi(parts[3], &custom.head_dim) ||
         custom.kv_heads <= 0 || custom.q_heads % custom.kv_heads != 0 || custom.head_dim <= 0 ||
-        custom.head_dim > attn::kMaxHeadDim) {
+        custom.head_dim > kMaxHeadDim) {
       return absl::InvalidArgumentError("unknown shape '" + s + "' (a known name or NAME:Q/KV/HD)");
     }
     custom.name = parts[0];
@@ -218,7 +216,7 @@ absl::StatusOr<Options> Parse(int argc, char** argv, bool* help) {
   }
   ASSIGN_OR_RETURN(auto dtype_list, ListFlag(dtypes));
   for (const std::string& d : dtype_list) {
-    ASSIGN_OR_RETURN(KvDType t, attn::ParseKvDType(d));
+    ASSIGN_OR_RETURN(KvDType t, ParseKvDType(d));
     o.dtypes.push_back(t);
   }
   ASSIGN_OR_RETURN(Topology topo, DiscoverTopology());
@@ -263,7 +261,7 @@ constexpr int kMaxSteps = 16;  // timed steps at most; each appends one position
 Setup Prepare(const Shape& shape, KvDType dtype, int positions, int runs, int64_t footprint,
               int interleave, int block_tokens, ThreadPool& pool) {
   Setup s;
-  const attn::KvFormat format = attn::KvFormat::Make(dtype, shape.head_dim);
+  const KvFormat format = KvFormat::Make(dtype, shape.head_dim);
   const double layer_bytes = format.BytesPerPosition() * shape.kv_heads * positions;
   s.layers = static_cast<int>(std::max(1.0, std::ceil(footprint / layer_bytes)));
   // Start a little short so that the timed steps straddle `positions`.
@@ -413,7 +411,7 @@ int AttentionMain(int argc, char** argv) {
         Setup setup = Prepare(shape, dtype, positions, static_cast<int>(pools.size()),
                               o.footprint_bytes, o.interleave, o.block_tokens, fill_pool);
         std::fprintf(stderr, "  %s %s %d positions: %d layers filled in %.1f s\n", shape.name.c_str(),
-                     std::string(attn::KvDTypeName(dtype)).c_str(), positions, setup.layers, Now() - t0);
+                     std::string(KvDTypeName(dtype)).c_str(), positions, setup.layers, Now() - t0);
         for (size_t ti = 0; ti < pools.size(); ++ti) {
           // Each run appends up to kMaxSteps positions; the lengths stay
           // within positions - 8 .. positions + 8 * runs (bytes are counted
@@ -427,7 +425,7 @@ int AttentionMain(int argc, char** argv) {
           std::printf(
               "shape=%s dtype=%s positions=%d threads=%d us_per_layer=%.1f gb_per_s=%.2f "
               "probe_gb_per_s=%.2f ratio=%.3f%s\n",
-              shape.name.c_str(), std::string(attn::KvDTypeName(dtype)).c_str(), positions,
+              shape.name.c_str(), std::string(KvDTypeName(dtype)).c_str(), positions,
               pools[ti]->size(), r.us_per_layer, r.gb_per_s, best_probe[ti], r.gb_per_s / best_probe[ti],
               o.interleave > 1 || o.block_tokens != 16
                   ? absl::StrCat(" block_tokens=", o.block_tokens, " interleave=", o.interleave).c_str()

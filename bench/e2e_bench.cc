@@ -26,7 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "attn-worker/kv_format.h"
+#include "core/kv_format.h"
 #include "core/read_probe.h"
 #include "core/gguf.h"
 #include "core/model_config.h"
@@ -303,12 +303,12 @@ int E2eMain(int argc, char** argv) {
                  max_context, *tokens, config->context_length);
     return 2;
   }
-  absl::StatusOr<attn::KvDType> kv_dtype = attn::ParseKvDType(args.Get("kv-dtype"));
+  absl::StatusOr<KvDType> kv_dtype = ParseKvDType(args.Get("kv-dtype"));
   if (!kv_dtype.ok()) {
     std::fprintf(stderr, "ellm-bench e2e: %s\n", kv_dtype.status().ToString().c_str());
     return 2;
   }
-  const attn::KvFormat format = attn::KvFormat::Make(*kv_dtype, config->head_dim);
+  const KvFormat format = KvFormat::Make(*kv_dtype, config->head_dim);
   const double kv_bytes_per_position = format.BytesPerPosition() * config->n_kv_heads * config->n_layers;
   const double weight_bytes = WeightBytesPerToken(**file);
 

@@ -44,8 +44,8 @@ DotUnit MatrixUnit(mlp::MatIsa isa) {
   }
 }
 
-DotUnit AttentionUnit(const std::string& kernel, attn::KvDType dtype) {
-  const bool f16 = dtype == attn::KvDType::kF16;
+DotUnit AttentionUnit(const std::string& kernel, KvDType dtype) {
+  const bool f16 = dtype == KvDType::kF16;
   if (kernel.rfind("avx512", 0) == 0 || kernel.rfind("amx", 0) == 0) {
     return f16 ? DotUnit::kAvx512Fma : DotUnit::kAvx512Vnni;
   }
@@ -86,8 +86,8 @@ int PrefillMain(int argc, char** argv) {
   absl::StatusOr<Topology> topology = DiscoverTopology();
   const int threads = *threads_flag > 0 ? *threads_flag : topology.ok() ? topology->TotalCores() : 1;
   const int step = *step_flag;
-  absl::StatusOr<attn::KvDType> dtype = attn::ParseKvDType(args.Get("kv-dtype"));
-  if (!dtype.ok() || *dtype == attn::KvDType::kF32) return fail("--kv-dtype must be int8 or f16");
+  absl::StatusOr<KvDType> dtype = ParseKvDType(args.Get("kv-dtype"));
+  if (!dtype.ok() || *dtype == KvDType::kF32) return fail("--kv-dtype must be int8 or f16");
   absl::StatusOr<attn::KernelChoice> choice = attn::ParseKernelChoice(args.Get("kernel"));
   if (!choice.ok()) return fail(std::string(choice.status().message()));
   absl::StatusOr<mlp::MatIsa> isa = mlp::ParseMatIsa(args.Get("matmul-isa"));

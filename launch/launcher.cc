@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/gguf.h"
+#include "core/kv_format.h"
 #include "core/log.h"
 #include "core/model_config.h"
 #include "core/signals.h"
@@ -263,12 +264,9 @@ absl::Status Launch::Start() {
   // KV budget per worker: what the batch can use at full context, at most 1/4 of RAM shared.
   int kv_mb = c_.kv_cache_mb;
   if (kv_mb <= 0) {
-    // K and V per position and KV head: f32 4 bytes, f16 2, int8 1 per
-    // element (dims padded to 16) plus its f16 scale and min.
-    const int padded = c_.kv_dtype == "f32" ? model.head_dim : (model.head_dim + 15) / 16 * 16;
-    const double element = c_.kv_dtype == "f32" ? 4 : c_.kv_dtype == "f16" ? 2 : 1;
-    const double per_head = padded * element + (c_.kv_dtype == "int8" ? 4 : 0);
-    const double per_token = 2.0 * model.n_layers * heads_each * per_head;
+    ASSIGN_OR_RETURN(const KvDType kv_dtype, ParseKvDType(c_.kv_dtype));
+    const double per_token =
+        KvFormat::Make(kv_dtype, model.head_dim).BytesPerPosition() * model.n_layers * heads_each;
     const double want = per_token * model.context_length * c_.max_batch / 1048576.0;
     const double ram_mb = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE) / 1048576.0;
     kv_mb = static_cast<int>(std::max(1.0, std::min(want, ram_mb / 4 / n)) + 1);
@@ -633,8 +631,8 @@ int Main(int argc, char** argv) {
   c.cpu_weights = args.Get("cpu-weights");
   c.matmul_isa = args.Get("matmul-isa");
   c.attn_kernel = args.Get("attn-kernel");
-  if (c.kv_dtype != "int8" && c.kv_dtype != "f16" && c.kv_dtype != "f32") {
-    LogError("--kv-dtype must be int8, f16 or f32, got '%s'", c.kv_dtype);
+  if (absl::StatusOr<KvDType> kv_dtype = ParseKvDType(c.kv_dtype); !kv_dtype.ok()) {
+    LogError("--kv-dtype: %s", kv_dtype.status().message());
     return 2;
   }
   if (c.backend != "auto" && c.backend != "cpu" && c.backend != "cuda") {

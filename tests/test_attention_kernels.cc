@@ -45,7 +45,7 @@
 
 #include "attn-worker/attention_shard.h"
 #include "attn-worker/kv_cache.h"
-#include "attn-worker/kv_format.h"
+#include "core/kv_format.h"
 #include "attn-worker/partial.h"
 #include "core/dtype.h"
 #include "core/thread_pool.h"

@@ -23,7 +23,7 @@ constexpr int kPositions = 1200;
 
 class Pipeline {
  public:
-  Pipeline(const GgufFile& file, const ModelConfig& c, attn::KvDType dtype) : c_(c), pool_(1) {
+  Pipeline(const GgufFile& file, const ModelConfig& c, KvDType dtype) : c_(c), pool_(1) {
     auto weights = LoadWeights(file, c);
     EXPECT_TRUE(weights.ok());
     backend_ = *mlp::CreateCpuBackend(*std::move(weights), 1, 1);
@@ -95,9 +95,9 @@ TEST(KvQuality, QuantisedKvKeepsNextTokenDistributionsOfStories260K) {
   ASSERT_TRUE(file.ok());
   auto c = ModelConfig::FromGguf(**file);
   ASSERT_TRUE(c.ok());
-  Pipeline f32(**file, *c, attn::KvDType::kF32);
-  Pipeline f16(**file, *c, attn::KvDType::kF16);
-  Pipeline int8(**file, *c, attn::KvDType::kInt8);
+  Pipeline f32(**file, *c, KvDType::kF32);
+  Pipeline f16(**file, *c, KvDType::kF16);
+  Pipeline int8(**file, *c, KvDType::kInt8);
 
   // Text: sampled from the f32 pipeline (temperature 1, fixed seed) so it
   // does not settle into a loop; every pipeline is then fed the same tokens.

@@ -82,7 +82,7 @@ class Pipeline : public coord::StepExecutor {
       kv.kv_heads = g.kv_heads();
       kv.head_dim = config.head_dim;
       kv.block_tokens = kBlockTokens;
-      kv.dtype = attn::KvDType::kF32;  // the bit-exact path
+      kv.dtype = KvDType::kF32;  // the bit-exact path
       kv.blocks = kv_blocks;
       auto cache = attn::KvCache::Create(kv);
       ELLM_CHECK(cache.ok(), cache.status().ToString());

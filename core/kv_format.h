@@ -56,7 +56,7 @@
 #include "absl/strings/string_view.h"
 #include "core/status.h"
 
-namespace ellm::attn {
+namespace ellm {
 
 enum class KvDType : uint8_t { kF32 = 0, kF16 = 1, kInt8 = 2 };
 
@@ -119,4 +119,4 @@ struct KvSeqView {
   int RowInTile(int pos) const { return pos % block_tokens % kTile; }
 };
 
-}  // namespace ellm::attn
+}  // namespace ellm

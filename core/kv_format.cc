@@ -1,4 +1,4 @@
-#include "attn-worker/kv_format.h"
+#include "core/kv_format.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/dtype.h"
 
-namespace ellm::attn {
+namespace ellm {
 namespace {
 
 constexpr float kHalfMax = 65504.0f;
@@ -198,4 +198,4 @@ void KvFormat::LoadValue(const uint8_t* tile, int row, float* x) const {
   }
 }
 
-}  // namespace ellm::attn
+}  // namespace ellm
