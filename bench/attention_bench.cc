@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -41,6 +42,7 @@
 #include "attn-worker/attention_kernels.h"
 #include "attn-worker/attention_shard.h"
 #include "attn-worker/kv_cache.h"
+#include "bench/peak.h"
 #include "core/read_probe.h"
 #include "core/thread_pool.h"
 #include "core/topology.h"
@@ -81,8 +83,15 @@ const char kHelp[] =
     "\n"
     "Output: one line per case on stdout,\n"
     "  shape= dtype= positions= threads= us_per_layer= gb_per_s= probe_gb_per_s= ratio=\n"
+    "  macs_per_byte= gmacs= unit= peak_gmacs= roof_gb_per_s= bound= ratio_to_roof=\n"
+    "  isa= cpu=\n"
     "progress on stderr. The probe runs before every case; probe_gb_per_s is the\n"
     "best it measured so far in the run with that thread count.\n"
+    "The roofline: macs_per_byte is what the case needs (q·K and p·V of the group's\n"
+    "query heads per KV byte read), peak_gmacs the measured peak of the kernel's\n"
+    "dot-product instruction (unit) on the same pinned threads, roof_gb_per_s =\n"
+    "min(probe, peak_gmacs / macs_per_byte), and bound says which limit that is:\n"
+    "a compute-bound case cannot reach the probe whatever its memory access does.\n"
     "\n"
     "Flags (lists are comma-separated):\n"
     "  --shapes=LIST     qwen2.5-14b (40 query / 8 KV heads, head dim 128), llama-3-8b\n"
@@ -404,6 +413,9 @@ int AttentionMain(int argc, char** argv) {
   const size_t total = o.shapes.size() * o.dtypes.size() * o.positions.size() * o.threads.size();
   size_t done = 0;
   std::vector<double> best_probe(pools.size(), 0.0);  // per thread count
+  // Peak multiply-adds per second of each dot-product unit, per thread count.
+  std::vector<std::map<DotUnit, double>> peaks(pools.size());
+  const std::string cpu = CpuModelName();
   for (const Shape& shape : o.shapes) {
     for (KvDType dtype : o.dtypes) {
       for (int positions : o.positions) {
@@ -422,11 +434,27 @@ int AttentionMain(int argc, char** argv) {
           ++done;
           std::fprintf(stderr, "  [%zu/%zu] %d threads: %.1f us per layer (probe now %.2f GB/s, best %.2f)\n",
                        done, total, pools[ti]->size(), r.us_per_layer, probe_now, best_probe[ti]);
+          // The roofline of this case on these threads.
+          const std::string_view kernel_name = dtype == KvDType::kF32 ? "reference" : (*kernel)->name;
+          const DotUnit unit = AttentionDotUnit(kernel_name, dtype);
+          auto peak = peaks[ti].find(unit);
+          if (peak == peaks[ti].end()) {
+            std::fprintf(stderr, "  peak of %s on %d threads...\n", DotUnitName(unit).c_str(), pools[ti]->size());
+            peak = peaks[ti].emplace(unit, PeakGmacs(unit, *pools[ti])).first;
+          }
+          const double macs_per_byte = 2.0 * shape.q_heads / shape.kv_heads * shape.head_dim /
+                                       KvFormat::Make(dtype, shape.head_dim).BytesPerPosition();
+          const double compute_roof = peak->second / macs_per_byte;
+          const double roof = std::min(best_probe[ti], compute_roof);
           std::printf(
               "shape=%s dtype=%s positions=%d threads=%d us_per_layer=%.1f gb_per_s=%.2f "
-              "probe_gb_per_s=%.2f ratio=%.3f%s\n",
+              "probe_gb_per_s=%.2f ratio=%.3f macs_per_byte=%.2f gmacs=%.1f unit=%s peak_gmacs=%.1f "
+              "roof_gb_per_s=%.2f bound=%s ratio_to_roof=%.3f isa=%s cpu=\"%s\"%s\n",
               shape.name.c_str(), std::string(KvDTypeName(dtype)).c_str(), positions,
               pools[ti]->size(), r.us_per_layer, r.gb_per_s, best_probe[ti], r.gb_per_s / best_probe[ti],
+              macs_per_byte, r.gb_per_s * macs_per_byte, DotUnitName(unit).c_str(), peak->second, roof,
+              compute_roof < best_probe[ti] ? "compute" : "memory", r.gb_per_s / roof,
+              std::string(kernel_name).c_str(), cpu.c_str(),
               o.interleave > 1 || o.block_tokens != 16
                   ? absl::StrCat(" block_tokens=", o.block_tokens, " interleave=", o.interleave).c_str()
                   : "");

@@ -131,4 +131,13 @@ double PeakGmacs(DotUnit unit, ThreadPool& pool) {
   return sink.load() == 42 ? best + 1e-9 : best;
 }
 
+DotUnit AttentionDotUnit(std::string_view kernel, KvDType dtype) {
+  const bool f16 = dtype != KvDType::kInt8;
+  if (kernel.substr(0, 6) == "avx512" || kernel.substr(0, 3) == "amx") {
+    return f16 ? DotUnit::kAvx512Fma : DotUnit::kAvx512Vnni;
+  }
+  if (kernel.substr(0, 9) == "avx2-vnni") return f16 ? DotUnit::kAvx2Fma : DotUnit::kAvxVnni;
+  return f16 ? DotUnit::kAvx2Fma : DotUnit::kAvx2Madd;
+}
+
 }  // namespace ellm::bench

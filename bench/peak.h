@@ -5,7 +5,9 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 
+#include "core/kv_format.h"
 #include "core/thread_pool.h"
 
 namespace ellm::bench {
@@ -23,5 +25,10 @@ bool DotUnitSupported(DotUnit unit);
 // Multiply-adds per second (in G) of `unit` with every thread of `pool`
 // running independent chains; 0 when the CPU lacks it.
 double PeakGmacs(DotUnit unit, ThreadPool& pool);
+
+// The instruction the inner loops of the attention kernel named `kernel`
+// (AttentionKernel::name, e.g. "avx2-vnni") run for `dtype`: int8 on integer
+// dot products, f16 on f32 FMAs. The reference kernel is judged as avx2.
+DotUnit AttentionDotUnit(std::string_view kernel, KvDType dtype);
 
 }  // namespace ellm::bench

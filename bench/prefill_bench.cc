@@ -44,15 +44,6 @@ DotUnit MatrixUnit(mlp::MatIsa isa) {
   }
 }
 
-DotUnit AttentionUnit(const std::string& kernel, KvDType dtype) {
-  const bool f16 = dtype == KvDType::kF16;
-  if (kernel.rfind("avx512", 0) == 0 || kernel.rfind("amx", 0) == 0) {
-    return f16 ? DotUnit::kAvx512Fma : DotUnit::kAvx512Vnni;
-  }
-  if (kernel.rfind("avx2-vnni", 0) == 0) return f16 ? DotUnit::kAvx2Fma : DotUnit::kAvxVnni;
-  return f16 ? DotUnit::kAvx2Fma : DotUnit::kAvx2Madd;
-}
-
 }  // namespace
 
 int PrefillMain(int argc, char** argv) {
@@ -133,7 +124,7 @@ int PrefillMain(int argc, char** argv) {
 
   const mlp::MatIsa used_isa = *isa == mlp::MatIsa::kRef && args.Get("matmul-isa") == "auto" ? mlp::BestMatIsa() : *isa;
   const DotUnit matrix_unit = MatrixUnit(args.Get("matmul-isa") == "auto" ? mlp::BestMatIsa() : used_isa);
-  const DotUnit attention_unit = AttentionUnit(shard.kernel_name(), *dtype);
+  const DotUnit attention_unit = AttentionDotUnit(shard.kernel_name(), *dtype);
   double matrix_peak = 0, attention_peak = 0;
   {
     ThreadPool peak_pool(threads);
