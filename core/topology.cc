@@ -144,17 +144,29 @@ absl::StatusOr<Topology> DiscoverTopology() {
 }
 
 std::string CpuModelName() {
+  // The first processor's "model name", "cpu family" and "model" lines. A VM
+  // may report a bare name ("AMD EPYC"); family and model still tell the
+  // generation apart (AMD family 25: Zen 3/4, 26: Zen 5).
   std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) != 0) continue;
+  std::string line, name, family, model;
+  auto value = [&line] {
     const size_t colon = line.find(':');
-    if (colon == std::string::npos) break;
-    std::string name = line.substr(colon + 1);
-    const size_t first = name.find_first_not_of(" \t");
-    return first == std::string::npos ? "unknown" : name.substr(first);
+    if (colon == std::string::npos) return std::string();
+    const size_t first = line.find_first_not_of(" \t", colon + 1);
+    return first == std::string::npos ? std::string() : line.substr(first);
+  };
+  while (std::getline(in, line) && !line.empty()) {
+    if (line.rfind("model name", 0) == 0) {
+      name = value();
+    } else if (line.rfind("cpu family", 0) == 0) {
+      family = value();
+    } else if (line.rfind("model", 0) == 0 && line.find_first_not_of(" \t", 5) == line.find(':')) {
+      model = value();
+    }
   }
-  return "unknown";
+  if (name.empty()) name = "unknown";
+  if (!family.empty() && !model.empty()) name += " (family " + family + ", model " + model + ")";
+  return name;
 }
 
 }  // namespace ellm
