@@ -1,6 +1,9 @@
 #include "coordinator/http_server.h"
 
+#include <sys/socket.h>
+
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <deque>
 #include <optional>
@@ -218,14 +221,23 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // While a generation runs nothing is read: wait for the socket to turn
   // readable, which a closed client end makes it (a read of 0 bytes).
+  // The wait can also end with nothing to read (a readiness edge that the
+  // request's own read already consumed, or the next request of a kept-alive
+  // connection that Read takes first), so the peek must not block: a
+  // blocking peek would hold this connection's strand, and with it the
+  // response, until the client sent more.
   void WatchPeer() {
+    if (watching_) return;  // one wait at a time, across the requests of a connection
+    watching_ = true;
     stream_.socket().async_wait(tcp::socket::wait_read, [self = shared_from_this()](beast::error_code ec) {
+      self->watching_ = false;
       if (self->finished_ || self->closed_) return;
+      if (ec) return self->ClientGone();
       char probe;
-      beast::error_code rec;
-      const size_t n = self->stream_.socket().receive(net::buffer(&probe, 1), tcp::socket::message_peek, rec);
-      if (ec || rec || n == 0) self->ClientGone();
-      // Data (a pipelined request) is left for after the response.
+      const ssize_t n = ::recv(self->stream_.socket().native_handle(), &probe, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (n > 0) return;  // data (a pipelined request) is left for after the response
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return self->WatchPeer();
+      self->ClientGone();  // 0: the client closed its end; < 0: the connection failed
     });
   }
 
@@ -290,7 +302,7 @@ class Session : public std::enable_shared_from_this<Session> {
   std::optional<http::response<http::empty_body>> header_;
   std::optional<http::response_serializer<http::empty_body>> serializer_;
   std::deque<std::string> outbox_;
-  bool writing_ = false, closed_ = false;
+  bool writing_ = false, closed_ = false, watching_ = false;
 };
 
 }  // namespace

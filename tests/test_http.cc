@@ -312,6 +312,57 @@ TEST(Http, ApiKeyIsRequiredWhenSet) {
   ExpectCleanShutdown(system);
 }
 
+// HTTP/1.1 keeps the connection: requests sent one after another on it,
+// streamed or not, are each answered in turn, and each as on a fresh
+// connection. (The server watches a generating connection for a hang-up;
+// that watch must never hold up the next request's answer.)
+TEST(Http, AKeptAliveConnectionAnswersItsRequestsInTurn) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const int port = system.http_port();
+  const std::vector<json> requests = {Completion("Once upon a time", 12, true), Completion("The little dog", 12, false),
+                                      Completion("Once upon a time", 12, false), Completion("The little dog", 12, true)};
+  std::vector<std::string> fresh;
+  for (const json& r : requests) fresh.push_back(Post(port, "/v1/completions", r).body);
+
+  net::io_context ioc;
+  tcp::socket socket(ioc);
+  socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
+  beast::flat_buffer buffer;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    http::request<http::string_body> req(http::verb::post, "/v1/completions", 11);
+    req.set(http::field::host, "127.0.0.1");
+    req.set(http::field::content_type, "application/json");
+    req.body() = requests[i].dump();
+    req.prepare_payload();
+    http::write(socket, req);
+    // A hung answer fails the test instead of hanging it.
+    std::future<http::response<http::string_body>> answer = std::async(std::launch::async, [&] {
+      http::response<http::string_body> res;
+      beast::error_code ec;
+      http::read(socket, buffer, res, ec);
+      EXPECT_FALSE(ec) << ec.message();
+      return res;
+    });
+    if (answer.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+      socket.shutdown(tcp::socket::shutdown_both);  // ends the read, so the future can be joined
+      ADD_FAILURE() << "request " << i << " on the kept-alive connection got no answer in 20 s";
+      return;
+    }
+    http::response<http::string_body> res = answer.get();
+    EXPECT_EQ(res.result_int(), 200) << "request " << i;
+    EXPECT_TRUE(res.keep_alive()) << "request " << i;
+    const bool stream = requests[i]["stream"];
+    if (stream) {
+      EXPECT_EQ(Collect(HttpResult{200, "", res.body()}, false).text, Collect(HttpResult{200, "", fresh[i]}, false).text);
+    } else {
+      EXPECT_EQ(json::parse(res.body())["choices"][0]["text"], json::parse(fresh[i])["choices"][0]["text"]);
+    }
+  }
+  socket.close();
+  ExpectCleanShutdown(system);
+}
+
 TEST(Http, ADisconnectCancelsAndConcurrentStreamsMatchTheirSoloRuns) {
   EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--max-batch=32"});
   ASSERT_TRUE(system.ready()) << system.Log();
