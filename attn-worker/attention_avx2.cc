@@ -169,43 +169,69 @@ ELLM_TARGET ELLM_INLINE void SoftmaxStep(const __m256* s, const __m256* valid, f
   }
 }
 
-// Scores of G heads for the 8 positions of half x (int8 K codes x query codes).
-template <int G>
-ELLM_TARGET ELLM_INLINE void Int8Scores(const TileCtx& t, const HeadsCtx& q, __m256i (*acc)[G]) {
+// The int8 products of a tile go in passes over a few heads at a time, each
+// pass covering both halves of the tile (positions 0-7 and 8-15): 2N
+// independent accumulators hide VPDPBUSD's latency (with N = 5 heads and one
+// half at a time, 5 chains left the avx2-vnni kernel at 0.44 of the read
+// probe), and one broadcast of a query or weight code serves both halves.
+// kPassHeads bounds N so that accumulators, operands and (for the
+// VPMADDUBSW pair) its temporaries fit the 16 ymm registers.
+constexpr int kPassHeads = ELLM_AVX2_VNNI ? 6 : 5;
+
+// Scores of heads [J0, J0 + N): acc[x][j] for the 8 positions of half x.
+template <int G, int J0, int N>
+ELLM_TARGET ELLM_INLINE void Int8ScoresPass(const TileCtx& t, const HeadsCtx& q, __m256i (*acc)[G]) {
   const int n_dq = t.hp / 4;
-  if constexpr (G <= 4) {
-    for (int x = 0; x < 2; ++x) {
-      for (int j = 0; j < G; ++j) acc[x][j] = _mm256_setzero_si256();
+  for (int x = 0; x < 2; ++x) {
+    for (int j = J0; j < J0 + N; ++j) acc[x][j] = _mm256_setzero_si256();
+  }
+  for (int dq = 0; dq < n_dq; ++dq) {
+    if constexpr (J0 == 0) PrefetchK(t, dq);
+    const __m256i k0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.k + 64 * dq));
+    const __m256i k1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.k + 64 * dq + 32));
+    for (int j = J0; j < J0 + N; ++j) {
+      const __m256i c = _mm256_set1_epi32(Load32(q.codes + j * t.hp + 4 * dq));
+      acc[0][j] = Dpbusd(acc[0][j], k0, c);
+      acc[1][j] = Dpbusd(acc[1][j], k1, c);
     }
-    for (int dq = 0; dq < n_dq; ++dq) {
-      PrefetchK(t, dq);
-      const __m256i k0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.k + 64 * dq));
-      const __m256i k1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.k + 64 * dq + 32));
-      for (int j = 0; j < G; ++j) {
-        const __m256i c = _mm256_set1_epi32(Load32(q.codes + j * t.hp + 4 * dq));
-        acc[0][j] = Dpbusd(acc[0][j], k0, c);
-        acc[1][j] = Dpbusd(acc[1][j], k1, c);
-      }
+  }
+}
+
+// p·V of heads [J0, J0 + N) for dims [16 dg, 16 dg + 16), added to the
+// partial outputs with each head's weight scale.
+template <int J0, int N>
+ELLM_TARGET ELLM_INLINE void Int8ValuesPass(const TileCtx& t, const HeadsCtx& q, int dg, const float* wscale) {
+  __m256i va[2][N];
+  for (int h = 0; h < 2; ++h) {
+    for (int j = 0; j < N; ++j) va[h][j] = _mm256_setzero_si256();
+  }
+  for (int quad = 0; quad < 4; ++quad) {
+    if constexpr (J0 == 0) PrefetchV(t, 4 * dg + quad);
+    const uint8_t* line = t.v + 64 * (4 * dg + quad);
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32));
+    for (int j = 0; j < N; ++j) {
+      const __m256i w = _mm256_set1_epi32(Load32(reinterpret_cast<const uint8_t*>(q.hs[J0 + j].w) + 4 * quad));
+      va[0][j] = Dpbusd(va[0][j], w, v0);
+      va[1][j] = Dpbusd(va[1][j], w, v1);
     }
-  } else {
-    for (int x = 0; x < 2; ++x) {
-      for (int j = 0; j < G; ++j) acc[x][j] = _mm256_setzero_si256();
-      for (int dq = 0; dq < n_dq; ++dq) {
-        if (x == 0) PrefetchK(t, dq);
-        const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.k + 64 * dq + 32 * x));
-        for (int j = 0; j < G; ++j) {
-          acc[x][j] = Dpbusd(acc[x][j], k, _mm256_set1_epi32(Load32(q.codes + j * t.hp + 4 * dq)));
-        }
-      }
+  }
+  for (int j = 0; j < N; ++j) {
+    float* o = q.part + (J0 + j) * q.pf + 16 * dg;
+    const __m256 scale = _mm256_set1_ps(wscale[J0 + j]);
+    for (int h = 0; h < 2; ++h) {
+      _mm256_storeu_ps(o + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(va[h][j]), scale, _mm256_loadu_ps(o + 8 * h)));
     }
   }
 }
 
 template <int G>
 ELLM_TARGET void Int8Tile(const TileCtx& t, const HeadsCtx& q) {
+  constexpr int kFirst = G <= kPassHeads ? G : (G + 1) / 2;  // heads of the first pass
   const int hp = t.hp;
   __m256i acc[2][G];
-  Int8Scores<G>(t, q, acc);
+  Int8ScoresPass<G, 0, kFirst>(t, q, acc);
+  if constexpr (kFirst < G) Int8ScoresPass<G, kFirst, G - kFirst>(t, q, acc);
   PrefetchK(t, hp / 4);  // the tile's last line (scales come first)
   PrefetchV(t, hp / 4);
   float wscale[G];
@@ -234,57 +260,73 @@ ELLM_TARGET void Int8Tile(const TileCtx& t, const HeadsCtx& q) {
     wscale[j] = wmax * (1.0f / kWeightMax);
   }
   for (int dg = 0; dg < hp / 16; ++dg) {
-    for (int dh = 0; dh < 2; ++dh) {
-      __m256i va[G];
-      for (int j = 0; j < G; ++j) va[j] = _mm256_setzero_si256();
-      for (int quad = 0; quad < 4; ++quad) {
-        if (dh == 0) PrefetchV(t, 4 * dg + quad);
-        const __m256i v = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(t.v + 64 * (4 * dg + quad) + 32 * dh));
-        for (int j = 0; j < G; ++j) {
-          const uint8_t* w = reinterpret_cast<const uint8_t*>(q.hs[j].w) + 4 * quad;
-          va[j] = Dpbusd(va[j], _mm256_set1_epi32(Load32(w)), v);
-        }
-      }
-      for (int j = 0; j < G; ++j) {
-        float* o = q.part + j * q.pf + 16 * dg + 8 * dh;
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(va[j]), _mm256_set1_ps(wscale[j]),
-                                            _mm256_loadu_ps(o)));
-      }
-    }
+    Int8ValuesPass<0, kFirst>(t, q, dg, wscale);
+    if constexpr (kFirst < G) Int8ValuesPass<kFirst, G - kFirst>(t, q, dg, wscale);
   }
 }
 
 #if !ELLM_AVX2_VNNI
-template <int G>
-ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
+// f16 goes in passes over heads as int8 does: 2N independent FMA chains (the
+// two halves of the tile for q·K, two positions at a time for p·V) hide the
+// FMA latency, which one half or one position at a time with G > 4 heads
+// (G chains) did not.
+constexpr int kF16PassHeads = 6;
+
+template <int G, int J0, int N>
+ELLM_TARGET ELLM_INLINE void F16ScoresPass(const TileCtx& t, const HeadsCtx& q, __m256 (*acc)[G]) {
   const int hp = t.hp;
-  __m256 acc[2][G];
-  if constexpr (G <= 4) {
-    for (int x = 0; x < 2; ++x) {
-      for (int j = 0; j < G; ++j) acc[x][j] = _mm256_setzero_ps();
-    }
-    for (int d = 0; d < hp; ++d) {
-      if (d % 2 == 0) PrefetchK(t, d / 2);  // hp / 2 lines per tile; V's go with p·V
-      const __m256 k0 = LoadHalves(t.k + 32 * d), k1 = LoadHalves(t.k + 32 * d + 16);
-      for (int j = 0; j < G; ++j) {
-        const __m256 c = _mm256_set1_ps(q.scaled[j * hp + d]);
-        acc[0][j] = _mm256_fmadd_ps(k0, c, acc[0][j]);
-        acc[1][j] = _mm256_fmadd_ps(k1, c, acc[1][j]);
-      }
-    }
-  } else {
-    for (int x = 0; x < 2; ++x) {
-      for (int j = 0; j < G; ++j) acc[x][j] = _mm256_setzero_ps();
-      for (int d = 0; d < hp; ++d) {
-        if (x == 0 && d % 2 == 0) PrefetchK(t, d / 2);
-        const __m256 k = LoadHalves(t.k + 32 * d + 16 * x);
-        for (int j = 0; j < G; ++j) {
-          acc[x][j] = _mm256_fmadd_ps(k, _mm256_set1_ps(q.scaled[j * hp + d]), acc[x][j]);
-        }
-      }
+  for (int x = 0; x < 2; ++x) {
+    for (int j = J0; j < J0 + N; ++j) acc[x][j] = _mm256_setzero_ps();
+  }
+  for (int d = 0; d < hp; ++d) {
+    if (J0 == 0 && d % 2 == 0) PrefetchK(t, d / 2);  // hp / 2 lines per tile; V's go with p·V
+    const __m256 k0 = LoadHalves(t.k + 32 * d), k1 = LoadHalves(t.k + 32 * d + 16);
+    for (int j = J0; j < J0 + N; ++j) {
+      const __m256 c = _mm256_set1_ps(q.scaled[j * hp + d]);
+      acc[0][j] = _mm256_fmadd_ps(k0, c, acc[0][j]);
+      acc[1][j] = _mm256_fmadd_ps(k1, c, acc[1][j]);
     }
   }
+}
+
+// p·V of heads [J0, J0 + N) for dims [8 db, 8 db + 8): even positions in
+// one bank, odd ones in the other.
+template <int J0, int N>
+ELLM_TARGET ELLM_INLINE void F16ValuesPass(const TileCtx& t, const HeadsCtx& q, int db) {
+  const int hp = t.hp;
+  __m256 va[2][N];
+  for (int b = 0; b < 2; ++b) {
+    for (int j = 0; j < N; ++j) va[b][j] = _mm256_setzero_ps();
+  }
+  if constexpr (J0 == 0) {
+    for (int l = 4 * db; l < 4 * db + 4; ++l) PrefetchV(t, l);  // hp / 2 lines over hp / 8 blocks
+  }
+  const uint8_t* vcol = t.v + 16 * db;
+  int r = 0;
+  for (; r + 2 <= t.nvalid; r += 2) {
+    const __m256 v0 = LoadHalves(vcol + 2 * r * hp), v1 = LoadHalves(vcol + 2 * (r + 1) * hp);
+    for (int j = 0; j < N; ++j) {
+      va[0][j] = _mm256_fmadd_ps(v0, _mm256_set1_ps(q.hs[J0 + j].w[r]), va[0][j]);
+      va[1][j] = _mm256_fmadd_ps(v1, _mm256_set1_ps(q.hs[J0 + j].w[r + 1]), va[1][j]);
+    }
+  }
+  if (r < t.nvalid) {
+    const __m256 v0 = LoadHalves(vcol + 2 * r * hp);
+    for (int j = 0; j < N; ++j) va[0][j] = _mm256_fmadd_ps(v0, _mm256_set1_ps(q.hs[J0 + j].w[r]), va[0][j]);
+  }
+  for (int j = 0; j < N; ++j) {
+    float* o = q.part + (J0 + j) * q.pf + 8 * db;
+    _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_add_ps(va[0][j], va[1][j])));
+  }
+}
+
+template <int G>
+ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
+  constexpr int kFirst = G <= kF16PassHeads ? G : (G + 1) / 2;
+  const int hp = t.hp;
+  __m256 acc[2][G];
+  F16ScoresPass<G, 0, kFirst>(t, q, acc);
+  if constexpr (kFirst < G) F16ScoresPass<G, kFirst, G - kFirst>(t, q, acc);
   for (int j = 0; j < G; ++j) {
     __m256 s[2], p[2];
     for (int x = 0; x < 2; ++x) s[x] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), acc[x][j], t.valid[x]);
@@ -293,33 +335,9 @@ ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
     _mm256_storeu_ps(h->w, p[0]);
     _mm256_storeu_ps(h->w + 8, p[1]);
   }
-  constexpr int kBanks = G <= 4 ? 2 : 1;
   for (int db = 0; db < hp / 8; ++db) {
-    __m256 va[kBanks][G];
-    for (int b = 0; b < kBanks; ++b) {
-      for (int j = 0; j < G; ++j) va[b][j] = _mm256_setzero_ps();
-    }
-    for (int l = 4 * db; l < 4 * db + 4; ++l) PrefetchV(t, l);  // hp / 2 lines over hp / 8 blocks
-    const uint8_t* vcol = t.v + 16 * db;
-    int r = 0;
-    if constexpr (kBanks == 2) {
-      for (; r + 2 <= t.nvalid; r += 2) {
-        const __m256 v0 = LoadHalves(vcol + 2 * r * hp), v1 = LoadHalves(vcol + 2 * (r + 1) * hp);
-        for (int j = 0; j < G; ++j) {
-          va[0][j] = _mm256_fmadd_ps(v0, _mm256_set1_ps(q.hs[j].w[r]), va[0][j]);
-          va[1][j] = _mm256_fmadd_ps(v1, _mm256_set1_ps(q.hs[j].w[r + 1]), va[1][j]);
-        }
-      }
-    }
-    for (; r < t.nvalid; ++r) {
-      const __m256 v0 = LoadHalves(vcol + 2 * r * hp);
-      for (int j = 0; j < G; ++j) va[0][j] = _mm256_fmadd_ps(v0, _mm256_set1_ps(q.hs[j].w[r]), va[0][j]);
-    }
-    for (int j = 0; j < G; ++j) {
-      float* o = q.part + j * q.pf + 8 * db;
-      const __m256 sum = kBanks == 2 ? _mm256_add_ps(va[0][j], va[kBanks - 1][j]) : va[0][j];
-      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), sum));
-    }
+    F16ValuesPass<0, kFirst>(t, q, db);
+    if constexpr (kFirst < G) F16ValuesPass<kFirst, G - kFirst>(t, q, db);
   }
 }
 #endif
