@@ -267,7 +267,7 @@ ELLM_TARGET void Int8Tile(const TileCtx& t, const HeadsCtx& q) {
 
 #if !ELLM_AVX2_VNNI
 // f16 goes in passes over heads as int8 does: 2N independent FMA chains (the
-// two halves of the tile for q·K, two positions at a time for p·V) hide the
+// two halves of the tile for q·K, two blocks of 8 dims for p·V) hide the
 // FMA latency, which one half or one position at a time with G > 4 heads
 // (G chains) did not.
 constexpr int kF16PassHeads = 6;
@@ -289,34 +289,30 @@ ELLM_TARGET ELLM_INLINE void F16ScoresPass(const TileCtx& t, const HeadsCtx& q, 
   }
 }
 
-// p·V of heads [J0, J0 + N) for dims [8 db, 8 db + 8): even positions in
-// one bank, odd ones in the other.
+// p·V of heads [J0, J0 + N) for dims [16 dg, 16 dg + 16), as two blocks of
+// 8 dims: each weight broadcast serves both.
 template <int J0, int N>
-ELLM_TARGET ELLM_INLINE void F16ValuesPass(const TileCtx& t, const HeadsCtx& q, int db) {
+ELLM_TARGET ELLM_INLINE void F16ValuesPass(const TileCtx& t, const HeadsCtx& q, int dg) {
   const int hp = t.hp;
   __m256 va[2][N];
   for (int b = 0; b < 2; ++b) {
     for (int j = 0; j < N; ++j) va[b][j] = _mm256_setzero_ps();
   }
   if constexpr (J0 == 0) {
-    for (int l = 4 * db; l < 4 * db + 4; ++l) PrefetchV(t, l);  // hp / 2 lines over hp / 8 blocks
+    for (int l = 8 * dg; l < 8 * dg + 8; ++l) PrefetchV(t, l);  // hp / 2 lines over hp / 16 groups
   }
-  const uint8_t* vcol = t.v + 16 * db;
-  int r = 0;
-  for (; r + 2 <= t.nvalid; r += 2) {
-    const __m256 v0 = LoadHalves(vcol + 2 * r * hp), v1 = LoadHalves(vcol + 2 * (r + 1) * hp);
+  const uint8_t* vcol = t.v + 32 * dg;
+  for (int r = 0; r < t.nvalid; ++r) {
+    const __m256 v0 = LoadHalves(vcol + 2 * r * hp), v1 = LoadHalves(vcol + 2 * r * hp + 16);
     for (int j = 0; j < N; ++j) {
-      va[0][j] = _mm256_fmadd_ps(v0, _mm256_set1_ps(q.hs[J0 + j].w[r]), va[0][j]);
-      va[1][j] = _mm256_fmadd_ps(v1, _mm256_set1_ps(q.hs[J0 + j].w[r + 1]), va[1][j]);
+      const __m256 w = _mm256_set1_ps(q.hs[J0 + j].w[r]);
+      va[0][j] = _mm256_fmadd_ps(v0, w, va[0][j]);
+      va[1][j] = _mm256_fmadd_ps(v1, w, va[1][j]);
     }
   }
-  if (r < t.nvalid) {
-    const __m256 v0 = LoadHalves(vcol + 2 * r * hp);
-    for (int j = 0; j < N; ++j) va[0][j] = _mm256_fmadd_ps(v0, _mm256_set1_ps(q.hs[J0 + j].w[r]), va[0][j]);
-  }
   for (int j = 0; j < N; ++j) {
-    float* o = q.part + (J0 + j) * q.pf + 8 * db;
-    _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_add_ps(va[0][j], va[1][j])));
+    float* o = q.part + (J0 + j) * q.pf + 16 * dg;
+    for (int b = 0; b < 2; ++b) _mm256_storeu_ps(o + 8 * b, _mm256_add_ps(_mm256_loadu_ps(o + 8 * b), va[b][j]));
   }
 }
 
@@ -335,9 +331,9 @@ ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
     _mm256_storeu_ps(h->w, p[0]);
     _mm256_storeu_ps(h->w + 8, p[1]);
   }
-  for (int db = 0; db < hp / 8; ++db) {
-    F16ValuesPass<0, kFirst>(t, q, db);
-    if constexpr (kFirst < G) F16ValuesPass<kFirst, G - kFirst>(t, q, db);
+  for (int dg = 0; dg < hp / 16; ++dg) {
+    F16ValuesPass<0, kFirst>(t, q, dg);
+    if constexpr (kFirst < G) F16ValuesPass<kFirst, G - kFirst>(t, q, dg);
   }
 }
 #endif
