@@ -114,6 +114,7 @@ class QuantMatrix {
 
   // Group g's bytes (layout in matmul_layout.h).
   const uint8_t* group(int64_t g) const { return data_.data() + g * group_bytes_; }
+  size_t group_bytes() const { return group_bytes_; }
 
  private:
   DType type_ = DType::kF32;
