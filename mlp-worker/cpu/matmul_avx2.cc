@@ -10,7 +10,10 @@
 //
 // The layout is the AVX-512 one (matmul_layout.h): each 64-byte line holds 16
 // rows; these kernels take it as two halves of 8 rows (bytes 0..31 and
-// 32..63), one half at a time.
+// 32..63), one half at a time, except Q8_0's, which takes whole lines. The
+// half-line tiles prefetch (matmul_layout.h) in their first pass (h = 0) and
+// spread the next group over both passes; the second pass finds its group in
+// L2.
 //
 // "avx2": VPMADDUBSW (u8 x s8 -> int16 pair sums, saturating) + VPMADDWD:
 //   Q8_0       u8 = code + 128 would overflow the int16 pair sums, so the
@@ -144,32 +147,6 @@ ELLM_TARGET ELLM_INLINE void Store8(__m256 v, float* y, int valid) {
 inline int ValidHalf(const QuantMatrix& w, int64_t g, int h) {
   const int v = ValidRows(w, g) - 8 * h;
   return v < 0 ? 0 : v;
-}
-
-// Software prefetch. With the hardware prefetcher alone these kernels ran
-// compute and DRAM reads one after the other (Q8_0, 1 thread, AMD EPYC Zen 5:
-// 54 GB/s from cache, a 29 GB/s read probe, 17 GB/s from DRAM); asking for
-// the weight lines kAheadBytes ahead overlaps the two. Tiles that take half
-// lines prefetch in their first pass (h = 0); the second finds the group in
-// L2. Prefetching past the end of a matrix is harmless (no fault, no use).
-constexpr int kAheadBytes = 2048;
-
-// The lines of [p, p + bytes), kAheadBytes on.
-ELLM_TARGET ELLM_INLINE void PrefetchAhead(const void* p, int bytes) {
-  const char* c = static_cast<const char*>(p) + kAheadBytes;
-  for (int o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
-}
-
-// The second pass of a half-line tile reads from L2, and DRAM would idle
-// through it: so both passes also fetch the next group, its bytes spread
-// evenly over the steps (blocks) of the passes. Step `step` of `steps`; only
-// the first token tile of a group calls it.
-ELLM_TARGET ELLM_INLINE void PrefetchNextGroup(const QuantMatrix& w, int64_t g, int64_t step, int64_t steps) {
-  if (g + 1 >= w.groups()) return;
-  const int64_t bytes = static_cast<int64_t>(w.group_bytes());
-  const int64_t end = bytes * (step + 1) / steps;
-  const char* next = reinterpret_cast<const char*>(w.group(g + 1));
-  for (int64_t o = bytes * step / steps / 64 * 64; o < end; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
 }
 
 #if ELLM_AVX2_VNNI

@@ -39,6 +39,8 @@
 //         sc[8 p][16 r][2 h] int8 (scale of sub-block 2p + h).
 #pragma once
 
+#include <xmmintrin.h>
+
 #include <cstdint>
 
 #include "core/dtype.h"
@@ -110,6 +112,31 @@ void F32ExactKernelAvx(const KernelArgs& args, int64_t g_begin, int64_t g_end);
 inline int ValidRows(const QuantMatrix& w, int64_t g) {
   const int64_t left = w.rows() - g * kGroupRows;
   return left < kGroupRows ? static_cast<int>(left) : kGroupRows;
+}
+
+// Software prefetch for the kernels. With the hardware prefetcher alone they
+// ran compute and DRAM reads one after the other (AVX2 Q8_0, 1 thread, AMD
+// EPYC Zen 5: 54 GB/s from cache, a 29 GB/s read probe, 17 GB/s from DRAM);
+// asking for the weight lines kAheadBytes ahead overlaps the two.
+// Prefetching past the end of a matrix is harmless (no fault, no use).
+constexpr int kAheadBytes = 2048;
+
+// The lines of [p, p + bytes), kAheadBytes on.
+inline void PrefetchAhead(const void* p, int bytes) {
+  const char* c = static_cast<const char*>(p) + kAheadBytes;
+  for (int o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+}
+
+// For kernels that pass over a group more than once (the AVX2 half-line
+// tiles): DRAM would idle while a later pass reads the group from L2, so
+// every pass also fetches the next group, its bytes spread evenly over the
+// steps (blocks) of the passes. Step `step` of `steps`.
+inline void PrefetchNextGroup(const QuantMatrix& w, int64_t g, int64_t step, int64_t steps) {
+  if (g + 1 >= w.groups()) return;
+  const int64_t bytes = static_cast<int64_t>(w.group_bytes());
+  const int64_t end = bytes * (step + 1) / steps;
+  const char* next = reinterpret_cast<const char*>(w.group(g + 1));
+  for (int64_t o = bytes * step / steps / 64 * 64; o < end; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
 }
 
 }  // namespace ellm::mlp::internal
