@@ -466,16 +466,85 @@ struct Q4_0Tile {
 
 template <bool kQ5>
 struct K4Tile {
+  static constexpr int kQuant = kQ5 ? 2560 : 2048;
+
+  // Block b's integer sums for the 8 rows of half h and NT tokens: si, the
+  // sub-block dots times their scales, and sm, the activation sums times the
+  // mins. qb and meta are the block's (qb without the half's offset).
   template <int NT>
-  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
-    constexpr int kQuant = kQ5 ? 2560 : 2048;
-    const QuantMatrix& w = *a.w;
-    const int64_t nb = w.cols() / 256;
-    const uint8_t* quant = w.group(g) + 32 * h;
-    const uint8_t* meta0 = w.group(g) + nb * kQuant;
-    const TileActs<NT> act(a, t0, 256);
+  ELLM_TARGET ELLM_INLINE static void BlockHalf(const uint8_t* qb, const uint8_t* meta, int h,
+                                                const TileActs<NT>& act, int64_t b, __m256i* si,
+                                                __m256i* sm) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i bit4 = _mm256_set1_epi8(0x10);
+    qb += 32 * h;
+    for (int t = 0; t < NT; ++t) si[t] = sm[t] = _mm256_setzero_si256();
+    for (int s = 0; s < 8; ++s) {
+      // (sc, sc) int16 pairs of this half's 8 rows.
+      __m256i sc = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s + 8 * h)));
+      sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+      __m256i hb = _mm256_setzero_si256();
+      if constexpr (kQ5) hb = Load32(qb + 2048 + 64 * s);
+      __m256i s0[NT], s1[NT];
+      for (int t = 0; t < NT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m256i v = Load32(qb + 256 * s + 64 * i);
+        __m256i w0 = _mm256_and_si256(v, low);
+        __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if constexpr (kQ5) {
+          w0 = _mm256_or_si256(
+              w0, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - i)), bit4));
+          w1 = _mm256_or_si256(
+              w1, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(i)), bit4));
+        }
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* c = act.codes[t] + 256 * b + 32 * s;
+          const __m256i p0 = _mm256_maddubs_epi16(w0, Bcast4(c + 4 * i));
+          const __m256i p1 = _mm256_maddubs_epi16(w1, Bcast4(c + 16 + 4 * i));
+          if constexpr (kQ5) {  // lines 0..3 and 4..7 in separate int16 sums
+            s0[t] = _mm256_add_epi16(s0[t], p0);
+            s1[t] = _mm256_add_epi16(s1[t], p1);
+          } else {
+            s0[t] = _mm256_add_epi16(s0[t], _mm256_add_epi16(p0, p1));
+          }
+        }
+      }
+      for (int t = 0; t < NT; ++t) {
+        __m256i d = _mm256_madd_epi16(s0[t], sc);
+        if constexpr (kQ5) d = _mm256_add_epi32(d, _mm256_madd_epi16(s1[t], sc));
+        si[t] = _mm256_add_epi32(si[t], d);
+      }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m256i mp = _mm256_cvtepu8_epi16(Load16(meta + 192 + 32 * p + 16 * h));
+      for (int t = 0; t < NT; ++t) {
+        sm[t] = _mm256_add_epi32(sm[t], _mm256_madd_epi16(mp, Bcast4(act.sum32[t] + 8 * b + 2 * p)));
+      }
+    }
+  }
+
+  // acc += (d * si - dmin * sm) * d_act for half h.
+  ELLM_TARGET ELLM_INLINE static __m256 Finish(const uint8_t* meta, int h, __m256i si, __m256i sm,
+                                               float d_act, __m256 acc) {
+    const __m256 d = LoadHalves8(meta + 16 * h);
+    const __m256 dmin = LoadHalves8(meta + 32 + 16 * h);
+    const __m256 f =
+        _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(si), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(sm)));
+    return _mm256_fmadd_ps(f, _mm256_set1_ps(d_act), acc);
+  }
+
+  // Half h of each line, NT tokens: two passes per group (h = 0, 1).
+  template <int NT>
+  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
+    const QuantMatrix& w = *a.w;
+    const int64_t nb = w.cols() / 256;
+    const uint8_t* quant = w.group(g);
+    const uint8_t* meta0 = quant + nb * kQuant;
+    const TileActs<NT> act(a, t0, 256);
     __m256 acc[NT];
     for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -487,136 +556,32 @@ struct K4Tile {
       }
       if (t0 == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
       __m256i si[NT], sm[NT];
-      for (int t = 0; t < NT; ++t) si[t] = sm[t] = _mm256_setzero_si256();
-      for (int s = 0; s < 8; ++s) {
-        // (sc, sc) int16 pairs of this half's 8 rows.
-        __m256i sc = _mm256_cvtepu8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s + 8 * h)));
-        sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
-        __m256i hb = _mm256_setzero_si256();
-        if constexpr (kQ5) hb = Load32(qb + 2048 + 64 * s);
-        __m256i s0[NT], s1[NT];
-        for (int t = 0; t < NT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) {
-          const __m256i v = Load32(qb + 256 * s + 64 * i);
-          __m256i w0 = _mm256_and_si256(v, low);
-          __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          if constexpr (kQ5) {
-            w0 = _mm256_or_si256(
-                w0, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - i)), bit4));
-            w1 = _mm256_or_si256(
-                w1, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(i)), bit4));
-          }
-#pragma GCC unroll 2
-          for (int t = 0; t < NT; ++t) {
-            const int8_t* c = act.codes[t] + 256 * b + 32 * s;
-            const __m256i p0 = _mm256_maddubs_epi16(w0, Bcast4(c + 4 * i));
-            const __m256i p1 = _mm256_maddubs_epi16(w1, Bcast4(c + 16 + 4 * i));
-            if constexpr (kQ5) {  // lines 0..3 and 4..7 in separate int16 sums
-              s0[t] = _mm256_add_epi16(s0[t], p0);
-              s1[t] = _mm256_add_epi16(s1[t], p1);
-            } else {
-              s0[t] = _mm256_add_epi16(s0[t], _mm256_add_epi16(p0, p1));
-            }
-          }
-        }
-        for (int t = 0; t < NT; ++t) {
-          __m256i d = _mm256_madd_epi16(s0[t], sc);
-          if constexpr (kQ5) d = _mm256_add_epi32(d, _mm256_madd_epi16(s1[t], sc));
-          si[t] = _mm256_add_epi32(si[t], d);
-        }
-      }
-#pragma GCC unroll 4
-      for (int p = 0; p < 4; ++p) {
-        const __m256i mp = _mm256_cvtepu8_epi16(Load16(meta + 192 + 32 * p + 16 * h));
-        for (int t = 0; t < NT; ++t) {
-          sm[t] =
-              _mm256_add_epi32(sm[t], _mm256_madd_epi16(mp, Bcast4(act.sum32[t] + 8 * b + 2 * p)));
-        }
-      }
-      const __m256 d = LoadHalves8(meta + 16 * h);
-      const __m256 dmin = LoadHalves8(meta + 32 + 16 * h);
-      for (int t = 0; t < NT; ++t) {
-        const __m256 f = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(si[t]),
-                                         _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(sm[t])));
-        acc[t] = _mm256_fmadd_ps(f, _mm256_set1_ps(act.d[t][b]), acc[t]);
-      }
+      BlockHalf<NT>(qb, meta, h, act, b, si, sm);
+      for (int t = 0; t < NT; ++t) acc[t] = Finish(meta, h, si[t], sm[t], act.d[t][b], acc[t]);
     }
     for (int t = 0; t < NT; ++t) {
       Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
     }
   }
 
-  // One token (T = 1, decode) over whole lines: both halves in one pass,
-  // each activation broadcast serving 16 rows. The arithmetic per half is
-  // Run's, so the results are the same.
+  // One token (T = 1, decode): both halves of each block in turn, so the
+  // group is read in one pass. The arithmetic per half is Run's.
   ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g, int t0) {
-    constexpr int kQuant = kQ5 ? 2560 : 2048;
     const QuantMatrix& w = *a.w;
     const int64_t nb = w.cols() / 256;
     const uint8_t* quant = w.group(g);
     const uint8_t* meta0 = quant + nb * kQuant;
     const TileActs<1> act(a, t0, 256);
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i bit4 = _mm256_set1_epi8(0x10);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* qb = quant + b * kQuant;
       const uint8_t* meta = meta0 + b * 320;
       PrefetchAhead(qb, kQuant);
       PrefetchAhead(meta, 320);
-      const int8_t* cb = act.codes[0] + 256 * b;
-      __m256i si[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-      for (int s = 0; s < 8; ++s) {
-        __m256i s0[2], s1[2];
-        for (int h = 0; h < 2; ++h) s0[h] = s1[h] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) {
-          const __m256i c0 = Bcast4(cb + 32 * s + 4 * i), c1 = Bcast4(cb + 32 * s + 16 + 4 * i);
-#pragma GCC unroll 2
-          for (int h = 0; h < 2; ++h) {
-            const __m256i v = Load32(qb + 256 * s + 64 * i + 32 * h);
-            __m256i w0 = _mm256_and_si256(v, low);
-            __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            if constexpr (kQ5) {
-              const __m256i hb = Load32(qb + 2048 + 64 * s + 32 * h);
-              w0 = _mm256_or_si256(
-                  w0, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - i)), bit4));
-              w1 = _mm256_or_si256(
-                  w1, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(i)), bit4));
-            }
-            const __m256i p0 = _mm256_maddubs_epi16(w0, c0);
-            const __m256i p1 = _mm256_maddubs_epi16(w1, c1);
-            if constexpr (kQ5) {
-              s0[h] = _mm256_add_epi16(s0[h], p0);
-              s1[h] = _mm256_add_epi16(s1[h], p1);
-            } else {
-              s0[h] = _mm256_add_epi16(s0[h], _mm256_add_epi16(p0, p1));
-            }
-          }
-        }
-        for (int h = 0; h < 2; ++h) {
-          __m256i sc = _mm256_cvtepu8_epi32(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s + 8 * h)));
-          sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
-          __m256i d = _mm256_madd_epi16(s0[h], sc);
-          if constexpr (kQ5) d = _mm256_add_epi32(d, _mm256_madd_epi16(s1[h], sc));
-          si[h] = _mm256_add_epi32(si[h], d);
-        }
-      }
       for (int h = 0; h < 2; ++h) {
-        __m256i sm = _mm256_setzero_si256();
-#pragma GCC unroll 4
-        for (int p = 0; p < 4; ++p) {
-          const __m256i mp = _mm256_cvtepu8_epi16(Load16(meta + 192 + 32 * p + 16 * h));
-          sm = _mm256_add_epi32(sm, _mm256_madd_epi16(mp, Bcast4(act.sum32[0] + 8 * b + 2 * p)));
-        }
-        const __m256 d = LoadHalves8(meta + 16 * h);
-        const __m256 dmin = LoadHalves8(meta + 32 + 16 * h);
-        const __m256 f = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(si[h]),
-                                         _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(sm)));
-        acc[h] = _mm256_fmadd_ps(f, _mm256_set1_ps(act.d[0][b]), acc[h]);
+        __m256i si, sm;
+        BlockHalf<1>(qb, meta, h, act, b, &si, &sm);
+        acc[h] = Finish(meta, h, si, sm, act.d[0][b], acc[h]);
       }
     }
     for (int h = 0; h < 2; ++h) Store8(acc[h], a.y + t0 * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
@@ -624,13 +589,14 @@ struct K4Tile {
 };
 
 struct Q6Tile {
+  // Sub-blocks 2P and 2P + 1 of block b, for the 8 rows of half h and NT
+  // tokens, added to si (the dots times their scales) and corr (the
+  // activation sums times the scales: the -32 offset). qb and meta are the
+  // block's.
   template <int NT>
-  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
-    const QuantMatrix& w = *a.w;
-    const int64_t nb = w.cols() / 256;
-    const uint8_t* quant = w.group(g) + 32 * h;
-    const uint8_t* meta0 = w.group(g) + nb * 3072;
-    const TileActs<NT> act(a, t0, 256);
+  ELLM_TARGET ELLM_INLINE static void PairHalf(const uint8_t* qb, const uint8_t* meta, int P, int h,
+                                               const TileActs<NT>& act, int64_t b, __m256i* si,
+                                               __m256i* corr) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i two = _mm256_set1_epi8(0x30);
     // Per dword (sc_even, sc_odd) -> (sc_even, sc_even) / (sc_odd, sc_odd).
@@ -638,6 +604,57 @@ struct Q6Tile {
                                           0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
     const __m256i odd = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2,
                                          3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+    qb += 32 * h;
+    {
+      const __m256i scp = _mm256_cvtepi8_epi16(Load16(meta + 32 + 32 * P + 16 * h));
+      const __m256i sce = _mm256_shuffle_epi8(scp, even);
+      const __m256i sco = _mm256_shuffle_epi8(scp, odd);
+      const __m128i shift = _mm_cvtsi32_si128(P % 2 ? 0 : 4);
+#pragma GCC unroll 2
+      for (int kp = 0; kp < 4; kp += 2) {  // lines kp, kp + 1: one int16 sum each
+        __m256i we[2], wo[2];
+        for (int u = 0; u < 2; ++u) {
+          const int k = kp + u;
+          const __m256i v = Load32(qb + 256 * P + 64 * k);
+          const __m256i hbits = _mm256_sll_epi16(Load32(qb + 2048 + 256 * (P / 2) + 64 * k), shift);
+          we[u] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hbits, two));
+          wo[u] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                  _mm256_and_si256(_mm256_srli_epi16(hbits, 2), two));
+        }
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* c = act.codes[t] + 256 * b + 32 * P;
+          const __m256i e = _mm256_add_epi16(_mm256_maddubs_epi16(we[0], Bcast4(c + 4 * kp)),
+                                             _mm256_maddubs_epi16(we[1], Bcast4(c + 4 * kp + 4)));
+          const __m256i o = _mm256_add_epi16(_mm256_maddubs_epi16(wo[0], Bcast4(c + 16 + 4 * kp)),
+                                             _mm256_maddubs_epi16(wo[1], Bcast4(c + 16 + 4 * kp + 4)));
+          si[t] = _mm256_add_epi32(
+              si[t], _mm256_add_epi32(_mm256_madd_epi16(e, sce), _mm256_madd_epi16(o, sco)));
+        }
+      }
+      for (int t = 0; t < NT; ++t) {
+        corr[t] = _mm256_add_epi32(corr[t],
+                                   _mm256_madd_epi16(scp, Bcast4(act.sum16[t] + 16 * b + 2 * P)));
+      }
+    }
+  }
+
+  // acc += (si - 32 corr) * d_act * d for half h.
+  ELLM_TARGET ELLM_INLINE static __m256 Finish(const uint8_t* meta, int h, __m256i si, __m256i corr,
+                                               float d_act, __m256 acc) {
+    const __m256i total = _mm256_sub_epi32(si, _mm256_slli_epi32(corr, 5));
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d_act)),
+                           LoadHalves8(meta + 16 * h), acc);
+  }
+
+  // Half h of each line, NT tokens: two passes per group (h = 0, 1).
+  template <int NT>
+  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
+    const QuantMatrix& w = *a.w;
+    const int64_t nb = w.cols() / 256;
+    const uint8_t* quant = w.group(g);
+    const uint8_t* meta0 = quant + nb * 3072;
+    const TileActs<NT> act(a, t0, 256);
     __m256 acc[NT];
     for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -650,114 +667,34 @@ struct Q6Tile {
       if (t0 == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
       __m256i si[NT], corr[NT];
       for (int t = 0; t < NT; ++t) si[t] = corr[t] = _mm256_setzero_si256();
-      for (int P = 0; P < 8; ++P) {
-        const __m256i scp = _mm256_cvtepi8_epi16(Load16(meta + 32 + 32 * P + 16 * h));
-        const __m256i sce = _mm256_shuffle_epi8(scp, even);
-        const __m256i sco = _mm256_shuffle_epi8(scp, odd);
-        const __m128i shift = _mm_cvtsi32_si128(P % 2 ? 0 : 4);
-#pragma GCC unroll 2
-        for (int kp = 0; kp < 4; kp += 2) {  // lines kp, kp + 1: one int16 sum each
-          __m256i we[2], wo[2];
-          for (int u = 0; u < 2; ++u) {
-            const int k = kp + u;
-            const __m256i v = Load32(qb + 256 * P + 64 * k);
-            const __m256i hbits =
-                _mm256_sll_epi16(Load32(qb + 2048 + 256 * (P / 2) + 64 * k), shift);
-            we[u] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hbits, two));
-            wo[u] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                    _mm256_and_si256(_mm256_srli_epi16(hbits, 2), two));
-          }
-#pragma GCC unroll 2
-          for (int t = 0; t < NT; ++t) {
-            const int8_t* c = act.codes[t] + 256 * b + 32 * P;
-            const __m256i e = _mm256_add_epi16(_mm256_maddubs_epi16(we[0], Bcast4(c + 4 * kp)),
-                                               _mm256_maddubs_epi16(we[1], Bcast4(c + 4 * kp + 4)));
-            const __m256i o =
-                _mm256_add_epi16(_mm256_maddubs_epi16(wo[0], Bcast4(c + 16 + 4 * kp)),
-                                 _mm256_maddubs_epi16(wo[1], Bcast4(c + 16 + 4 * kp + 4)));
-            si[t] = _mm256_add_epi32(
-                si[t], _mm256_add_epi32(_mm256_madd_epi16(e, sce), _mm256_madd_epi16(o, sco)));
-          }
-        }
-        for (int t = 0; t < NT; ++t) {
-          corr[t] = _mm256_add_epi32(corr[t],
-                                     _mm256_madd_epi16(scp, Bcast4(act.sum16[t] + 16 * b + 2 * P)));
-        }
-      }
-      const __m256 d = LoadHalves8(meta + 16 * h);
-      for (int t = 0; t < NT; ++t) {
-        const __m256i total = _mm256_sub_epi32(si[t], _mm256_slli_epi32(corr[t], 5));
-        acc[t] = _mm256_fmadd_ps(
-            _mm256_mul_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(act.d[t][b])), d, acc[t]);
-      }
+      for (int P = 0; P < 8; ++P) PairHalf<NT>(qb, meta, P, h, act, b, si, corr);
+      for (int t = 0; t < NT; ++t) acc[t] = Finish(meta, h, si[t], corr[t], act.d[t][b], acc[t]);
     }
     for (int t = 0; t < NT; ++t) {
       Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
     }
   }
 
-  // One token (T = 1, decode) over whole lines, as K4Tile::RunWhole: both
-  // halves per sub-block pair, the lines read in one pass; the arithmetic
-  // per half is Run's.
+  // One token (T = 1, decode): both halves of each sub-block pair in turn, so
+  // the group is read in one pass. The arithmetic per half is Run's.
   ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g, int t0) {
     const QuantMatrix& w = *a.w;
     const int64_t nb = w.cols() / 256;
     const uint8_t* quant = w.group(g);
     const uint8_t* meta0 = quant + nb * 3072;
     const TileActs<1> act(a, t0, 256);
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i two = _mm256_set1_epi8(0x30);
-    const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1,
-                                          0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
-    const __m256i odd = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2,
-                                         3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* qb = quant + b * 3072;
       const uint8_t* meta = meta0 + b * 288;
       PrefetchAhead(qb, 3072);
       PrefetchAhead(meta, 288);
-      const int8_t* cb = act.codes[0] + 256 * b;
       __m256i si[2], corr[2];
       for (int h = 0; h < 2; ++h) si[h] = corr[h] = _mm256_setzero_si256();
       for (int P = 0; P < 8; ++P) {
-        const __m128i shift = _mm_cvtsi32_si128(P % 2 ? 0 : 4);
-        const int8_t* c = cb + 32 * P;
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          const __m256i scp = _mm256_cvtepi8_epi16(Load16(meta + 32 + 32 * P + 16 * h));
-          const __m256i sce = _mm256_shuffle_epi8(scp, even);
-          const __m256i sco = _mm256_shuffle_epi8(scp, odd);
-#pragma GCC unroll 2
-          for (int kp = 0; kp < 4; kp += 2) {
-            __m256i we[2], wo[2];
-            for (int u = 0; u < 2; ++u) {
-              const int k = kp + u;
-              const __m256i v = Load32(qb + 256 * P + 64 * k + 32 * h);
-              const __m256i hbits =
-                  _mm256_sll_epi16(Load32(qb + 2048 + 256 * (P / 2) + 64 * k + 32 * h), shift);
-              we[u] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hbits, two));
-              wo[u] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                      _mm256_and_si256(_mm256_srli_epi16(hbits, 2), two));
-            }
-            const __m256i e = _mm256_add_epi16(_mm256_maddubs_epi16(we[0], Bcast4(c + 4 * kp)),
-                                               _mm256_maddubs_epi16(we[1], Bcast4(c + 4 * kp + 4)));
-            const __m256i o =
-                _mm256_add_epi16(_mm256_maddubs_epi16(wo[0], Bcast4(c + 16 + 4 * kp)),
-                                 _mm256_maddubs_epi16(wo[1], Bcast4(c + 16 + 4 * kp + 4)));
-            si[h] = _mm256_add_epi32(
-                si[h], _mm256_add_epi32(_mm256_madd_epi16(e, sce), _mm256_madd_epi16(o, sco)));
-          }
-          corr[h] = _mm256_add_epi32(corr[h],
-                                     _mm256_madd_epi16(scp, Bcast4(act.sum16[0] + 16 * b + 2 * P)));
-        }
+        for (int h = 0; h < 2; ++h) PairHalf<1>(qb, meta, P, h, act, b, &si[h], &corr[h]);
       }
-      for (int h = 0; h < 2; ++h) {
-        const __m256 d = LoadHalves8(meta + 16 * h);
-        const __m256i total = _mm256_sub_epi32(si[h], _mm256_slli_epi32(corr[h], 5));
-        acc[h] = _mm256_fmadd_ps(
-            _mm256_mul_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(act.d[0][b])), d, acc[h]);
-      }
+      for (int h = 0; h < 2; ++h) acc[h] = Finish(meta, h, si[h], corr[h], act.d[0][b], acc[h]);
     }
     for (int h = 0; h < 2; ++h) Store8(acc[h], a.y + t0 * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
   }
