@@ -697,10 +697,15 @@ std::vector<MatIsa> BenchIsas() {
   return out;
 }
 
+// ELLM_BENCH_MATVEC_N (default 5120) and ELLM_BENCH_WORKING_SET_KB (default
+// 1 GiB, beyond the last-level cache) change the shape and the bytes cycled
+// through: e.g. 512 and 300 measure the kernels on weights in cache.
 TEST(MatMulBench, DISABLED_Matvec5120) {
   const std::vector<MatIsa> isas = BenchIsas();
-  constexpr int64_t kN = 5120;
-  constexpr size_t kWorkingSet = size_t{1} << 30;  // beyond the last-level cache
+  const char* n_env = std::getenv("ELLM_BENCH_MATVEC_N");
+  const char* ws_env = std::getenv("ELLM_BENCH_WORKING_SET_KB");
+  const int64_t kN = n_env != nullptr ? std::max(32LL, std::atoll(n_env)) / 32 * 32 : 5120;
+  const size_t kWorkingSet = ws_env != nullptr ? std::max(1LL, std::atoll(ws_env)) * size_t{1024} : size_t{1} << 30;
   std::vector<uint64_t> probe(kWorkingSet / 8, 1);
   for (int threads : {1, 2}) {
     ThreadPool pool(threads);

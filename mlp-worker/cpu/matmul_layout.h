@@ -116,7 +116,9 @@ inline int ValidRows(const QuantMatrix& w, int64_t g) {
 
 // Software prefetch for the kernels. With the hardware prefetcher alone they
 // ran compute and DRAM reads one after the other (AVX2 Q8_0, 1 thread, AMD
-// EPYC Zen 5: 54 GB/s from cache, a 29 GB/s read probe, 17 GB/s from DRAM);
+// EPYC Zen 5: 54 GB/s from cache, a 29 GB/s read probe, 17 GB/s from DRAM;
+// the DISABLED_Matvec5120 bench in tests/test_matmul.cc, with
+// ELLM_BENCH_MATVEC_N=512 ELLM_BENCH_WORKING_SET_KB=300 for "from cache");
 // asking for the weight lines kAheadBytes ahead overlaps the two.
 // Prefetching past the end of a matrix is harmless (no fault, no use).
 constexpr int kAheadBytes = 2048;
