@@ -30,6 +30,7 @@
 
 #include "attn-worker/attention_kernels.h"
 #include "attn-worker/kv_cache.h"
+#include "core/kv_heads.h"
 #include "core/thread_pool.h"
 #include "shm/messages.h"
 
@@ -37,8 +38,7 @@ namespace ellm::attn {
 
 struct ShardGeometry {
   int layers = 0;
-  int kv_head_begin = 0;  // KV heads [begin, end) of the model
-  int kv_head_end = 0;
+  KvHeads heads;          // the model's KV heads this shard owns
   int gqa_ratio = 1;      // query heads per KV head
   int head_dim = 0;
   int max_positions = 0;  // the model's context
@@ -48,7 +48,7 @@ struct ShardGeometry {
   // metal, ~65 us on the 2-vCPU VM these numbers come from, while 256 KiB
   // take ~20 us on one core).
   double parallel_min_bytes = 256 * 1024;
-  int kv_heads() const { return kv_head_end - kv_head_begin; }
+  int kv_heads() const { return heads.count(); }
   int q_heads() const { return kv_heads() * gqa_ratio; }
   shm::AttnShape shape() const { return {q_heads(), kv_heads(), head_dim}; }
 };

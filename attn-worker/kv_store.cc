@@ -83,8 +83,8 @@ uint64_t Checksum64(const void* data, size_t n) {
 
 absl::StatusOr<std::unique_ptr<KvStore>> KvStore::Open(const std::string& dir, int64_t max_bytes,
                                                        const KvStoreLayout& layout) {
-  const std::string folder = absl::StrCat(dir, "/", Hex(layout.model), "/kv", layout.kv_head_begin, "-",
-                                          layout.kv_head_end);
+  const std::string folder = absl::StrCat(dir, "/", Hex(layout.model), "/kv", layout.heads.begin, "-",
+                                          layout.heads.end);
   std::error_code ec;
   fs::create_directories(folder, ec);
   if (ec) return absl::UnavailableError(absl::StrCat("cannot create ", folder, ": ", ec.message()));
@@ -148,8 +148,8 @@ absl::StatusOr<KvStore::Stored> KvStore::ReadFile(const std::string& path, uint6
       h.head_dim != static_cast<uint32_t>(L.head_dim) || h.payload_bytes != L.payload_bytes) {
     return mismatch("the block layout");
   }
-  if (h.kv_head_begin != static_cast<uint32_t>(L.kv_head_begin) ||
-      h.kv_head_end != static_cast<uint32_t>(L.kv_head_end)) {
+  if (h.kv_head_begin != static_cast<uint32_t>(L.heads.begin) ||
+      h.kv_head_end != static_cast<uint32_t>(L.heads.end)) {
     return mismatch("the shard");
   }
   if (h.key != expected_key) return absl::DataLossError(absl::StrCat(path, " holds another key"));
@@ -303,8 +303,8 @@ absl::Status KvStore::Write(const Pending& p) {
   h.block_tokens = static_cast<uint32_t>(layout_.block_tokens);
   h.layers = static_cast<uint32_t>(layout_.layers);
   h.head_dim = static_cast<uint32_t>(layout_.head_dim);
-  h.kv_head_begin = static_cast<uint32_t>(layout_.kv_head_begin);
-  h.kv_head_end = static_cast<uint32_t>(layout_.kv_head_end);
+  h.kv_head_begin = static_cast<uint32_t>(layout_.heads.begin);
+  h.kv_head_end = static_cast<uint32_t>(layout_.heads.end);
   h.key = p.key;
   h.parent = p.parent;
   h.payload_bytes = p.payload.size();

@@ -32,6 +32,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "core/kv_format.h"
+#include "core/kv_heads.h"
 #include "core/status.h"
 
 namespace ellm::attn {
@@ -68,7 +69,7 @@ struct KvStoreLayout {
   int block_tokens = 16;
   int layers = 0;
   int head_dim = 0;
-  int kv_head_begin = 0, kv_head_end = 0;
+  KvHeads heads;  // the shard's
   uint64_t payload_bytes = 0;  // KvCache::BlockBytes
 };
 

@@ -74,7 +74,7 @@ namespace {
 struct AttnWorkerConfig {
   std::string model_path;
   int shard = 0;
-  int kv_head_begin = 0, kv_head_end = 0;
+  KvHeads heads;  // --kv_heads
   std::string channel;
   std::string listen;
   int numa_node = -1;
@@ -114,12 +114,9 @@ absl::StatusOr<AttnWorkerConfig> ConfigFromFlags() {
   if (c.kv_store_bytes <= 0) return absl::InvalidArgumentError("--kv_store_mb must be positive");
   if (c.channel.empty()) return absl::InvalidArgumentError("--channel is required");
   if (c.listen.empty()) return absl::InvalidArgumentError("--listen is required");
-  std::vector<std::string> range = absl::StrSplit(absl::GetFlag(FLAGS_kv_heads), ':');
-  if (range.size() != 2 || !absl::SimpleAtoi(range[0], &c.kv_head_begin) ||
-      !absl::SimpleAtoi(range[1], &c.kv_head_end) || c.kv_head_begin < 0 ||
-      c.kv_head_end <= c.kv_head_begin) {
-    return absl::InvalidArgumentError("--kv_heads must be BEGIN:END with BEGIN < END");
-  }
+  absl::StatusOr<KvHeads> heads = KvHeads::Parse(absl::GetFlag(FLAGS_kv_heads));
+  if (!heads.ok()) return absl::InvalidArgumentError(absl::StrCat("--kv_heads: ", heads.status().message()));
+  c.heads = *heads;
   if (c.kv_cache_bytes <= 0 || c.block_tokens <= 0 || c.max_batch <= 0 ||
       c.max_step_tokens <= 0) {
     return absl::InvalidArgumentError(
@@ -166,8 +163,8 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
     info->set_model_path(config_.model_path);
     info->set_channel(config_.channel);
     info->set_shard(config_.shard);
-    info->set_kv_head_begin(config_.kv_head_begin);
-    info->set_kv_head_end(config_.kv_head_end);
+    info->set_kv_head_begin(config_.heads.begin);
+    info->set_kv_head_end(config_.heads.end);
     info->set_kv_blocks_total(cache_->blocks_total());
     info->set_kv_blocks_free(cache_->blocks_free());
     info->set_kv_blocks_cached(cache_->blocks_cached());
@@ -284,15 +281,14 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
 absl::Status Run(const AttnWorkerConfig& config) {
   ASSIGN_OR_RETURN(auto file, GgufFile::Open(config.model_path));
   ASSIGN_OR_RETURN(ModelConfig model, ModelConfig::FromGguf(*file));
-  if (config.kv_head_end > model.n_kv_heads) {
-    return absl::InvalidArgumentError(absl::StrCat("--kv_heads ", config.kv_head_begin, ":",
-                                                   config.kv_head_end, " exceeds the model's ",
-                                                   model.n_kv_heads, " KV heads"));
+  if (config.heads.end > model.n_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv_heads ", config.heads.Flag(),
+                                                   " exceeds the model's ", model.n_kv_heads,
+                                                   " KV heads"));
   }
   ShardGeometry geometry;
   geometry.layers = model.n_layers;
-  geometry.kv_head_begin = config.kv_head_begin;
-  geometry.kv_head_end = config.kv_head_end;
+  geometry.heads = config.heads;
   geometry.gqa_ratio = model.gqa_ratio();
   geometry.head_dim = model.head_dim;
   geometry.max_positions = model.context_length;
@@ -314,8 +310,8 @@ absl::Status Run(const AttnWorkerConfig& config) {
                                                    KvCache::BlockBytes(kv), " bytes"));
   }
   ASSIGN_OR_RETURN(auto cache, KvCache::Create(kv));
-  LogInfo("KV heads [%d, %d) of %d layers: %d blocks of %d positions (%.1f MiB %s, %s)",
-          config.kv_head_begin, config.kv_head_end, model.n_layers, kv.blocks, kv.block_tokens,
+  LogInfo("KV heads %s of %d layers: %d blocks of %d positions (%.1f MiB %s, %s)",
+          config.heads.ToString(), model.n_layers, kv.blocks, kv.block_tokens,
           (KvCache::BlockBytes(kv) * kv.blocks) / 1048576.0, std::string(KvDTypeName(kv.dtype)),
           config.numa_node >= 0 ? absl::StrCat("NUMA node ", config.numa_node) : "no NUMA binding");
 
@@ -343,8 +339,7 @@ absl::Status Run(const AttnWorkerConfig& config) {
     layout.block_tokens = kv.block_tokens;
     layout.layers = kv.layers;
     layout.head_dim = kv.head_dim;
-    layout.kv_head_begin = config.kv_head_begin;
-    layout.kv_head_end = config.kv_head_end;
+    layout.heads = config.heads;
     layout.payload_bytes = KvCache::BlockBytes(kv);
     absl::StatusOr<std::unique_ptr<KvStore>> opened = KvStore::Open(config.kv_store, config.kv_store_bytes, layout);
     if (opened.ok()) {

@@ -321,8 +321,7 @@ Setup Prepare(const Shape& shape, KvDType dtype, int positions, int runs, int64_
     }
   });
   s.geometry.layers = s.layers;
-  s.geometry.kv_head_begin = 0;
-  s.geometry.kv_head_end = shape.kv_heads;
+  s.geometry.heads = {0, shape.kv_heads};
   s.geometry.gqa_ratio = shape.q_heads / shape.kv_heads;
   s.geometry.head_dim = shape.head_dim;
   s.geometry.max_positions = capacity;

@@ -160,9 +160,9 @@ struct HostBlock {
   float* data;
 };
 
-std::vector<std::pair<int, int>> ShardBounds(const ModelConfig& c, int shards) {
+std::vector<KvHeads> ShardBounds(const ModelConfig& c, int shards) {
   shards = std::max(1, std::min(shards, c.n_kv_heads));
-  std::vector<std::pair<int, int>> b;
+  std::vector<KvHeads> b;
   for (int s = 0; s < shards; ++s) {
     b.push_back({c.n_kv_heads * s / shards, c.n_kv_heads * (s + 1) / shards});
   }
@@ -179,9 +179,8 @@ absl::StatusOr<Stats> TimeDecode(MlpBackend& backend, const ModelConfig& c, int 
   std::vector<MlpBackend::ShardIo> io(bounds.size());
   float* cursor = block.data;
   for (size_t s = 0; s < bounds.size(); ++s) {
-    const int kvh = bounds[s].second - bounds[s].first;
-    io[s].kv_head_begin = bounds[s].first;
-    io[s].kv_head_end = bounds[s].second;
+    const int kvh = bounds[s].count();
+    io[s].heads = bounds[s];
     io[s].q = cursor;
     io[s].attn = cursor;  // the attention "answers" with the q it was sent
     cursor += static_cast<size_t>(batch) * kvh * g * hd;
@@ -282,11 +281,11 @@ absl::StatusOr<std::unique_ptr<Workers>> StartWorkers(const ModelConfig& c, int 
                                                       int batch) {
   auto w = std::make_unique<Workers>();
   int i = 0;
-  for (const auto& [begin, end] : ShardBounds(c, shards)) {
-    w->attn.push_back(std::make_unique<EmptyAttention>(c, begin, end, batch, batch));
+  for (const KvHeads& heads : ShardBounds(c, shards)) {
+    w->attn.push_back(std::make_unique<EmptyAttention>(c, heads.begin, heads.end, batch, batch));
     RETURN_IF_ERROR(w->attn.back()->status());
     ASSIGN_OR_RETURN(auto channel, shm::Channel::Open(w->attn.back()->name(), absl::Seconds(10)));
-    w->links.push_back({i++, begin, end, channel.get()});
+    w->links.push_back({i++, heads, channel.get()});
     w->channels.push_back(std::move(channel));
   }
   return w;
@@ -366,7 +365,7 @@ absl::StatusOr<Stats> TimeHop(const ModelConfig& c, int batch, int shards, bool 
       wait.timeout = absl::Seconds(10);
       ASSIGN_OR_RETURN(uint8_t * slot, link.channel->requests().BeginWrite(wait));
       std::memcpy(slot, slices.data(), slices.size() * sizeof(shm::SeqSlice));
-      const int kvh = link.kv_head_end - link.kv_head_begin;
+      const int kvh = link.heads.count();
       float* q = reinterpret_cast<float*>(slot + slices.size() * sizeof(shm::SeqSlice));
       float* k = q + static_cast<size_t>(T) * kvh * g * hd;
       float* v = k + static_cast<size_t>(T) * kvh * hd;
@@ -374,26 +373,26 @@ absl::StatusOr<Stats> TimeHop(const ModelConfig& c, int batch, int shards, bool 
       hk.push_back(k);
       hv.push_back(v);
       p.shard[s] = {static_cast<float*>(device_ptr(q)), static_cast<float*>(device_ptr(k)),
-                    static_cast<float*>(device_ptr(v)), nullptr, link.kv_head_begin,
-                    link.kv_head_end};
+                    static_cast<float*>(device_ptr(v)), nullptr, link.heads.begin,
+                    link.heads.end};
     }
     if (mapped) {
       CUDA_RETURN_IF_ERROR(cuda::LaunchScatterQkv(p, qkv.get(), cols, stream.get()));
     } else {
       for (size_t s = 0; s < workers->links.size(); ++s) {
         const ShardLink& link = workers->links[s];
-        const int kvh = link.kv_head_end - link.kv_head_begin;
+        const int kvh = link.heads.count();
         const size_t qb = static_cast<size_t>(kvh) * g * hd * 4, kvb = static_cast<size_t>(kvh) * hd * 4;
         const float* base = qkv.get();
-        CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(hq[s], qb, base + link.kv_head_begin * g * hd, cols * 4, qb, T, cudaMemcpyDeviceToHost, stream.get()));
-        CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(hk[s], kvb, base + c.q_dim() + link.kv_head_begin * hd, cols * 4, kvb, T, cudaMemcpyDeviceToHost, stream.get()));
-        CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(hv[s], kvb, base + c.q_dim() + c.kv_dim() + link.kv_head_begin * hd, cols * 4, kvb, T, cudaMemcpyDeviceToHost, stream.get()));
+        CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(hq[s], qb, base + link.heads.begin * g * hd, cols * 4, qb, T, cudaMemcpyDeviceToHost, stream.get()));
+        CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(hk[s], kvb, base + c.q_dim() + link.heads.begin * hd, cols * 4, kvb, T, cudaMemcpyDeviceToHost, stream.get()));
+        CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(hv[s], kvb, base + c.q_dim() + c.kv_dim() + link.heads.begin * hd, cols * 4, kvb, T, cudaMemcpyDeviceToHost, stream.get()));
       }
     }
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream.get()));
     for (size_t s = 0; s < workers->links.size(); ++s) {
       const ShardLink& link = workers->links[s];
-      const int kvh = link.kv_head_end - link.kv_head_begin;
+      const int kvh = link.heads.count();
       shm::FrameHeader h;
       h.kind = static_cast<uint16_t>(shm::FrameKind::kAttnRequest);
       h.step = static_cast<uint64_t>(it + 1);
@@ -407,13 +406,13 @@ absl::StatusOr<Stats> TimeHop(const ModelConfig& c, int batch, int shards, bool 
       shm::WaitOptions wait;
       wait.timeout = absl::Seconds(10);
       ASSIGN_OR_RETURN(shm::Ring::Frame frame, link.channel->replies().BeginRead(wait));
-      const int qh = (link.kv_head_end - link.kv_head_begin) * g;
+      const int qh = (link.heads.count()) * g;
       const float* out = reinterpret_cast<const float*>(frame.payload);
       if (mapped) {
         p.shard[s].attn = static_cast<const float*>(device_ptr(out));
       } else {
         const size_t qb = static_cast<size_t>(qh) * hd * 4;
-        CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(attn32.get() + link.kv_head_begin * g * hd, c.q_dim() * 4, out, qb, qb, T, cudaMemcpyHostToDevice, stream.get()));
+        CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(attn32.get() + link.heads.begin * g * hd, c.q_dim() * 4, out, qb, qb, T, cudaMemcpyHostToDevice, stream.get()));
       }
     }
     if (mapped) {

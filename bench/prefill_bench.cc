@@ -115,8 +115,7 @@ int PrefillMain(int argc, char** argv) {
   if (!kernel.ok()) return fail(kernel.status().ToString());
   attn::ShardGeometry geometry;
   geometry.layers = c.n_layers;
-  geometry.kv_head_begin = 0;
-  geometry.kv_head_end = c.n_kv_heads;
+  geometry.heads = {0, c.n_kv_heads};
   geometry.gqa_ratio = c.gqa_ratio();
   geometry.head_dim = c.head_dim;
   geometry.max_positions = c.context_length;
@@ -163,14 +162,14 @@ int PrefillMain(int argc, char** argv) {
       shm::SeqSlice slice{seq, static_cast<uint32_t>(at), static_cast<uint32_t>(n)};
       for (int l = 0; l < c.n_layers && st.ok(); ++l) {
         t0 = Now();
-        st = (*backend)->ComputeQkv(l, q.data(), k.data(), v.data());
+        st = ComputeQkv(**backend, c.n_kv_heads, l, q.data(), k.data(), v.data());
         const double t1 = Now();
         if (st.ok()) {
           shm::AttnRequestView req{&slice, q.data(), k.data(), v.data()};
           st = shard.Process(l, 1, n, req, out.data());
         }
         const double t2 = Now();
-        if (st.ok()) st = (*backend)->CompleteLayer(l, out.data());
+        if (st.ok()) st = CompleteLayer(**backend, c.n_kv_heads, l, out.data());
         matrix_s += (t1 - t0) + (Now() - t2);
         attention_s += t2 - t1;
       }

@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "core/gguf.h"
 #include "core/kv_format.h"
+#include "core/kv_heads.h"
 #include "core/log.h"
 #include "core/model_config.h"
 #include "core/signals.h"
@@ -207,7 +208,7 @@ absl::Status Launch::Start() {
         "cannot split the model's ", model.n_kv_heads, " KV heads evenly over ", n,
         " attention workers; choose --attn-workers from the divisors of ", model.n_kv_heads));
   }
-  const int heads_each = model.n_kv_heads / n;
+  const int heads_each = SplitKvHeads(model.n_kv_heads, n, 0).count();
   for (const char* bin : {"ellm-attn-worker", "ellm-mlp-worker", "ellm-coordinator"}) {
     if (!Executable(c_.bin_dir + "/" + bin)) {
       return absl::NotFoundError(absl::StrCat("cannot find ", c_.bin_dir, "/", bin,
@@ -287,6 +288,7 @@ absl::Status Launch::Start() {
     }
     if (cpus.empty()) cpus = node.cpus;
     const std::string channel = absl::StrCat(prefix_, "-attn-", i);
+    const KvHeads heads = SplitKvHeads(model.n_kv_heads, n, i);
     const std::string address = absl::StrCat("unix:", run_dir_, "/attn-", i, ".sock");
     std::vector<std::string> argv;
     if (numactl) {
@@ -294,7 +296,7 @@ absl::Status Launch::Start() {
     }
     std::vector<std::string> rest = {
         c_.bin_dir + "/ellm-attn-worker", "--model=" + c_.model_path,
-        absl::StrCat("--shard=", i), absl::StrCat("--kv_heads=", i * heads_each, ":", (i + 1) * heads_each),
+        absl::StrCat("--shard=", i), "--kv_heads=" + heads.Flag(),
         "--channel=" + channel, "--listen=" + address, absl::StrCat("--numa_node=", node.id),
         "--cpus=" + FormatCpuList(cpus), absl::StrCat("--kv_cache_mb=", kv_mb),
         "--kv_dtype=" + c_.kv_dtype, "--attn_kernel=" + c_.attn_kernel, common_limits,
@@ -305,7 +307,7 @@ absl::Status Launch::Start() {
     }
     argv.insert(argv.end(), rest.begin(), rest.end());
     children_.push_back({absl::StrCat("attn-worker ", i), Spawn(argv), address, false, 0, argv});
-    shard_specs.push_back(absl::StrCat(channel, "=", i * heads_each, ":", (i + 1) * heads_each));
+    shard_specs.push_back(absl::StrCat(channel, "=", heads.Flag()));
     worker_addresses.push_back(address);
   }
 

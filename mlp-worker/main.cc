@@ -64,7 +64,7 @@ namespace {
 
 struct ShardSpec {
   std::string channel;
-  int begin = 0, end = 0;
+  KvHeads heads;
 };
 
 struct MlpWorkerConfig {
@@ -127,15 +127,14 @@ absl::StatusOr<MlpWorkerConfig> ConfigFromFlags() {
   }
   for (absl::string_view spec : absl::StrSplit(absl::GetFlag(FLAGS_attn_shards), ',', absl::SkipEmpty())) {
     std::vector<std::string> kv = absl::StrSplit(spec, '=');
-    std::vector<std::string> range = kv.size() == 2 ? absl::StrSplit(kv[1], ':') : std::vector<std::string>{};
-    ShardSpec s;
-    if (range.size() != 2 || !absl::SimpleAtoi(range[0], &s.begin) ||
-        !absl::SimpleAtoi(range[1], &s.end)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("bad --attn_shards entry '", spec, "' (expected CHANNEL=BEGIN:END)"));
+    absl::StatusOr<KvHeads> heads =
+        kv.size() == 2 ? KvHeads::Parse(kv[1]) : absl::InvalidArgumentError("no '='");
+    if (!heads.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("bad --attn_shards entry '", spec,
+                                                     "' (expected CHANNEL=BEGIN:END): ",
+                                                     heads.status().message()));
     }
-    s.channel = kv[0];
-    c.shards.push_back(s);
+    c.shards.push_back({kv[0], *heads});
   }
   if (c.shards.empty()) return absl::InvalidArgumentError("--attn_shards is required");
   return c;
@@ -265,11 +264,10 @@ absl::Status Run(const MlpWorkerConfig& config) {
   for (size_t i = 0; i < config.shards.size(); ++i) {
     LogInfo("connecting to attn-worker %d (channel %s)", static_cast<int>(i), config.shards[i].channel);
     ASSIGN_OR_RETURN(auto channel, shm::Channel::Open(config.shards[i].channel, config.connect_timeout));
-    links.push_back({static_cast<int>(i), config.shards[i].begin, config.shards[i].end, channel.get()});
+    links.push_back({static_cast<int>(i), config.shards[i].heads, channel.get()});
     channels.push_back(std::move(channel));
   }
   ASSIGN_OR_RETURN(auto runner, StepRunner::Create(model, backend.get(), links, config.max_step_tokens));
-  if (runner->direct_io()) LogInfo("q, k, v and attention outputs move directly between the device and the ring slots");
 
   const uint64_t plan_bytes = sizeof(shm::FrameHeader) + config.max_batch * sizeof(shm::PlanSeq) +
                               config.max_step_tokens * sizeof(int32_t);

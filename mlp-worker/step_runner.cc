@@ -13,38 +13,24 @@ absl::StatusOr<std::unique_ptr<StepRunner>> StepRunner::Create(const ModelConfig
                                                                MlpBackend* backend,
                                                                std::vector<ShardLink> shards,
                                                                int max_step_tokens) {
-  int next = 0;
+  KvHeadCover cover;
   for (const ShardLink& s : shards) {
-    if (s.kv_head_begin != next || s.kv_head_end <= s.kv_head_begin || s.channel == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "attention shards must cover KV heads 0..", config.n_kv_heads,
-          " in order; shard ", s.shard, " has [", s.kv_head_begin, ", ", s.kv_head_end, ")"));
+    if (s.channel == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("attention shard ", s.shard, " has no channel"));
     }
-    next = s.kv_head_end;
+    RETURN_IF_ERROR(cover.Add(s.heads));
   }
-  if (next != config.n_kv_heads) {
-    return absl::InvalidArgumentError(absl::StrCat("attention shards cover KV heads 0..", next,
-                                                   " of ", config.n_kv_heads));
-  }
+  RETURN_IF_ERROR(cover.Finish(config.n_kv_heads));
   std::unique_ptr<StepRunner> runner(
       new StepRunner(config, backend, std::move(shards), max_step_tokens));
-  if (!backend->SupportsDirectIo()) {
-    const size_t T = static_cast<size_t>(max_step_tokens);
-    runner->q_.resize(T * config.q_dim());
-    runner->attn_.resize(runner->q_.size());
-    runner->k_.resize(T * config.kv_dim());
-    runner->v_.resize(runner->k_.size());
-  } else {
-    runner->direct_ = true;
-    for (const ShardLink& s : runner->shards_) {
-      absl::Status st = backend->RegisterHostMemory(s.channel->memory(), s.channel->memory_bytes());
-      if (st.ok()) {
-        runner->registered_.push_back(s.channel->memory());
-      } else {
-        LogWarning("attn-worker %d: ring memory not registered with backend %s (%s); "
-                   "copies go through staging buffers",
-                   s.shard, backend->name(), st.ToString());
-      }
+  for (const ShardLink& s : runner->shards_) {
+    absl::Status st = backend->RegisterHostMemory(s.channel->memory(), s.channel->memory_bytes());
+    if (st.ok()) {
+      runner->registered_.push_back(s.channel->memory());
+    } else {
+      LogWarning("attn-worker %d: ring memory not registered with backend %s (%s); "
+                 "the backend copies through pageable memory",
+                 s.shard, backend->name(), st.ToString());
     }
   }
   return runner;
@@ -74,7 +60,7 @@ absl::Status StepRunner::ReadError(const ShardLink& link, const absl::Status& st
 absl::Status StepRunner::CheckReply(const ShardLink& link, const shm::FrameHeader& h,
                                     const uint8_t* payload, uint64_t step, int layer,
                                     uint32_t T) const {
-  const int qh = (link.kv_head_end - link.kv_head_begin) * c_.gqa_ratio();
+  const int qh = link.heads.count() * c_.gqa_ratio();
   if (h.kind == static_cast<uint16_t>(shm::FrameKind::kError)) {
     absl::Status remote = shm::DecodeError(h, payload);
     return absl::Status(remote.code(),
@@ -101,42 +87,22 @@ StepRunner::StepRunner(const ModelConfig& config, MlpBackend* backend,
       slots_(shards_.size()),
       held_(shards_.size()) {}
 
-void StepRunner::CopyQkvToShards(uint32_t T) {
-  const int hd = c_.head_dim, g = c_.gqa_ratio();
-  for (const MlpBackend::ShardIo& s : io_) {
-    const int kvh = s.kv_head_end - s.kv_head_begin;
-    const size_t q_row = static_cast<size_t>(kvh) * g * hd, kv_row = static_cast<size_t>(kvh) * hd;
-    for (uint32_t t = 0; t < T; ++t) {
-      std::memcpy(s.q + t * q_row, q_.data() + t * static_cast<size_t>(c_.q_dim()) + s.kv_head_begin * g * hd,
-                  q_row * sizeof(float));
-      std::memcpy(s.k + t * kv_row, k_.data() + t * static_cast<size_t>(c_.kv_dim()) + s.kv_head_begin * hd,
-                  kv_row * sizeof(float));
-      std::memcpy(s.v + t * kv_row, v_.data() + t * static_cast<size_t>(c_.kv_dim()) + s.kv_head_begin * hd,
-                  kv_row * sizeof(float));
-    }
-  }
-}
-
-void StepRunner::CopyShardsToAttn(uint32_t T) {
-  const int hd = c_.head_dim, g = c_.gqa_ratio();
-  for (const MlpBackend::ShardIo& s : io_) {
-    const size_t row = static_cast<size_t>(s.kv_head_end - s.kv_head_begin) * g * hd;
-    for (uint32_t t = 0; t < T; ++t) {
-      std::memcpy(attn_.data() + t * static_cast<size_t>(c_.q_dim()) + s.kv_head_begin * g * hd,
-                  s.attn + t * row, row * sizeof(float));
-    }
-  }
-}
-
 absl::Status StepRunner::RunLayer(uint64_t step, int layer, const std::vector<shm::SeqSlice>& slices,
                                   uint32_t T) {
-  // q, k, v: kept in the backend (direct I/O) or computed into q_, k_, v_.
-  RETURN_IF_ERROR(direct_ ? backend_->StageQkv(layer)
-                          : backend_->ComputeQkv(layer, q_.data(), k_.data(), v_.data()));
+  RETURN_IF_ERROR(backend_->StageQkv(layer));
+  RETURN_IF_ERROR(SendQkv(step, layer, slices, T));
+  absl::Status st = GatherAttn(step, layer, T);
+  // The backend has read the reply slots when this returns; they are released after.
+  if (st.ok()) st = backend_->CompleteLayerFromShards(layer, io_.data(), static_cast<int>(io_.size()));
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    if (held_[i]) shards_[i].channel->replies().EndRead();
+  }
+  return st;
+}
+
+absl::Status StepRunner::SendQkv(uint64_t step, int layer, const std::vector<shm::SeqSlice>& slices,
+                                 uint32_t T) {
   const int hd = c_.head_dim, g = c_.gqa_ratio();
-  const size_t n = shards_.size();
-  // Take a request slot in every shard's ring; q, k, v go straight into them
-  // (the payload layout of shm/messages.h).
   absl::Status st;
   size_t taken = 0;
   for (const ShardLink& link : shards_) {
@@ -149,27 +115,20 @@ absl::Status StepRunner::RunLayer(uint64_t step, int layer, const std::vector<sh
     uint8_t* p = *slot;
     std::memcpy(p, slices.data(), slices.size() * sizeof(shm::SeqSlice));
     float* f = reinterpret_cast<float*>(p + slices.size() * sizeof(shm::SeqSlice));
-    const size_t kvh = link.kv_head_end - link.kv_head_begin;
+    const size_t kvh = link.heads.count();
     MlpBackend::ShardIo& s = io_[taken];
-    s.kv_head_begin = link.kv_head_begin;
-    s.kv_head_end = link.kv_head_end;
+    s.heads = link.heads;
     s.q = f;
     s.k = s.q + T * kvh * g * hd;
     s.v = s.k + T * kvh * hd;
     slots_[taken++] = p;
   }
-  if (st.ok()) {
-    if (direct_) {
-      st = backend_->WriteQkvShards(io_.data(), static_cast<int>(n));
-    } else {
-      CopyQkvToShards(T);
-    }
-  }
+  if (st.ok()) st = backend_->WriteQkvShards(io_.data(), static_cast<int>(io_.size()));
   for (size_t i = 0; i < taken; ++i) {
     const ShardLink& link = shards_[i];
     shm::Ring& ring = link.channel->requests();
     if (st.ok()) {
-      const int kvh = link.kv_head_end - link.kv_head_begin;
+      const int kvh = link.heads.count();
       shm::FrameHeader h;
       h.kind = static_cast<uint16_t>(shm::FrameKind::kAttnRequest);
       h.step = step;
@@ -189,12 +148,13 @@ absl::Status StepRunner::RunLayer(uint64_t step, int layer, const std::vector<sh
       absl::StatusOr<shm::Ring::Frame> frame = shards_[i].channel->replies().BeginRead(ShardWait(shards_[i]));
       if (frame.ok()) shards_[i].channel->replies().EndRead();
     }
-    return st;
   }
+  return st;
+}
 
-  // Every shard's reply is read, even after a failure, so the rings stay in step.
+absl::Status StepRunner::GatherAttn(uint64_t step, int layer, uint32_t T) {
   absl::Status first_error;
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < shards_.size(); ++i) {
     const ShardLink& link = shards_[i];
     held_[i] = false;
     absl::StatusOr<shm::Ring::Frame> frame = link.channel->replies().BeginRead(ShardWait(link));
@@ -210,18 +170,6 @@ absl::Status StepRunner::RunLayer(uint64_t step, int layer, const std::vector<sh
     }
     held_[i] = true;
     io_[i].attn = reinterpret_cast<const float*>(frame->payload);
-  }
-  // The reply slots have been read when this returns; they are released after.
-  if (first_error.ok()) {
-    if (direct_) {
-      first_error = backend_->CompleteLayerFromShards(layer, io_.data(), static_cast<int>(n));
-    } else {
-      CopyShardsToAttn(T);
-      first_error = backend_->CompleteLayer(layer, attn_.data());
-    }
-  }
-  for (size_t i = 0; i < n; ++i) {
-    if (held_[i]) shards_[i].channel->replies().EndRead();
   }
   return first_error;
 }

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/kv_heads.h"
 #include "core/model_config.h"
 #include "mlp-worker/backend.h"
 #include "shm/channel.h"
@@ -17,8 +18,7 @@ namespace ellm::mlp {
 
 struct ShardLink {
   int shard = 0;
-  int kv_head_begin = 0;  // KV heads [begin, end) the shard owns
-  int kv_head_end = 0;
+  KvHeads heads;  // the KV heads the shard owns
   shm::Channel* channel = nullptr;
 };
 
@@ -41,21 +41,23 @@ class StepRunner {
 
   absl::Duration shard_timeout = absl::Seconds(120);
 
-  // True when the backend moves q, k, v and the attention output directly
-  // between its memory and the ring slots (MlpBackend::SupportsDirectIo).
-  bool direct_io() const { return direct_; }
-
  private:
   StepRunner(const ModelConfig& config, MlpBackend* backend, std::vector<ShardLink> shards,
              int max_step_tokens);
-  // One layer: q, k, v into every shard's request slot, the attention output
-  // out of every reply slot. With direct I/O the backend moves them itself;
-  // otherwise they pass through q_, k_, v_ and attn_ (CopyQkvToShards,
-  // CopyShardsToAttn over io_).
+  // One layer: SendQkv, then GatherAttn, then the backend finishes the layer
+  // from the reply slots, which are released after.
   absl::Status RunLayer(uint64_t step, int layer, const std::vector<shm::SeqSlice>& slices,
                         uint32_t n_tokens);
-  void CopyQkvToShards(uint32_t n_tokens);
-  void CopyShardsToAttn(uint32_t n_tokens);
+  // Takes a request slot in every shard's ring, has the backend write q, k, v
+  // into them (the payload layout of shm/messages.h) and commits them; on a
+  // failure every slot taken carries an error frame instead, whose answers
+  // are read so the rings stay in step.
+  absl::Status SendQkv(uint64_t step, int layer, const std::vector<shm::SeqSlice>& slices,
+                       uint32_t n_tokens);
+  // Reads every shard's reply (even after a failure, so the rings stay in
+  // step); the good ones stay held (held_) with io_[i].attn pointing into
+  // them. The first error, if any.
+  absl::Status GatherAttn(uint64_t step, int layer, uint32_t n_tokens);
   shm::WaitOptions ShardWait(const ShardLink& link) const;
   // The error of a failed BeginRead on `link`'s reply ring, naming the shard.
   absl::Status ReadError(const ShardLink& link, const absl::Status& status) const;
@@ -68,13 +70,11 @@ class StepRunner {
   MlpBackend* backend_;
   std::vector<ShardLink> shards_;
   int max_tokens_;
-  bool direct_ = false;
   std::vector<void*> registered_;  // ring segments registered with the backend
   // Per layer, one entry per shard (kept across layers: no allocation per hop).
   std::vector<MlpBackend::ShardIo> io_;
   std::vector<uint8_t*> slots_;
   std::vector<bool> held_;
-  std::vector<float> q_, k_, v_, attn_;  // token-major, whole model; without direct I/O only
   std::vector<float> logits_;
 };
 

@@ -640,8 +640,7 @@ TEST(AttentionShardKernels, ResultsDoNotDependOnBatchingOrThreads) {
   std::mt19937 gen(10);
   ShardGeometry g;
   g.layers = 1;
-  g.kv_head_begin = 0;
-  g.kv_head_end = 2;
+  g.heads = {0, 2};
   g.gqa_ratio = 5;
   g.head_dim = 64;
   g.max_positions = 4096;
@@ -693,8 +692,7 @@ TEST(AttentionShardKernels, MatchesOracleAtAwkwardLengths) {
       for (int group : {1, 7}) {
         ShardGeometry g;
         g.layers = 1;
-        g.kv_head_begin = 1;
-        g.kv_head_end = 3;
+        g.heads = {1, 3};
         g.gqa_ratio = group;
         g.head_dim = 128;
         g.max_positions = 8192;
@@ -740,7 +738,7 @@ TEST(AttentionShardKernels, MatchesOracleAtAwkwardLengths) {
 TEST(AttentionShardKernels, NamesTheKernelAndChoosesChunks) {
   ShardGeometry g;
   g.layers = 1;
-  g.kv_head_end = 8;
+  g.heads = {0, 8};
   g.gqa_ratio = 5;
   g.head_dim = 128;
   g.max_positions = 1024;

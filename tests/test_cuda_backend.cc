@@ -559,7 +559,6 @@ void CompareWithCpu(const BackendCase& bc, std::mt19937_64& rng) {
   auto gpu = CreateCudaBackend(w, max_tokens, options);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   EXPECT_EQ(last_done, 3 + (c.qkv_bias ? 12 : 9) * c.n_layers);
-  EXPECT_TRUE((*gpu)->SupportsDirectIo());
 
   // Two attention shards: KV heads [0, 1) and [1, 2), as on a two-socket server.
   const int bounds[] = {0, 1, 2};
@@ -585,19 +584,18 @@ void CompareWithCpu(const BackendCase& bc, std::mt19937_64& rng) {
         v(k.size());
     for (int layer = 0; layer < c.n_layers; ++layer) {
       SCOPED_TRACE(absl::StrCat("layer ", layer));
-      ASSERT_TRUE((*cpu)->ComputeQkv(layer, q.data(), k.data(), v.data()).ok());
+      ASSERT_TRUE(ComputeQkv(**cpu, c.n_kv_heads, layer, q.data(), k.data(), v.data()).ok());
       std::vector<float> gq(q.size(), NAN), gk(k.size(), NAN), gv(v.size(), NAN);
       std::vector<MlpBackend::ShardIo> io(2);
       if (bc.io == Io::kHost) {
-        st = (*gpu)->ComputeQkv(layer, gq.data(), gk.data(), gv.data());
+        st = ComputeQkv(**gpu, c.n_kv_heads, layer, gq.data(), gk.data(), gv.data());
         ASSERT_TRUE(st.ok()) << st;
       } else {
         std::fill_n(reinterpret_cast<uint8_t*>(block.data), block.bytes, 0xFF);
         float* cursor = block.data;
         for (int s = 0; s < 2; ++s) {
           const int kvh = bounds[s + 1] - bounds[s];
-          io[s].kv_head_begin = bounds[s];
-          io[s].kv_head_end = bounds[s + 1];
+          io[s].heads = {bounds[s], bounds[s + 1]};
           io[s].q = cursor;
           cursor += T * kvh * g * hd;
           io[s].k = cursor;
@@ -626,9 +624,9 @@ void CompareWithCpu(const BackendCase& bc, std::mt19937_64& rng) {
       EXPECT_LT(RelError(gv, v), 2e-2);
 
       const std::vector<float>& attn = q;  // the same stand-in attention output for both
-      ASSERT_TRUE((*cpu)->CompleteLayer(layer, attn.data()).ok());
+      ASSERT_TRUE(CompleteLayer(**cpu, c.n_kv_heads, layer, attn.data()).ok());
       if (bc.io == Io::kHost) {
-        st = (*gpu)->CompleteLayer(layer, attn.data());
+        st = CompleteLayer(**gpu, c.n_kv_heads, layer, attn.data());
       } else {
         for (int s = 0; s < 2; ++s) {
           const int b = bounds[s], kvh = bounds[s + 1] - b;
@@ -691,14 +689,14 @@ TEST_F(CudaTest, GraphsGiveTheSameResults) {
     ASSERT_TRUE((*eager)->BeginStep(tokens.data(), positions.data(), 3).ok());
     ASSERT_TRUE((*graphed)->BeginStep(tokens.data(), positions.data(), 3).ok());
     for (int layer = 0; layer < c.n_layers; ++layer) {
-      ASSERT_TRUE((*eager)->ComputeQkv(layer, q.data(), k.data(), v.data()).ok());
-      absl::Status st = (*graphed)->ComputeQkv(layer, q2.data(), k2.data(), v2.data());
+      ASSERT_TRUE(ComputeQkv(**eager, c.n_kv_heads, layer, q.data(), k.data(), v.data()).ok());
+      absl::Status st = ComputeQkv(**graphed, c.n_kv_heads, layer, q2.data(), k2.data(), v2.data());
       ASSERT_TRUE(st.ok()) << st;
       EXPECT_LT(RelError(q2, q), 1e-6) << "step " << step << " layer " << layer;
       EXPECT_LT(RelError(k2, k), 1e-6) << "step " << step << " layer " << layer;
       EXPECT_LT(RelError(v2, v), 1e-6) << "step " << step << " layer " << layer;
-      ASSERT_TRUE((*eager)->CompleteLayer(layer, q.data()).ok());
-      ASSERT_TRUE((*graphed)->CompleteLayer(layer, q.data()).ok());
+      ASSERT_TRUE(CompleteLayer(**eager, c.n_kv_heads, layer, q.data()).ok());
+      ASSERT_TRUE(CompleteLayer(**graphed, c.n_kv_heads, layer, q.data()).ok());
     }
     std::vector<int32_t> rows = {0, 2};
     std::vector<float> l1(2 * c.vocab_size), l2(l1.size());
@@ -752,9 +750,9 @@ TEST_F(CudaTest, RandomBackendRuns) {
   ASSERT_TRUE((*gpu)->BeginStep(tokens.data(), positions.data(), 2).ok());
   std::vector<float> q(2 * c.q_dim()), k(2 * c.kv_dim()), v(k.size());
   for (int layer = 0; layer < c.n_layers; ++layer) {
-    ASSERT_TRUE((*gpu)->ComputeQkv(layer, q.data(), k.data(), v.data()).ok());
+    ASSERT_TRUE(ComputeQkv(**gpu, c.n_kv_heads, layer, q.data(), k.data(), v.data()).ok());
     for (float x : q) ASSERT_TRUE(std::isfinite(x));
-    ASSERT_TRUE((*gpu)->CompleteLayer(layer, q.data()).ok());
+    ASSERT_TRUE(CompleteLayer(**gpu, c.n_kv_heads, layer, q.data()).ok());
   }
   std::vector<int32_t> rows = {1};
   std::vector<float> logits(c.vocab_size);
@@ -867,9 +865,8 @@ TEST_F(CudaTest, StepRunnerWithDirectRingIo) {
     ASSERT_TRUE(backend.ok()) << backend.status();
     {
       auto runner = StepRunner::Create(c, backend->get(),
-                                       {{0, 0, 1, ch0->get()}, {1, 1, 2, ch1->get()}}, max_tokens);
+                                       {{0, {0, 1}, ch0->get()}, {1, {1, 2}, ch1->get()}}, max_tokens);
       ASSERT_TRUE(runner.ok()) << runner.status();
-      EXPECT_EQ((*runner)->direct_io(), use_gpu);
       (*runner)->shard_timeout = absl::Seconds(30);
       for (uint64_t step = 1; step <= 3; ++step) {
         auto out = (*runner)->Run(step, plan);

@@ -483,8 +483,7 @@ TEST_P(AttentionShardTest, MatchesReferenceOverPrefillAndDecodeSteps) {
   const auto [gqa, head_dim, threads] = GetParam();
   ShardGeometry g;
   g.layers = 3;
-  g.kv_head_begin = gqa.kv_head_begin;
-  g.kv_head_end = gqa.kv_head_begin + gqa.kv_heads;
+  g.heads = {gqa.kv_head_begin, gqa.kv_head_begin + gqa.kv_heads};
   g.gqa_ratio = gqa.gqa_ratio;
   g.head_dim = head_dim;
   g.max_positions = 256;
@@ -553,8 +552,7 @@ class AttentionShardErrors : public ::testing::Test {
  protected:
   void SetUp() override {
     g_.layers = 2;
-    g_.kv_head_begin = 2;
-    g_.kv_head_end = 4;
+    g_.heads = {2, 4};
     g_.gqa_ratio = 2;
     g_.head_dim = 8;
     g_.max_positions = 64;

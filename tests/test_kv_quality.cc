@@ -37,8 +37,7 @@ class Pipeline {
     cache_ = *attn::KvCache::Create(o);
     attn::ShardGeometry g;
     g.layers = c.n_layers;
-    g.kv_head_begin = 0;
-    g.kv_head_end = c.n_kv_heads;
+    g.heads = {0, c.n_kv_heads};
     g.gqa_ratio = c.gqa_ratio();
     g.head_dim = c.head_dim;
     g.max_positions = c.context_length;
@@ -55,11 +54,11 @@ class Pipeline {
     EXPECT_TRUE(backend_->BeginStep(&token, &pos, 1).ok());
     shm::SeqSlice slice{7, static_cast<uint32_t>(pos), 1};
     for (int l = 0; l < c_.n_layers; ++l) {
-      EXPECT_TRUE(backend_->ComputeQkv(l, q_.data(), k_.data(), v_.data()).ok());
+      EXPECT_TRUE(ComputeQkv(*backend_, c_.n_kv_heads, l, q_.data(), k_.data(), v_.data()).ok());
       shm::AttnRequestView view{&slice, q_.data(), k_.data(), v_.data()};
       absl::Status st = shard_->Process(l, 1, 1, view, out_.data());
       EXPECT_TRUE(st.ok()) << st;
-      EXPECT_TRUE(backend_->CompleteLayer(l, out_.data()).ok());
+      EXPECT_TRUE(CompleteLayer(*backend_, c_.n_kv_heads, l, out_.data()).ok());
     }
     const int32_t row = 0;
     EXPECT_TRUE(backend_->ComputeLogits(&row, 1, logits_.data()).ok());

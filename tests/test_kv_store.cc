@@ -29,8 +29,7 @@ KvStoreLayout Layout() {
   l.block_tokens = 16;
   l.layers = 2;
   l.head_dim = 64;
-  l.kv_head_begin = 0;
-  l.kv_head_end = 2;
+  l.heads = {0, 2};
   l.payload_bytes = 1000;
   return l;
 }
@@ -104,8 +103,7 @@ TEST_F(KvStoreTest, AnotherModelDtypeOrShardSeesNothing) {
   EXPECT_TRUE(Open(other)->List().empty());
   EXPECT_EQ(Open()->List().size(), 2u) << "the other model's store leaves these alone";
   other = Layout();
-  other.kv_head_begin = 2;
-  other.kv_head_end = 4;
+  other.heads = {2, 4};
   EXPECT_TRUE(Open(other)->List().empty());
 }
 

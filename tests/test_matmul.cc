@@ -471,14 +471,14 @@ std::vector<float> FirstTokenLogits(MlpBackend& b, const ModelConfig& c,
   std::vector<float> q(T * c.q_dim()), k(T * c.kv_dim()), v(T * c.kv_dim()), attn(T * c.q_dim());
   EXPECT_TRUE(b.BeginStep(tokens.data(), positions.data(), T).ok());
   for (int l = 0; l < c.n_layers; ++l) {
-    EXPECT_TRUE(b.ComputeQkv(l, q.data(), k.data(), v.data()).ok());
+    EXPECT_TRUE(ComputeQkv(b, c.n_kv_heads, l, q.data(), k.data(), v.data()).ok());
     for (int t = 0; t < T; ++t) {
       for (int h = 0; h < c.n_heads; ++h) {
         std::copy_n(v.data() + t * c.kv_dim() + (h / c.gqa_ratio()) * c.head_dim, c.head_dim,
                     attn.data() + t * c.q_dim() + h * c.head_dim);
       }
     }
-    EXPECT_TRUE(b.CompleteLayer(l, attn.data()).ok());
+    EXPECT_TRUE(CompleteLayer(b, c.n_kv_heads, l, attn.data()).ok());
   }
   std::vector<float> logits(T * c.vocab_size);
   EXPECT_TRUE(b.ComputeLogits(rows.data(), T, logits.data()).ok());
@@ -505,6 +505,77 @@ TEST(CpuBackend, F32ModeEqualsTheReferenceForwardBitForBit) {
           << arch << " token " << t;
     }
   }
+}
+
+// The StepRunner's protocol: q, k, v written into one buffer per attention
+// shard, the attention output read back from one per shard. Cut by KV heads
+// it must carry exactly the whole-model arrays, and refuse shards that do not
+// cover the heads in order.
+TEST(CpuBackend, ShardIoIsTheWholeModelCutByKvHeads) {
+  const Model m = MakeModel("qwen2", DType::kQ8_0);
+  const ModelConfig& c = m.config;
+  ASSERT_EQ(c.n_kv_heads, 2);
+  auto whole = MakeBackend(m, /*native=*/false, 1);
+  auto cut = MakeBackend(m, /*native=*/false, 1);
+  const std::vector<int32_t> tokens = {1, 300, 77}, positions = {0, 1, 2};
+  const int T = 3, hd = c.head_dim, g = c.gqa_ratio();
+  ASSERT_TRUE(whole->BeginStep(tokens.data(), positions.data(), T).ok());
+  ASSERT_TRUE(cut->BeginStep(tokens.data(), positions.data(), T).ok());
+  std::vector<float> q(T * c.q_dim()), k(T * c.kv_dim()), v(k.size());
+  // Per shard (one KV head each): q, k, v, attn in the ring's token-major layout.
+  std::vector<std::vector<float>> sq(2, std::vector<float>(T * g * hd, NAN)),
+      sk(2, std::vector<float>(T * hd, NAN)), sv(sk), sa(sq);
+  std::vector<MlpBackend::ShardIo> io(2);
+  for (int s = 0; s < 2; ++s) {
+    io[s].heads = {s, s + 1};
+    io[s].q = sq[s].data();
+    io[s].k = sk[s].data();
+    io[s].v = sv[s].data();
+    io[s].attn = sa[s].data();
+  }
+  for (int l = 0; l < c.n_layers; ++l) {
+    ASSERT_TRUE(ComputeQkv(*whole, c.n_kv_heads, l, q.data(), k.data(), v.data()).ok());
+    ASSERT_TRUE(cut->StageQkv(l).ok());
+    ASSERT_TRUE(cut->WriteQkvShards(io.data(), 2).ok());
+    for (int s = 0; s < 2; ++s) {
+      for (int t = 0; t < T; ++t) {
+        EXPECT_EQ(0, std::memcmp(sq[s].data() + t * g * hd, q.data() + t * c.q_dim() + s * g * hd,
+                                 g * hd * sizeof(float)))
+            << "layer " << l << " shard " << s << " token " << t;
+        EXPECT_EQ(0, std::memcmp(sk[s].data() + t * hd, k.data() + t * c.kv_dim() + s * hd,
+                                 hd * sizeof(float)));
+        EXPECT_EQ(0, std::memcmp(sv[s].data() + t * hd, v.data() + t * c.kv_dim() + s * hd,
+                                 hd * sizeof(float)));
+        // The stand-in attention output: q itself, cut the same way.
+        std::copy_n(q.data() + t * c.q_dim() + s * g * hd, g * hd, sa[s].data() + t * g * hd);
+      }
+    }
+    ASSERT_TRUE(CompleteLayer(*whole, c.n_kv_heads, l, q.data()).ok());
+    ASSERT_TRUE(cut->CompleteLayerFromShards(l, io.data(), 2).ok());
+  }
+  std::vector<float> a(T * c.vocab_size), b(a.size());
+  const std::vector<int32_t> rows = {0, 1, 2};
+  ASSERT_TRUE(whole->ComputeLogits(rows.data(), T, a.data()).ok());
+  ASSERT_TRUE(cut->ComputeLogits(rows.data(), T, b.data()).ok());
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
+
+  // Shards that do not cover the KV heads in order, or lack a buffer.
+  ASSERT_TRUE(cut->StageQkv(0).ok());
+  std::vector<MlpBackend::ShardIo> swapped = {io[1], io[0]};
+  EXPECT_EQ(cut->WriteQkvShards(swapped.data(), 2).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cut->WriteQkvShards(io.data(), 1).code(), absl::StatusCode::kInvalidArgument);
+  std::vector<MlpBackend::ShardIo> no_v = io;
+  no_v[1].v = nullptr;
+  EXPECT_EQ(cut->WriteQkvShards(no_v.data(), 2).code(), absl::StatusCode::kInvalidArgument);
+  std::vector<MlpBackend::ShardIo> no_attn = io;
+  no_attn[0].attn = nullptr;
+  EXPECT_EQ(cut->CompleteLayerFromShards(0, no_attn.data(), 2).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cut->StageQkv(c.n_layers).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cut->CompleteLayerFromShards(-1, io.data(), 2).code(),
+            absl::StatusCode::kInvalidArgument);
+  auto fresh = MakeBackend(m, /*native=*/false, 1);
+  EXPECT_EQ(fresh->StageQkv(0).code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(CpuBackend, NativeModeIsCloseToF32ForEveryWeightType) {
@@ -567,7 +638,7 @@ class Decoder {
     std::vector<const float*> krows(pos + 1), vrows(pos + 1);
     EXPECT_TRUE(b_->BeginStep(&token, &pos, 1).ok());
     for (int l = 0; l < c.n_layers; ++l) {
-      EXPECT_TRUE(b_->ComputeQkv(l, q.data(), k.data(), v.data()).ok());
+      EXPECT_TRUE(ComputeQkv(*b_, c.n_kv_heads, l, q.data(), k.data(), v.data()).ok());
       float* lk = kcache_.data() + static_cast<size_t>(l) * max_pos_ * c.kv_dim();
       float* lv = vcache_.data() + static_cast<size_t>(l) * max_pos_ * c.kv_dim();
       std::copy(k.begin(), k.end(), lk + static_cast<size_t>(pos) * c.kv_dim());
@@ -581,7 +652,7 @@ class Decoder {
         AttendOneHead(q.data() + h * c.head_dim, krows.data(), vrows.data(), pos + 1, c.head_dim,
                       scores.data(), attn.data() + h * c.head_dim);
       }
-      EXPECT_TRUE(b_->CompleteLayer(l, attn.data()).ok());
+      EXPECT_TRUE(CompleteLayer(*b_, c.n_kv_heads, l, attn.data()).ok());
     }
     std::vector<float> logits(c.vocab_size);
     const int32_t row = 0;

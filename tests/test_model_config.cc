@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/kv_heads.h"
 #include "core/model_maker.h"
 #include "core/weights.h"
 #include "gtest/gtest.h"
@@ -499,6 +500,33 @@ TEST(ModelConfigTest, Qwen3Traits) {
   ModelConfig both = *c;
   both.qkv_bias = true;
   EXPECT_TRUE(IsInvalid(both.Validate(), "biases together with q/k norms"));
+}
+
+TEST(KvHeads, ParsesSplitsAndChecksCovers) {
+  auto h = KvHeads::Parse("2:6");
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(*h, (KvHeads{2, 6}));
+  EXPECT_EQ(h->count(), 4);
+  EXPECT_EQ(h->Flag(), "2:6");
+  EXPECT_EQ(h->ToString(), "[2, 6)");
+  for (const char* bad : {"", "3", "3:3", "4:2", "-1:2", "a:b", "1:2:3", "1:"}) {
+    EXPECT_EQ(KvHeads::Parse(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_EQ(SplitKvHeads(8, 2, 0), (KvHeads{0, 4}));
+  EXPECT_EQ(SplitKvHeads(8, 2, 1), (KvHeads{4, 8}));
+  EXPECT_EQ(SplitKvHeads(8, 4, 3), (KvHeads{6, 8}));
+
+  KvHeadCover good;
+  EXPECT_TRUE(good.Add({0, 1}).ok());
+  EXPECT_TRUE(good.Add({1, 3}).ok());
+  EXPECT_TRUE(good.Finish(3).ok());
+  EXPECT_TRUE(IsInvalid(good.Finish(4), "cover KV heads [0, 3)"));
+  KvHeadCover gap;
+  EXPECT_TRUE(gap.Add({0, 1}).ok());
+  EXPECT_TRUE(IsInvalid(gap.Add({2, 3}), "shard 1 has KV heads [2, 3)"));
+  KvHeadCover empty;
+  EXPECT_TRUE(IsInvalid(empty.Add({0, 0}), "shard 0"));
+  EXPECT_TRUE(IsInvalid(KvHeadCover().Finish(2), "[0, 0)"));
 }
 
 }  // namespace

@@ -4,7 +4,9 @@
 //   1. coordinator/scheduler.cc     Scheduler::PlanStep puts it in a step plan
 //   2. coordinator/worker_link.cc   RunStep writes the plan into the mlp-worker's ring
 //   3. mlp-worker/serve.cc          ServeChannel decodes the plan (shm/messages.cc)
-//   4. mlp-worker/step_runner.cc    StepRunner::Run: per layer, q/k/v to every shard's ring
+//   4. mlp-worker/step_runner.cc    StepRunner::Run: per layer, the backend writes q/k/v
+//                                   into every shard's ring slot (SendQkv), reads the
+//                                   outputs back (GatherAttn) and finishes the layer
 //   5. attn-worker/serve.cc         ServeChannel: AttentionShard::Process, the output back
 //   6. attn-worker/attention_shard.cc  the KV cache append and the attention itself
 // then StepRunner samples, the reply frame carries the token back to RunStep,
@@ -72,8 +74,7 @@ class Pipeline : public coord::StepExecutor {
       auto part = std::make_unique<AttnPart>();
       attn::ShardGeometry g;
       g.layers = config.n_layers;
-      g.kv_head_begin = i * heads_each;
-      g.kv_head_end = i + 1 == shards ? config.n_kv_heads : (i + 1) * heads_each;
+      g.heads = {i * heads_each, i + 1 == shards ? config.n_kv_heads : (i + 1) * heads_each};
       g.gqa_ratio = config.gqa_ratio();
       g.head_dim = config.head_dim;
       g.max_positions = config.context_length;
@@ -106,7 +107,7 @@ class Pipeline : public coord::StepExecutor {
       // The mlp-worker's end of the shard's channel.
       auto open = shm::Channel::Open(part->channel->name(), absl::Seconds(5));
       ELLM_CHECK(open.ok(), open.status().ToString());
-      links.push_back({i, g.kv_head_begin, g.kv_head_end, open->get()});
+      links.push_back({i, g.heads, open->get()});
       mlp_ends_.push_back(*std::move(open));
       attn_.push_back(std::move(part));
     }

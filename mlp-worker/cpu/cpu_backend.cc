@@ -13,6 +13,7 @@
 //           (activations are quantised to int8 per block), not identical;
 //           F32 matrices still take the exact kernel.
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <vector>
 
@@ -94,10 +95,13 @@ class CpuBackend final : public MlpBackend {
     return absl::OkStatus();
   }
 
-  absl::Status ComputeQkv(int layer, float* q, float* k, float* v) override {
+  absl::Status StageQkv(int layer) override {
+    RETURN_IF_ERROR(CheckLayer(layer));
+    if (n_ <= 0) return absl::FailedPreconditionError("no step begun (BeginStep first)");
     const ModelConfig& c = w_.config;
     const LayerWeights& L = w_.layers[layer];
     const Layer& M = layers_[layer];
+    float *q = q_.data(), *k = k_.data(), *v = v_.data();
     ForTokens(n_, [&](int64_t t) {
       RmsNorm(x_.data() + t * c.dim, L.attn_norm.data(), xb_.data() + t * c.dim, c.dim, c.norm_eps);
     });
@@ -112,32 +116,45 @@ class CpuBackend final : public MlpBackend {
     return absl::OkStatus();
   }
 
-  absl::Status CompleteLayer(int layer, const float* attn) override {
+  // Copies each shard's heads of the staged q, k, v out, row by row.
+  absl::Status WriteQkvShards(const ShardIo* shards, int n_shards) override {
+    if (n_ <= 0) return absl::FailedPreconditionError("no step begun (BeginStep first)");
     const ModelConfig& c = w_.config;
-    const LayerWeights& L = w_.layers[layer];
-    const Layer& M = layers_[layer];
-    act_.Set(attn, n_, c.q_dim());
-    MatMul(M.wo, act_, proj_.data(), &pool_, isa_);
-    ForTokens(n_, [&](int64_t t) {
-      float* x = x_.data() + t * c.dim;
-      const float* p = proj_.data() + t * c.dim;
-      for (int i = 0; i < c.dim; ++i) x[i] += p[i];
-      RmsNorm(x, L.ffn_norm.data(), xb_.data() + t * c.dim, c.dim, c.norm_eps);
-    });
-    act_.Set(xb_.data(), n_, c.dim);
-    MatMul(M.w_gate, act_, hb_.data(), &pool_, isa_);
-    MatMul(M.w_up, act_, hb2_.data(), &pool_, isa_);
-    ForTokens(n_, [&](int64_t t) {
-      float* h = hb_.data() + t * c.ffn_dim;
-      SwiGlu(h, hb2_.data() + t * c.ffn_dim, h, c.ffn_dim);
-    });
-    act_.Set(hb_.data(), n_, c.ffn_dim);
-    MatMul(M.w_down, act_, proj_.data(), &pool_, isa_);
-    ForTokens(n_, [&](int64_t t) {
-      float* x = x_.data() + t * c.dim;
-      const float* p = proj_.data() + t * c.dim;
-      for (int i = 0; i < c.dim; ++i) x[i] += p[i];
-    });
+    RETURN_IF_ERROR(CheckShardIo(shards, n_shards, c.n_kv_heads, /*outputs=*/true));
+    const size_t hd = c.head_dim, g = c.gqa_ratio(), qd = c.q_dim(), kvd = c.kv_dim();
+    for (int i = 0; i < n_shards; ++i) {
+      const ShardIo& s = shards[i];
+      const size_t q_row = s.heads.count() * g * hd, kv_row = s.heads.count() * hd;
+      const size_t q_off = s.heads.begin * g * hd, kv_off = s.heads.begin * hd;
+      for (int t = 0; t < n_; ++t) {
+        std::memcpy(s.q + t * q_row, q_.data() + t * qd + q_off, q_row * sizeof(float));
+        std::memcpy(s.k + t * kv_row, k_.data() + t * kvd + kv_off, kv_row * sizeof(float));
+        std::memcpy(s.v + t * kv_row, v_.data() + t * kvd + kv_off, kv_row * sizeof(float));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Gathers the shards' attention output (one shard covering every head is
+  // read where it is), then finishes the layer.
+  absl::Status CompleteLayerFromShards(int layer, const ShardIo* shards, int n_shards) override {
+    RETURN_IF_ERROR(CheckLayer(layer));
+    if (n_ <= 0) return absl::FailedPreconditionError("no step begun (BeginStep first)");
+    const ModelConfig& c = w_.config;
+    RETURN_IF_ERROR(CheckShardIo(shards, n_shards, c.n_kv_heads, /*outputs=*/false));
+    const float* attn = shards[0].attn;
+    if (n_shards > 1) {
+      const size_t hd = c.head_dim, g = c.gqa_ratio(), qd = c.q_dim();
+      for (int i = 0; i < n_shards; ++i) {
+        const ShardIo& s = shards[i];
+        const size_t row = s.heads.count() * g * hd, off = s.heads.begin * g * hd;
+        for (int t = 0; t < n_; ++t) {
+          std::memcpy(attn_.data() + t * qd + off, s.attn + t * row, row * sizeof(float));
+        }
+      }
+      attn = attn_.data();
+    }
+    CompleteLayer(layer, attn);
     return absl::OkStatus();
   }
 
@@ -163,6 +180,42 @@ class CpuBackend final : public MlpBackend {
     QuantMatrix wq, wk, wv, wo, w_gate, w_up, w_down;
   };
 
+  // attn [T, q_dim]: O projection, residual, norm, gated MLP, residual.
+  void CompleteLayer(int layer, const float* attn) {
+    const ModelConfig& c = w_.config;
+    const LayerWeights& L = w_.layers[layer];
+    const Layer& M = layers_[layer];
+    act_.Set(attn, n_, c.q_dim());
+    MatMul(M.wo, act_, proj_.data(), &pool_, isa_);
+    ForTokens(n_, [&](int64_t t) {
+      float* x = x_.data() + t * c.dim;
+      const float* p = proj_.data() + t * c.dim;
+      for (int i = 0; i < c.dim; ++i) x[i] += p[i];
+      RmsNorm(x, L.ffn_norm.data(), xb_.data() + t * c.dim, c.dim, c.norm_eps);
+    });
+    act_.Set(xb_.data(), n_, c.dim);
+    MatMul(M.w_gate, act_, hb_.data(), &pool_, isa_);
+    MatMul(M.w_up, act_, hb2_.data(), &pool_, isa_);
+    ForTokens(n_, [&](int64_t t) {
+      float* h = hb_.data() + t * c.ffn_dim;
+      SwiGlu(h, hb2_.data() + t * c.ffn_dim, h, c.ffn_dim);
+    });
+    act_.Set(hb_.data(), n_, c.ffn_dim);
+    MatMul(M.w_down, act_, proj_.data(), &pool_, isa_);
+    ForTokens(n_, [&](int64_t t) {
+      float* x = x_.data() + t * c.dim;
+      const float* p = proj_.data() + t * c.dim;
+      for (int i = 0; i < c.dim; ++i) x[i] += p[i];
+    });
+  }
+
+  absl::Status CheckLayer(int layer) const {
+    if (layer < 0 || layer >= w_.config.n_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
+    }
+    return absl::OkStatus();
+  }
+
   CpuBackend(ModelWeights weights, int max_step_tokens, int threads, MatIsa isa)
       : w_(std::move(weights)),
         rope_(w_.config),
@@ -177,6 +230,10 @@ class CpuBackend final : public MlpBackend {
     hb_.resize(T * c.ffn_dim);
     hb2_.resize(T * c.ffn_dim);
     cos_sin_.resize(T * c.rope_dims);
+    q_.resize(T * c.q_dim());
+    attn_.resize(q_.size());
+    k_.resize(T * c.kv_dim());
+    v_.resize(k_.size());
   }
 
   absl::Status TakeMatrices() {
@@ -265,6 +322,8 @@ class CpuBackend final : public MlpBackend {
   std::vector<float> proj_;      // [max_tokens, dim]
   std::vector<float> hb_, hb2_;  // [max_tokens, ffn_dim]
   std::vector<float> cos_sin_;   // [max_tokens, rope_dims / 2, 2] of the step's positions
+  std::vector<float> q_, k_, v_;  // [max_tokens, q_dim or kv_dim]: StageQkv's output
+  std::vector<float> attn_;       // [max_tokens, q_dim]: the shards' outputs gathered
   int n_ = 0;
 };
 

@@ -138,36 +138,6 @@ class CudaBackend final : public MlpBackend {
     return absl::OkStatus();
   }
 
-  absl::Status ComputeQkv(int layer, float* q, float* k, float* v) override {
-    RETURN_IF_ERROR(StageQkv(layer));
-    cudaStream_t s = stream_.get();
-    const size_t row = qkv_dim() * sizeof(float);
-    const size_t qb = c_.q_dim() * sizeof(float), kvb = c_.kv_dim() * sizeof(float);
-    CUDA_RETURN_IF_ERROR(
-        cudaMemcpy2DAsync(q, qb, qkv_.get(), row, qb, n_, cudaMemcpyDeviceToHost, s));
-    CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(k, kvb, qkv_.get() + c_.q_dim(), row, kvb, n_,
-                                           cudaMemcpyDeviceToHost, s));
-    CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(v, kvb, qkv_.get() + c_.q_dim() + c_.kv_dim(), row,
-                                           kvb, n_, cudaMemcpyDeviceToHost, s));
-    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
-    return absl::OkStatus();
-  }
-
-  absl::Status CompleteLayer(int layer, const float* attn) override {
-    RETURN_IF_ERROR(CheckLayer(layer));
-    RETURN_IF_ERROR(Current());
-    cudaStream_t s = stream_.get();
-    const int64_t n = static_cast<int64_t>(n_) * c_.q_dim();
-    CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(attn_f32_.get(), attn, n * sizeof(float), cudaMemcpyHostToDevice, s));
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(attn_read_.get(), s));
-    CUDA_RETURN_IF_ERROR(cuda::LaunchF32ToBf16(attn_f32_.get(), attn_bf16_.get(), n, s));
-    RETURN_IF_ERROR(RunPhase(layer, Phase::kMlp));
-    // `attn` is the caller's again once the copy has read it.
-    CUDA_RETURN_IF_ERROR(cudaEventSynchronize(attn_read_.get()));
-    return absl::OkStatus();
-  }
-
   absl::Status ComputeLogits(const int32_t* rows, int n, float* logits) override {
     for (int i = 0; i < n; ++i) {
       if (rows[i] < 0 || rows[i] >= n_) return absl::InvalidArgumentError("logits row out of range");
@@ -195,9 +165,7 @@ class CudaBackend final : public MlpBackend {
     return absl::OkStatus();
   }
 
-  // --- Direct ring I/O ---
-  bool SupportsDirectIo() const override { return true; }
-
+  // --- Ring I/O: device memory straight to and from the ring slots ---
   absl::Status RegisterHostMemory(void* base, size_t bytes) override {
     RETURN_IF_ERROR(Current());
     if (DevicePointer(base, bytes) != nullptr) return absl::OkStatus();
@@ -230,16 +198,16 @@ class CudaBackend final : public MlpBackend {
       const size_t row = qkv_dim() * sizeof(float);
       for (int i = 0; i < n_shards; ++i) {
         const ShardIo& io = shards[i];
-        const int kvh = io.kv_head_end - io.kv_head_begin;
+        const int kvh = io.heads.count();
         const size_t qb = static_cast<size_t>(kvh) * g * hd * sizeof(float);
         const size_t kvb = static_cast<size_t>(kvh) * hd * sizeof(float);
         const float* base = qkv_.get();
-        CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(io.q, qb, base + io.kv_head_begin * g * hd, row, qb,
+        CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(io.q, qb, base + io.heads.begin * g * hd, row, qb,
                                                n_, cudaMemcpyDeviceToHost, s));
-        CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(io.k, kvb, base + c_.q_dim() + io.kv_head_begin * hd,
+        CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(io.k, kvb, base + c_.q_dim() + io.heads.begin * hd,
                                                row, kvb, n_, cudaMemcpyDeviceToHost, s));
         CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
-            io.v, kvb, base + c_.q_dim() + c_.kv_dim() + io.kv_head_begin * hd, row, kvb, n_,
+            io.v, kvb, base + c_.q_dim() + c_.kv_dim() + io.heads.begin * hd, row, kvb, n_,
             cudaMemcpyDeviceToHost, s));
       }
     }
@@ -262,8 +230,8 @@ class CudaBackend final : public MlpBackend {
       for (int i = 0; i < n_shards; ++i) {
         const ShardIo& io = shards[i];
         const size_t qb =
-            static_cast<size_t>(io.kv_head_end - io.kv_head_begin) * g * hd * sizeof(float);
-        CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(attn_f32_.get() + io.kv_head_begin * g * hd,
+            static_cast<size_t>(io.heads.count()) * g * hd * sizeof(float);
+        CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(attn_f32_.get() + io.heads.begin * g * hd,
                                                c_.q_dim() * sizeof(float), io.attn, qb, qb, n_,
                                                cudaMemcpyHostToDevice, s));
       }
@@ -425,22 +393,7 @@ class CudaBackend final : public MlpBackend {
   // The shards must cover the KV heads in order, with every buffer given.
   absl::Status CheckShards(const ShardIo* shards, int n_shards, bool outputs) const {
     if (n_ <= 0) return absl::FailedPreconditionError("no step begun (BeginStep first)");
-    int next = 0;
-    for (int i = 0; i < n_shards; ++i) {
-      const ShardIo& s = shards[i];
-      const bool buffers = outputs ? (s.q && s.k && s.v) : s.attn != nullptr;
-      if (s.kv_head_begin != next || s.kv_head_end <= s.kv_head_begin || !buffers) {
-        return absl::InvalidArgumentError(absl::StrCat("shard ", i, " (KV heads [", s.kv_head_begin,
-                                                       ", ", s.kv_head_end,
-                                                       ")) is out of order or has no buffer"));
-      }
-      next = s.kv_head_end;
-    }
-    if (next != c_.n_kv_heads) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("shards cover KV heads 0..", next, " of ", c_.n_kv_heads));
-    }
-    return absl::OkStatus();
+    return CheckShardIo(shards, n_shards, c_.n_kv_heads, outputs);
   }
 
   // Device address of the registered host range [p, p + bytes), or nullptr.
@@ -467,12 +420,12 @@ class CudaBackend final : public MlpBackend {
     p->head_dim = hd;
     for (int i = 0; i < n_shards; ++i) {
       const ShardIo& io = shards[i];
-      const size_t kvh = io.kv_head_end - io.kv_head_begin;
+      const size_t kvh = io.heads.count();
       const size_t qb = static_cast<size_t>(n_) * kvh * g * hd * sizeof(float);
       const size_t kvb = static_cast<size_t>(n_) * kvh * hd * sizeof(float);
       cuda::ShardPtrs& d = p->shard[i];
-      d.kv_head_begin = io.kv_head_begin;
-      d.kv_head_end = io.kv_head_end;
+      d.kv_head_begin = io.heads.begin;
+      d.kv_head_end = io.heads.end;
       if (outputs) {
         d.q = static_cast<float*>(DevicePointer(io.q, qb));
         d.k = static_cast<float*>(DevicePointer(io.k, kvb));
