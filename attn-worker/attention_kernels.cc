@@ -2,7 +2,6 @@
 
 #include "core/cpu_features.h"
 
-#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -23,20 +22,16 @@ const AttentionKernel kAvx512{"avx512", 127, 255, internal::AttendF16Avx512,
                               internal::AttendInt8Avx512};
 const AttentionKernel kAmx{"amx", 127, 255, internal::AttendF16Avx512, internal::AttendInt8Amx};
 
-bool HasAvx2() { return Cpu().Avx2Set(); }
-bool HasAvxVnni() { return Cpu().Avx2Set() && Cpu().avx_vnni; }
-bool HasAvx512() { return Cpu().Avx512Set(); }
+bool HasAvx2() { return CpuHas(Isa::kAvx2); }
+bool HasAvxVnni() { return CpuHas(Isa::kAvx2Vnni); }
+bool HasAvx512() { return CpuHas(Isa::kAvx512); }
 
-// AMX-TILE and AMX-INT8 (CPUID leaf 7 EDX bits 24 and 25; GCC 12's
-// __builtin_cpu_supports does not know them), and Linux's permission to use
-// the tile data state, asked once per process (ARCH_REQ_XCOMP_PERM for
+// AMX-TILE and AMX-INT8 (core/cpu_features.h), and Linux's permission to
+// use the tile data state, asked once per process (ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA): without it the first tile instruction faults.
 bool HasAmx() {
   static const bool has = [] {
-    if (!HasAvx512()) return false;
-    unsigned eax, ebx, ecx, edx;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    if ((edx & (1u << 24)) == 0 || (edx & (1u << 25)) == 0) return false;
+    if (!CpuHas(Isa::kAmx)) return false;
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
@@ -108,49 +103,36 @@ internal::ChunkStart internal::StartChunk(const ChunkArgs& a) {
   return c;
 }
 
-absl::StatusOr<KernelChoice> ParseKernelChoice(absl::string_view name) {
-  if (name == "auto") return KernelChoice::kAuto;
-  if (name == "reference") return KernelChoice::kReference;
-  if (name == "avx2") return KernelChoice::kAvx2;
-  if (name == "avx2-vnni") return KernelChoice::kAvx2Vnni;
-  if (name == "avx512") return KernelChoice::kAvx512;
-  if (name == "amx") return KernelChoice::kAmx;
-  return absl::InvalidArgumentError(absl::StrCat("unknown attention kernel '", name,
-                                                 "' (expected auto, reference, avx2, avx2-vnni, "
-                                                 "avx512 or amx)"));
-}
-
-absl::StatusOr<const AttentionKernel*> SelectKernel(KernelChoice choice) {
+absl::StatusOr<const AttentionKernel*> SelectKernel(Isa choice) {
   switch (choice) {
-    case KernelChoice::kAuto:
+    case Isa::kAuto:
       // amx is not considered: it measured slower than avx512 (see the header).
       if (HasAvx512()) return &kAvx512;
       if (HasAvxVnni()) return &kAvx2Vnni;
       if (HasAvx2()) return &kAvx2;
       return &kReference;
-    case KernelChoice::kReference:
+    case Isa::kReference:
       return &kReference;
-    case KernelChoice::kAvx2:
+    case Isa::kAvx2:
       if (HasAvx2()) return &kAvx2;
       return absl::UnavailableError("this CPU lacks AVX2, FMA or F16C");
-    case KernelChoice::kAvx2Vnni:
+    case Isa::kAvx2Vnni:
       if (HasAvxVnni()) return &kAvx2Vnni;
       return absl::UnavailableError("this CPU lacks AVX2, FMA, F16C or AVX-VNNI");
-    case KernelChoice::kAvx512:
+    case Isa::kAvx512:
       if (HasAvx512()) return &kAvx512;
       return absl::UnavailableError("this CPU lacks AVX-512 F/BW/VL/DQ/VNNI");
-    case KernelChoice::kAmx:
+    case Isa::kAmx:
       if (HasAmx()) return &kAmx;
       return absl::UnavailableError(
           "this CPU lacks AVX-512 or AMX-TILE/INT8, or Linux refused the AMX tile state");
   }
-  return absl::InvalidArgumentError("bad kernel choice");
+  return absl::InvalidArgumentError(absl::StrCat("no attention kernel for ", ToAbsl(IsaName(choice))));
 }
 
 std::vector<const AttentionKernel*> AvailableKernels() {
   std::vector<const AttentionKernel*> out = {&kReference};
-  for (KernelChoice c : {KernelChoice::kAvx2, KernelChoice::kAvx2Vnni, KernelChoice::kAvx512,
-                         KernelChoice::kAmx}) {
+  for (Isa c : {Isa::kAvx2, Isa::kAvx2Vnni, Isa::kAvx512, Isa::kAmx}) {
     absl::StatusOr<const AttentionKernel*> k = SelectKernel(c);
     if (k.ok()) out.push_back(*k);
   }

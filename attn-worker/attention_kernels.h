@@ -57,8 +57,9 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
-#include "core/kv_format.h"
 #include "attn-worker/partial.h"
+#include "core/cpu_features.h"
+#include "core/kv_format.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
 
@@ -138,12 +139,10 @@ struct AttentionKernel {
   AttendChunkFn For(KvDType dtype) const { return dtype == KvDType::kF16 ? f16 : int8; }
 };
 
-enum class KernelChoice { kAuto, kReference, kAvx2, kAvx2Vnni, kAvx512, kAmx };
-// auto, reference, avx2, avx2-vnni, avx512, amx
-absl::StatusOr<KernelChoice> ParseKernelChoice(absl::string_view name);
-// The kernel for `choice` (kAuto: the fastest this CPU runs, amx excluded); Unavailable
-// when the CPU lacks the instructions.
-absl::StatusOr<const AttentionKernel*> SelectKernel(KernelChoice choice = KernelChoice::kAuto);
+// The kernel for `choice` (core/cpu_features.h; kAuto: the fastest this CPU
+// runs, amx excluded); its name is IsaName(choice). Unavailable when the CPU
+// lacks the instructions.
+absl::StatusOr<const AttentionKernel*> SelectKernel(Isa choice = Isa::kAuto);
 // Every kernel this CPU can run, the reference first.
 std::vector<const AttentionKernel*> AvailableKernels();
 

@@ -80,7 +80,7 @@ int AutoChunkPositions(const KvFormat& format) {
 AttentionShard::AttentionShard(const ShardGeometry& geometry, KvCache* cache, ThreadPool* pool,
                                const AttentionKernel* kernel)
     : g_(geometry), cache_(cache), pool_(pool), kernel_(kernel), scratch_(pool->size()) {
-  if (kernel_ == nullptr) kernel_ = *SelectKernel(KernelChoice::kAuto);
+  if (kernel_ == nullptr) kernel_ = *SelectKernel(Isa::kAuto);
   chunk_ = g_.chunk_positions > 0 ? (g_.chunk_positions + kTile - 1) / kTile * kTile
                                   : AutoChunkPositions(cache_->format());
   if (cache_->format().dtype == KvDType::kF32) {

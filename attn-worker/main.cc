@@ -85,7 +85,7 @@ struct AttnWorkerConfig {
   int max_batch = 16;
   int max_step_tokens = 256;
   KvDType kv_dtype = KvDType::kInt8;
-  KernelChoice kernel = KernelChoice::kAuto;
+  Isa kernel = Isa::kAuto;
   std::string kv_store;
   int64_t kv_store_bytes = 0;
   std::string control_secret_file;
@@ -132,7 +132,7 @@ absl::StatusOr<AttnWorkerConfig> ConfigFromFlags() {
     }
   }
   ASSIGN_OR_RETURN(c.kv_dtype, ParseKvDType(absl::GetFlag(FLAGS_kv_dtype)));
-  ASSIGN_OR_RETURN(c.kernel, ParseKernelChoice(absl::GetFlag(FLAGS_attn_kernel)));
+  ASSIGN_OR_RETURN(c.kernel, ParseIsa(absl::GetFlag(FLAGS_attn_kernel)));
   c.threads = absl::GetFlag(FLAGS_threads);
   if (c.threads <= 0) c.threads = c.cpus.empty() ? 1 : static_cast<int>(c.cpus.size());
   return c;

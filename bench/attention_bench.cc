@@ -69,7 +69,7 @@ struct Options {
   std::vector<int> positions;
   std::vector<KvDType> dtypes;
   std::vector<int> threads;
-  attn::KernelChoice kernel = attn::KernelChoice::kAuto;
+  Isa kernel = Isa::kAuto;
   double min_time_s = 0.5;
   int interleave = 1;  // sequences whose blocks are taken in turn
   int block_tokens = 16;  // positions per KV block
@@ -240,7 +240,7 @@ absl::StatusOr<Options> Parse(int argc, char** argv, bool* help) {
     }
     o.threads.push_back(n);
   }
-  ASSIGN_OR_RETURN(o.kernel, attn::ParseKernelChoice(kernel));
+  ASSIGN_OR_RETURN(o.kernel, ParseIsa(kernel));
   return o;
 }
 

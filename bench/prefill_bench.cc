@@ -36,10 +36,10 @@ double Now() {
 }
 
 // The instruction each kernel family's inner loop runs on.
-DotUnit MatrixUnit(mlp::MatIsa isa) {
+DotUnit MatrixUnit(Isa isa) {
   switch (isa) {
-    case mlp::MatIsa::kAvx512Vnni: return DotUnit::kAvx512Vnni;
-    case mlp::MatIsa::kAvx2Vnni: return DotUnit::kAvxVnni;
+    case Isa::kAvx512: return DotUnit::kAvx512Vnni;
+    case Isa::kAvx2Vnni: return DotUnit::kAvxVnni;
     default: return DotUnit::kAvx2Madd;
   }
 }
@@ -59,7 +59,7 @@ int PrefillMain(int argc, char** argv) {
   args.Flag("threads", "0", "threads for each part (0: the machine's cores)");
   args.Flag("step-tokens", "256", "tokens per step (the launcher's --max-step-tokens)");
   args.Flag("kv-dtype", "int8", "KV cache dtype: int8 or f16");
-  args.Flag("matmul-isa", "auto", "matrix kernels: auto, ref, avx2, avx2vnni or avx512vnni");
+  args.Flag("matmul-isa", "auto", "matrix kernels: auto, reference, avx2, avx2-vnni or avx512");
   args.Flag("kernel", "auto", "attention kernel: auto, reference, avx2, avx2-vnni, avx512 or amx");
   if (std::optional<int> exit = args.ParseFlagsOnly(argc + 1, argv - 1)) return *exit;
   auto fail = [](const std::string& what) {
@@ -79,9 +79,9 @@ int PrefillMain(int argc, char** argv) {
   const int step = *step_flag;
   absl::StatusOr<KvDType> dtype = ParseKvDType(args.Get("kv-dtype"));
   if (!dtype.ok() || *dtype == KvDType::kF32) return fail("--kv-dtype must be int8 or f16");
-  absl::StatusOr<attn::KernelChoice> choice = attn::ParseKernelChoice(args.Get("kernel"));
+  absl::StatusOr<Isa> choice = ParseIsa(args.Get("kernel"));
   if (!choice.ok()) return fail(std::string(choice.status().message()));
-  absl::StatusOr<mlp::MatIsa> isa = mlp::ParseMatIsa(args.Get("matmul-isa"));
+  absl::StatusOr<Isa> isa = mlp::ParseMatIsa(args.Get("matmul-isa"));
   if (!isa.ok()) return fail(std::string(isa.status().message()));
 
   if (args.Get("model").empty()) return fail("--model is required (e.g. the README's bench model)");
@@ -121,8 +121,7 @@ int PrefillMain(int argc, char** argv) {
   geometry.max_positions = c.context_length;
   attn::AttentionShard shard(geometry, cache->get(), &attn_pool, *kernel);
 
-  const mlp::MatIsa used_isa = *isa == mlp::MatIsa::kRef && args.Get("matmul-isa") == "auto" ? mlp::BestMatIsa() : *isa;
-  const DotUnit matrix_unit = MatrixUnit(args.Get("matmul-isa") == "auto" ? mlp::BestMatIsa() : used_isa);
+  const DotUnit matrix_unit = MatrixUnit(*isa);  // ParseMatIsa resolved "auto"
   const DotUnit attention_unit = AttentionDotUnit(shard.kernel_name(), *dtype);
   double matrix_peak = 0, attention_peak = 0;
   {

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "absl/strings/str_cat.h"
+
 namespace ellm {
 namespace {
 
@@ -51,6 +53,41 @@ CpuFeatures Detect() {
 const CpuFeatures& Cpu() {
   static const CpuFeatures features = Detect();
   return features;
+}
+
+std::string_view IsaName(Isa isa) {
+  switch (isa) {
+    case Isa::kAuto: return "auto";
+    case Isa::kReference: return "reference";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx2Vnni: return "avx2-vnni";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAmx: return "amx";
+  }
+  return "?";
+}
+
+absl::StatusOr<Isa> ParseIsa(std::string_view name) {
+  if (name == IsaName(Isa::kAuto)) return Isa::kAuto;
+  for (Isa isa : kAllIsas) {
+    if (name == IsaName(isa)) return isa;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown instruction set '", ToAbsl(name),
+      "' (expected auto, reference, avx2, avx2-vnni, avx512 or amx)"));
+}
+
+bool CpuHas(Isa isa) {
+  const CpuFeatures& f = Cpu();
+  switch (isa) {
+    case Isa::kAuto:
+    case Isa::kReference: return true;
+    case Isa::kAvx2: return f.Avx2Set();
+    case Isa::kAvx2Vnni: return f.Avx2Set() && f.avx_vnni;
+    case Isa::kAvx512: return f.Avx512Set();
+    case Isa::kAmx: return f.Avx512Set() && f.amx_tile && f.amx_int8;
+  }
+  return false;
 }
 
 }  // namespace ellm

@@ -4,6 +4,10 @@
 // the names they know: clang 14 knows neither "f16c" nor "avxvnni".)
 #pragma once
 
+#include <string_view>
+
+#include "core/status.h"
+
 namespace ellm {
 
 struct CpuFeatures {
@@ -20,5 +24,27 @@ struct CpuFeatures {
 
 // Detected on first use.
 const CpuFeatures& Cpu();
+
+// The instruction sets ellm's CPU kernels are written for, with one spelling
+// on every flag (--attn-kernel, --matmul-isa, --kernel), log line and
+// benchmark line (isa=):
+//   auto        not a set: the fastest this CPU runs, chosen by each dispatcher
+//   reference   plain C++: the oracle every kernel is tested against, and the
+//               fallback
+//   avx2        AVX2 + FMA + F16C
+//   avx2-vnni   avx2 and AVX-VNNI (VEX VPDPBUSD on 256-bit vectors)
+//   avx512      AVX-512 F/BW/VL/DQ + VNNI
+//   amx         avx512 and AMX-TILE/INT8 (attention only; Linux must also
+//               grant the tile state, which the attention dispatcher asks)
+enum class Isa { kAuto, kReference, kAvx2, kAvx2Vnni, kAvx512, kAmx };
+inline constexpr Isa kAllIsas[] = {Isa::kReference, Isa::kAvx2, Isa::kAvx2Vnni, Isa::kAvx512,
+                                   Isa::kAmx};
+inline constexpr int kNumIsas = 6;  // with kAuto: the size of a table indexed by Isa
+
+std::string_view IsaName(Isa isa);
+// An IsaName; InvalidArgument naming the choices for anything else.
+absl::StatusOr<Isa> ParseIsa(std::string_view name);
+// Whether this CPU has the instructions of `isa` (kAuto, kReference: true).
+bool CpuHas(Isa isa);
 
 }  // namespace ellm

@@ -21,6 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/cpu_features.h"
 #include "core/gguf.h"
 #include "core/kv_format.h"
 #include "core/kv_heads.h"
@@ -59,11 +60,11 @@ struct LaunchConfig {
   int max_step_tokens = 256;
   int max_queue = 64;
   int mlp_threads = 0;
-  std::string kv_dtype = "int8";   // int8, f16 or f32
+  KvDType kv_dtype = KvDType::kInt8;
   std::string backend = "auto";    // auto, cpu or cuda
   std::string cpu_weights = "native";
-  std::string matmul_isa = "auto";   // the CPU backend's matrix kernels
-  std::string attn_kernel = "auto";  // the attention workers' int8/f16 kernels
+  Isa matmul_isa = Isa::kAuto;   // the CPU backend's matrix kernels
+  Isa attn_kernel = Isa::kAuto;  // the attention workers' int8/f16 kernels
   std::string topology_spec;
   std::string bin_dir;
   std::string log_level;
@@ -265,9 +266,8 @@ absl::Status Launch::Start() {
   // KV budget per worker: what the batch can use at full context, at most 1/4 of RAM shared.
   int kv_mb = c_.kv_cache_mb;
   if (kv_mb <= 0) {
-    ASSIGN_OR_RETURN(const KvDType kv_dtype, ParseKvDType(c_.kv_dtype));
     const double per_token =
-        KvFormat::Make(kv_dtype, model.head_dim).BytesPerPosition() * model.n_layers * heads_each;
+        KvFormat::Make(c_.kv_dtype, model.head_dim).BytesPerPosition() * model.n_layers * heads_each;
     const double want = per_token * model.context_length * c_.max_batch / 1048576.0;
     const double ram_mb = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE) / 1048576.0;
     kv_mb = static_cast<int>(std::max(1.0, std::min(want, ram_mb / 4 / n)) + 1);
@@ -299,7 +299,8 @@ absl::Status Launch::Start() {
         absl::StrCat("--shard=", i), "--kv_heads=" + heads.Flag(),
         "--channel=" + channel, "--listen=" + address, absl::StrCat("--numa_node=", node.id),
         "--cpus=" + FormatCpuList(cpus), absl::StrCat("--kv_cache_mb=", kv_mb),
-        "--kv_dtype=" + c_.kv_dtype, "--attn_kernel=" + c_.attn_kernel, common_limits,
+        absl::StrCat("--kv_dtype=", ToAbsl(KvDTypeName(c_.kv_dtype))),
+        absl::StrCat("--attn_kernel=", ToAbsl(IsaName(c_.attn_kernel))), common_limits,
         step_limit, "--log_level=" + c_.log_level, secret_flag};
     if (!c_.kv_store.empty()) {
       rest.push_back("--kv_store=" + c_.kv_store);
@@ -322,7 +323,7 @@ absl::Status Launch::Start() {
         c_.bin_dir + "/ellm-mlp-worker", "--model=" + c_.model_path, "--channel=" + mlp_channel,
         "--attn_shards=" + absl::StrJoin(shard_specs, ","), "--listen=" + mlp_address,
         absl::StrCat("--threads=", mlp_threads), "--backend=" + backend,
-        "--cpu_weights=" + c_.cpu_weights, "--matmul_isa=" + c_.matmul_isa, common_limits, step_limit,
+        "--cpu_weights=" + c_.cpu_weights, absl::StrCat("--matmul_isa=", ToAbsl(IsaName(c_.matmul_isa))), common_limits, step_limit,
         "--log_level=" + c_.log_level, secret_flag};
     argv.insert(argv.end(), rest.begin(), rest.end());
     children_.push_back({"mlp-worker", Spawn(argv), mlp_address, false, 0, argv});
@@ -350,7 +351,7 @@ absl::Status Launch::Start() {
   RETURN_IF_ERROR(WaitHealthy(0, children_.size(), absl::Seconds(c_.ready_timeout_s)));
   LogInfo("ellm is ready: listening on %s (model %s, %d attention workers, %d MiB KV cache each)",
           public_address, fs::path(c_.model_path).filename().string(), n, kv_mb);
-  LogInfo("KV cache %s; MLP backend %s%s", c_.kv_dtype, backend,
+  LogInfo("KV cache %s; MLP backend %s%s", KvDTypeName(c_.kv_dtype), backend,
           backend == "cpu" ? absl::StrCat(" (", c_.cpu_weights, " weights, ", mlp_threads, " threads)") : "");
   std::printf("ellm listening on %s\n", public_address.c_str());
   std::fflush(stdout);
@@ -561,8 +562,8 @@ int Main(int argc, char** argv) {
   args.Flag("backend", "auto", "MLP backend: auto (cuda when a GPU is visible, else cpu), cpu or cuda");
   args.Flag("cpu-weights", "native", "cpu backend: native (quantised kernels on the GGUF types) or f32 "
             "(dequantised at load; bit-exact with the reference forward)");
-  args.Flag("matmul-isa", "auto", "cpu backend: force the matrix kernels' instruction set: ref, avx2, "
-            "avx2vnni or avx512vnni (default: the fastest this CPU runs)");
+  args.Flag("matmul-isa", "auto", "cpu backend: force the matrix kernels' instruction set: reference, avx2, "
+            "avx2-vnni or avx512 (default: the fastest this CPU runs)");
   args.Flag("attn-kernel", "auto", "force the attention kernel: reference, avx2, avx2-vnni, avx512 or "
             "amx (default: the fastest this CPU runs)");
   args.Flag("bin-dir", "", "folder holding ellm-attn-worker, ellm-mlp-worker, ellm-coordinator");
@@ -625,16 +626,26 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
-  c.kv_dtype = args.Get("kv-dtype");
+  std::string kv_dtype = args.Get("kv-dtype");
   if (!args.IsSet("kv-dtype")) {
-    if (const char* env = std::getenv("ELLM_KV_DTYPE"); env != nullptr && *env) c.kv_dtype = env;
+    if (const char* env = std::getenv("ELLM_KV_DTYPE"); env != nullptr && *env) kv_dtype = env;
   }
   c.backend = args.Get("backend");
   c.cpu_weights = args.Get("cpu-weights");
-  c.matmul_isa = args.Get("matmul-isa");
-  c.attn_kernel = args.Get("attn-kernel");
-  if (absl::StatusOr<KvDType> kv_dtype = ParseKvDType(c.kv_dtype); !kv_dtype.ok()) {
-    LogError("--kv-dtype: %s", kv_dtype.status().message());
+  absl::StatusOr<KvDType> kv = ParseKvDType(kv_dtype);
+  absl::StatusOr<Isa> matmul_isa = ParseIsa(args.Get("matmul-isa"));
+  absl::StatusOr<Isa> attn_kernel = ParseIsa(args.Get("attn-kernel"));
+  if (!kv.ok() || !matmul_isa.ok() || !attn_kernel.ok()) {
+    LogError("%s", !kv.ok()           ? absl::StrCat("--kv-dtype: ", kv.status().message())
+                   : !matmul_isa.ok() ? absl::StrCat("--matmul-isa: ", matmul_isa.status().message())
+                                      : absl::StrCat("--attn-kernel: ", attn_kernel.status().message()));
+    return 2;
+  }
+  c.kv_dtype = *kv;
+  c.matmul_isa = *matmul_isa;
+  c.attn_kernel = *attn_kernel;
+  if (c.matmul_isa == Isa::kAmx) {
+    LogError("--matmul-isa: there are no amx matrix kernels (amx is an --attn-kernel)");
     return 2;
   }
   if (c.backend != "auto" && c.backend != "cpu" && c.backend != "cuda") {

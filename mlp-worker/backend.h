@@ -77,7 +77,7 @@ absl::Status CheckShardIo(const MlpBackend::ShardIo* shards, int n_shards, int n
 // cpu/matmul.h; with fp32 weights it uses kernels bit-identical to the
 // reference forward. Threads split every product by output rows. `isa`
 // forces the quantised kernels' instruction set ("auto": the fastest this
-// CPU runs; see cpu/matmul.h's MatIsaName for the others); one the CPU
+// CPU runs; core/cpu_features.h's IsaName for the others); one the CPU
 // cannot run is an error.
 absl::StatusOr<std::unique_ptr<MlpBackend>> CreateCpuBackend(ModelWeights weights,
                                                              int max_step_tokens, int threads,

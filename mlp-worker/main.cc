@@ -43,7 +43,7 @@ ABSL_FLAG(std::string, backend, "cpu", "cpu, or cuda (a GPU; builds with the CUD
 ABSL_FLAG(int, threads, 1, "threads of the CPU backend");
 ABSL_FLAG(std::string, matmul_isa, "auto",
           "CPU backend: instruction set of the quantised matrix kernels: auto (the fastest this CPU "
-          "runs), ref, avx2, avx2vnni or avx512vnni");
+          "runs), reference, avx2, avx2-vnni or avx512");
 ABSL_FLAG(std::string, cpu_weights, "native",
           "weights of the CPU backend: native (each matrix in its file type, int8/half kernels) or "
           "f32 (dequantised at load: results bit-identical to the reference forward)");
@@ -74,7 +74,7 @@ struct MlpWorkerConfig {
   std::string listen;
   std::string backend;
   std::string cpu_weights;  // "native" or "f32"
-  std::string matmul_isa;   // cpu/matmul.h MatIsaName, or "auto"
+  std::string matmul_isa;   // core/cpu_features.h IsaName, or "auto"
   int threads = 1;
   int device = 0;
   bool cuda_graphs = false;

@@ -383,7 +383,7 @@ TEST(AttentionKernels, DispatcherPicksARunnableKernel) {
   const std::vector<const AttentionKernel*> all = AvailableKernels();
   ASSERT_FALSE(all.empty());
   EXPECT_EQ(all[0]->name, "reference");
-  absl::StatusOr<const AttentionKernel*> best = SelectKernel(KernelChoice::kAuto);
+  absl::StatusOr<const AttentionKernel*> best = SelectKernel(Isa::kAuto);
   ASSERT_TRUE(best.ok());
   // auto takes the last one listed, except amx, which measured slower than
   // avx512 and is only used when forced.
@@ -392,10 +392,15 @@ TEST(AttentionKernels, DispatcherPicksARunnableKernel) {
   std::printf("kernels on this CPU:");
   for (const AttentionKernel* k : all) std::printf(" %s", std::string(k->name).c_str());
   std::printf("; auto picks %s\n", std::string((*best)->name).c_str());
-  EXPECT_EQ((*SelectKernel(KernelChoice::kReference))->name, "reference");
-  EXPECT_EQ(*ParseKernelChoice("avx2-vnni"), KernelChoice::kAvx2Vnni);
-  EXPECT_EQ(*ParseKernelChoice("amx"), KernelChoice::kAmx);
-  EXPECT_FALSE(ParseKernelChoice("sse").ok());
+  EXPECT_EQ((*SelectKernel(Isa::kReference))->name, "reference");
+  EXPECT_EQ(*ParseIsa("avx2-vnni"), Isa::kAvx2Vnni);
+  EXPECT_EQ(*ParseIsa("amx"), Isa::kAmx);
+  EXPECT_FALSE(ParseIsa("sse").ok());
+  // A kernel's name is its instruction set's one spelling.
+  for (Isa isa : kAllIsas) {
+    absl::StatusOr<const AttentionKernel*> k = SelectKernel(isa);
+    if (k.ok()) EXPECT_EQ((*k)->name, IsaName(isa));
+  }
 }
 
 struct Case {
@@ -502,9 +507,9 @@ TEST(AttentionKernels, FewTokensAreCausal) {
 // head dims with a tail of 16, 32 and 48 dims past the last 64, groups up to
 // a full tile (16 rows) and past it (the VNNI fallback), several tokens.
 TEST(AttentionKernels, AmxInt8IsBitIdenticalToAvx512) {
-  absl::StatusOr<const AttentionKernel*> amx = SelectKernel(KernelChoice::kAmx);
+  absl::StatusOr<const AttentionKernel*> amx = SelectKernel(Isa::kAmx);
   if (!amx.ok()) GTEST_SKIP() << amx.status().message();
-  const AttentionKernel& avx512 = **SelectKernel(KernelChoice::kAvx512);
+  const AttentionKernel& avx512 = **SelectKernel(Isa::kAvx512);
   std::mt19937 gen(8);
   for (int hd : {40, 64, 80, 128, 176, 256}) {
     const int positions = 333;
@@ -527,7 +532,7 @@ TEST(AttentionKernels, AmxInt8IsBitIdenticalToAvx512) {
 
 TEST(AttentionKernels, Int8CacheStaysCloseToTheFp32Data) {
   std::mt19937 gen(8);
-  const AttentionKernel& k = **SelectKernel(KernelChoice::kAuto);
+  const AttentionKernel& k = **SelectKernel(Isa::kAuto);
   for (int positions : {129, 4097}) {
     PagedKv kv(KvDType::kInt8, 128, positions, 16, gen);
     const int group = 5;
@@ -696,7 +701,7 @@ TEST(AttentionShardKernels, MatchesOracleAtAwkwardLengths) {
         g.gqa_ratio = group;
         g.head_dim = 128;
         g.max_positions = 8192;
-        const AttentionKernel* k = *SelectKernel(KernelChoice::kAuto);
+        const AttentionKernel* k = *SelectKernel(Isa::kAuto);
         ShardRun r = MakeShard(g, dtype, threads, k);
         const int n = 4097;
         const SeqData s = MakeSeq(g, n, gen);
@@ -744,7 +749,7 @@ TEST(AttentionShardKernels, NamesTheKernelAndChoosesChunks) {
   g.max_positions = 1024;
   ShardRun f32 = MakeShard(g, KvDType::kF32, 1, nullptr, 4);
   EXPECT_EQ(f32.shard->kernel_name(), "f32-reference");
-  ShardRun i8 = MakeShard(g, KvDType::kInt8, 1, *SelectKernel(KernelChoice::kReference), 4);
+  ShardRun i8 = MakeShard(g, KvDType::kInt8, 1, *SelectKernel(Isa::kReference), 4);
   EXPECT_EQ(i8.shard->kernel_name(), "reference int8");
   EXPECT_EQ(i8.shard->chunk_positions(), 512);  // 264 bytes per position: 512 x 264 >= 128 KiB
   EXPECT_EQ(AutoChunkPositions(KvFormat::Make(KvDType::kF16, 128)), 256);

@@ -422,6 +422,11 @@ TEST(Integration, LauncherRefusesBadModelsAndSplits) {
       {{"--model=" + dir + "/missing.gguf"}, "missing.gguf"},
       {{"--model=" + dir + "/mamba.gguf"}, "mamba"},
       {{"--model=" + kStories, "--attn-workers=3"}, "cannot split"},
+      // Flags read once, in the launcher, before anything starts.
+      {{"--model=" + kStories, "--matmul-isa=avx2vnni"}, "--matmul-isa: unknown instruction set"},
+      {{"--model=" + kStories, "--matmul-isa=amx"}, "no amx matrix kernels"},
+      {{"--model=" + kStories, "--attn-kernel=sse"}, "--attn-kernel: unknown instruction set"},
+      {{"--model=" + kStories, "--kv-dtype=q4"}, "--kv-dtype: unknown KV dtype"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> args = c.args;

@@ -50,9 +50,9 @@ constexpr int kTokens[] = {1, 2, 5, 16};
 
 std::string Name(DType t) { return std::string(Traits(t).name); }
 
-std::vector<MatIsa> SupportedIsas() {
-  std::vector<MatIsa> out;
-  for (MatIsa isa : {MatIsa::kRef, MatIsa::kAvx2, MatIsa::kAvx2Vnni, MatIsa::kAvx512Vnni}) {
+std::vector<Isa> SupportedIsas() {
+  std::vector<Isa> out;
+  for (Isa isa : {Isa::kReference, Isa::kAvx2, Isa::kAvx2Vnni, Isa::kAvx512}) {
     if (MatIsaSupported(isa)) out.push_back(isa);
   }
   return out;
@@ -179,8 +179,8 @@ QuantMatrix Repack(const TestMatrix& m) {
 }
 
 TEST(MatMulDispatch, PicksASimdKernelOnThisCpu) {
-  const MatIsa best = BestMatIsa();
-  std::printf("best kernel set: %s\n", std::string(MatIsaName(best)).c_str());
+  const Isa best = BestMatIsa();
+  std::printf("best kernel set: %s\n", std::string(IsaName(best)).c_str());
   for (DType t : kTypes) std::printf("  %s\n", KernelName(t, best).c_str());
   EXPECT_TRUE(MatIsaSupported(best));
   // What the kernel says the CPU has (/proc/cpuinfo), not what the
@@ -189,31 +189,34 @@ TEST(MatMulDispatch, PicksASimdKernelOnThisCpu) {
   const bool avx2 = CpuinfoHas("avx2") && CpuinfoHas("fma") && CpuinfoHas("f16c");
   if (avx2 && CpuinfoHas("avx512_vnni") && CpuinfoHas("avx512bw") && CpuinfoHas("avx512vl") &&
       CpuinfoHas("avx512dq") && CpuinfoHas("avx512f")) {
-    EXPECT_EQ(best, MatIsa::kAvx512Vnni);
+    EXPECT_EQ(best, Isa::kAvx512);
   } else if (avx2 && CpuinfoHas("avx_vnni")) {
-    EXPECT_EQ(best, MatIsa::kAvx2Vnni);
+    EXPECT_EQ(best, Isa::kAvx2Vnni);
   } else if (avx2) {
-    EXPECT_EQ(best, MatIsa::kAvx2);
+    EXPECT_EQ(best, Isa::kAvx2);
   }
   // A CPU with AVX-512 VNNI also has AVX-VNNI where the kernels are built
   // for (Sapphire Rapids and later), but the 512-bit set stays first.
-  EXPECT_EQ(MatIsaSupported(MatIsa::kAvx2Vnni), avx2 && CpuinfoHas("avx_vnni"));
-  std::printf("avx2vnni supported here: %s\n", MatIsaSupported(MatIsa::kAvx2Vnni) ? "yes" : "no");
-  EXPECT_EQ(KernelName(DType::kQ4_K, MatIsa::kAvx512Vnni), "avx512vnni/q4_K*q8x256");
-  EXPECT_EQ(KernelName(DType::kQ8_0, MatIsa::kAvx2Vnni), "avx2vnni/q8_0*q8x32");
+  EXPECT_EQ(MatIsaSupported(Isa::kAvx2Vnni), avx2 && CpuinfoHas("avx_vnni"));
+  std::printf("avx2-vnni supported here: %s\n", MatIsaSupported(Isa::kAvx2Vnni) ? "yes" : "no");
+  EXPECT_EQ(KernelName(DType::kQ4_K, Isa::kAvx512), "avx512/q4_K*q8x256");
+  EXPECT_EQ(KernelName(DType::kQ8_0, Isa::kAvx2Vnni), "avx2-vnni/q8_0*q8x32");
 }
 
 TEST(MatMulDispatch, ParsesKernelSetNames) {
-  for (MatIsa isa : {MatIsa::kRef, MatIsa::kAvx2, MatIsa::kAvx2Vnni, MatIsa::kAvx512Vnni}) {
-    auto parsed = ParseMatIsa(MatIsaName(isa));
+  for (Isa isa : {Isa::kReference, Isa::kAvx2, Isa::kAvx2Vnni, Isa::kAvx512}) {
+    auto parsed = ParseMatIsa(IsaName(isa));
     ASSERT_TRUE(parsed.ok()) << parsed.status();
     EXPECT_EQ(*parsed, isa);
   }
-  EXPECT_EQ(MatIsaName(MatIsa::kAvx2Vnni), "avx2vnni");
+  EXPECT_EQ(IsaName(Isa::kAvx2Vnni), "avx2-vnni");
   auto best = ParseMatIsa("auto");
   ASSERT_TRUE(best.ok());
   EXPECT_EQ(*best, BestMatIsa());
-  EXPECT_FALSE(ParseMatIsa("avx2-vnni").ok());
+  EXPECT_FALSE(ParseMatIsa("avx2vnni").ok());
+  EXPECT_EQ(ParseMatIsa("amx").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(MatIsaSupported(Isa::kAmx));
+  EXPECT_FALSE(MatIsaSupported(Isa::kAuto));
   EXPECT_FALSE(ParseMatIsa("").ok());
 }
 
@@ -263,10 +266,10 @@ TEST(Activations, QuantiserRule) {
 }
 
 TEST(MatMul, EveryKernelMatchesTheFp64OracleAtAwkwardSizes) {
-  const std::vector<MatIsa> isas = SupportedIsas();
+  const std::vector<Isa> isas = SupportedIsas();
   int cases = 0;
   for (DType type : kTypes) {
-    std::vector<double> worst(kNumMatIsas, 0.0);  // largest error / budget
+    std::vector<double> worst(kNumIsas, 0.0);  // largest error / budget
     for (int64_t cols : ColsFor(type)) {
       for (int rows : kOuts) {
         const TestMatrix m = MakeMatrix(type, rows, cols, 7 * rows + cols);
@@ -277,7 +280,7 @@ TEST(MatMul, EveryKernelMatchesTheFp64OracleAtAwkwardSizes) {
           act.Set(x.data(), T, cols);
           const Oracle o = ComputeOracle(m, KernelActivations(type, act), T);
           std::vector<float> yref;
-          for (MatIsa isa : isas) {
+          for (Isa isa : isas) {
             std::vector<float> y(T * rows, NAN);
             MatMul(q, act, y.data(), nullptr, isa);
             for (int i = 0; i < T * rows; ++i) {
@@ -302,7 +305,7 @@ TEST(MatMul, EveryKernelMatchesTheFp64OracleAtAwkwardSizes) {
         }
       }
     }
-    for (MatIsa isa : isas) {
+    for (Isa isa : isas) {
       std::printf("%-26s worst error / budget %.3f\n", KernelName(type, isa).c_str(),
                   worst[static_cast<int>(isa)]);
     }
@@ -365,12 +368,12 @@ TEST(MatMul, RepackingAndResultsDoNotDependOnTheThreadCount) {
   }
 }
 
-// avx2vnni differs from avx2 only in how the exact integer block sums are
+// avx2-vnni differs from avx2 only in how the exact integer block sums are
 // formed (VPDPBUSD vs VPMADDUBSW + VPMADDWD); the float steps are the same, so
 // the two sets agree bit for bit, also at the codes' extremes (|code| = 127,
 // weight levels at their maxima), where the int16 pair sums of avx2 are tightest.
 TEST(MatMul, Avx2VnniEqualsAvx2BitForBit) {
-  if (!MatIsaSupported(MatIsa::kAvx2Vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+  if (!MatIsaSupported(Isa::kAvx2Vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
   int cases = 0;
   for (DType type : kTypes) {
     for (int64_t cols : ColsFor(type)) {
@@ -385,8 +388,8 @@ TEST(MatMul, Avx2VnniEqualsAvx2BitForBit) {
           Activations act;
           act.Set(x.data(), T, cols);
           std::vector<float> a(T * rows, NAN), b(T * rows, NAN);
-          MatMul(q, act, a.data(), nullptr, MatIsa::kAvx2);
-          MatMul(q, act, b.data(), nullptr, MatIsa::kAvx2Vnni);
+          MatMul(q, act, a.data(), nullptr, Isa::kAvx2);
+          MatMul(q, act, b.data(), nullptr, Isa::kAvx2Vnni);
           ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
               << Name(type) << " [" << rows << ", " << cols << "] T=" << T;
           ++cases;
@@ -413,9 +416,9 @@ TEST(MatMul, Avx2VnniEqualsAvx2BitForBit) {
     Activations act;
     act.Set(x.data(), 2, kCols);
     std::vector<float> a(2 * kRows), b(2 * kRows), r(2 * kRows);
-    MatMul(*q, act, a.data(), nullptr, MatIsa::kAvx2);
-    MatMul(*q, act, b.data(), nullptr, MatIsa::kAvx2Vnni);
-    MatMul(*q, act, r.data(), nullptr, MatIsa::kRef);
+    MatMul(*q, act, a.data(), nullptr, Isa::kAvx2);
+    MatMul(*q, act, b.data(), nullptr, Isa::kAvx2Vnni);
+    MatMul(*q, act, r.data(), nullptr, Isa::kReference);
     EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << int{code};
     for (int i = 0; i < 2 * kRows; ++i) EXPECT_NEAR(b[i], r[i], 1e-3 * std::fabs(r[i]) + 1e-6);
   }
@@ -751,10 +754,10 @@ double ReadBandwidth(const std::vector<uint64_t>& buf, ThreadPool& pool) {
   return best;
 }
 
-// The kernel sets to time: ELLM_BENCH_ISAS="avx2,avx2vnni" (names as
+// The kernel sets to time: ELLM_BENCH_ISAS="avx2,avx2-vnni" (names as
 // ParseMatIsa reads them), else the best one.
-std::vector<MatIsa> BenchIsas() {
-  std::vector<MatIsa> out;
+std::vector<Isa> BenchIsas() {
+  std::vector<Isa> out;
   const char* env = std::getenv("ELLM_BENCH_ISAS");
   std::string list = env != nullptr ? env : "auto";
   for (size_t pos = 0; pos <= list.size();) {
@@ -772,7 +775,7 @@ std::vector<MatIsa> BenchIsas() {
 // 1 GiB, beyond the last-level cache) change the shape and the bytes cycled
 // through: e.g. 512 and 300 measure the kernels on weights in cache.
 TEST(MatMulBench, DISABLED_Matvec5120) {
-  const std::vector<MatIsa> isas = BenchIsas();
+  const std::vector<Isa> isas = BenchIsas();
   const char* n_env = std::getenv("ELLM_BENCH_MATVEC_N");
   const char* ws_env = std::getenv("ELLM_BENCH_WORKING_SET_KB");
   const int64_t kN = n_env != nullptr ? std::max(32LL, std::atoll(n_env)) / 32 * 32 : 5120;
@@ -812,7 +815,7 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
     for (int threads : {1, 2}) {
       ThreadPool pool(threads);
       for (int T : {1, 4, 16}) {
-        for (MatIsa isa : isas) {
+        for (Isa isa : isas) {
           Activations act;
           act.Set(x.data(), T, kN);
           MatMul(ms[0], act, y.data(), &pool, isa);  // converts the activations

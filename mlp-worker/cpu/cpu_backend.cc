@@ -58,7 +58,7 @@ class CpuBackend final : public MlpBackend {
  public:
   static absl::StatusOr<std::unique_ptr<MlpBackend>> Create(ModelWeights weights,
                                                             int max_step_tokens, int threads,
-                                                            MatIsa isa) {
+                                                            Isa isa) {
     std::unique_ptr<CpuBackend> b(new CpuBackend(std::move(weights), max_step_tokens, threads, isa));
     RETURN_IF_ERROR(b->TakeMatrices());
     b->LogKernels();
@@ -67,7 +67,7 @@ class CpuBackend final : public MlpBackend {
 
   std::string name() const override {
     if (!native_) return absl::StrCat("cpu-f32 (", pool_.size(), " threads)");
-    return absl::StrCat("cpu-native ", ToAbsl(MatIsaName(isa_)), " (",
+    return absl::StrCat("cpu-native ", ToAbsl(IsaName(isa_)), " (",
                         absl::StrJoin(type_names_, ", "), "; ", pool_.size(), " threads)");
   }
 
@@ -216,7 +216,7 @@ class CpuBackend final : public MlpBackend {
     return absl::OkStatus();
   }
 
-  CpuBackend(ModelWeights weights, int max_step_tokens, int threads, MatIsa isa)
+  CpuBackend(ModelWeights weights, int max_step_tokens, int threads, Isa isa)
       : w_(std::move(weights)),
         rope_(w_.config),
         max_tokens_(max_step_tokens),
@@ -310,7 +310,7 @@ class CpuBackend final : public MlpBackend {
   Rope rope_;
   int max_tokens_;
   ThreadPool pool_;
-  MatIsa isa_;
+  Isa isa_;
   bool native_ = false;
   std::vector<std::string> type_names_;
   QuantMatrix token_embd_, output_;
@@ -333,9 +333,9 @@ absl::StatusOr<std::unique_ptr<MlpBackend>> CreateCpuBackend(ModelWeights weight
                                                              int max_step_tokens, int threads,
                                                              const std::string& isa) {
   if (max_step_tokens <= 0) return absl::InvalidArgumentError("max_step_tokens must be positive");
-  ASSIGN_OR_RETURN(MatIsa chosen, ParseMatIsa(isa));
+  ASSIGN_OR_RETURN(Isa chosen, ParseMatIsa(isa));
   if (!MatIsaSupported(chosen)) {
-    return absl::UnavailableError(absl::StrCat("this CPU cannot run the ", ToAbsl(MatIsaName(chosen)),
+    return absl::UnavailableError(absl::StrCat("this CPU cannot run the ", ToAbsl(IsaName(chosen)),
                                                " matrix kernels"));
   }
   return CpuBackend::Create(std::move(weights), max_step_tokens, threads, chosen);

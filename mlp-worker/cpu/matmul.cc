@@ -467,16 +467,14 @@ const Activations::Q8& Activations::q8x256(ThreadPool* pool) {
 
 namespace {
 
-bool CpuHasAvx2() { return Cpu().Avx2Set(); }
-bool CpuHasAvx2Vnni() { return Cpu().Avx2Set() && Cpu().avx_vnni; }
-bool CpuHasAvx512Vnni() { return Cpu().Avx512Set(); }
-
-internal::MatKernel KernelFor(DType type, MatIsa isa) {
+internal::MatKernel KernelFor(DType type, Isa isa) {
   switch (isa) {
-    case MatIsa::kRef: return internal::RefKernel(type);
-    case MatIsa::kAvx2: return internal::Avx2Kernel(type);
-    case MatIsa::kAvx2Vnni: return internal::Avx2VnniKernel(type);
-    case MatIsa::kAvx512Vnni: return internal::Avx512VnniKernel(type);
+    case Isa::kReference: return internal::RefKernel(type);
+    case Isa::kAvx2: return internal::Avx2Kernel(type);
+    case Isa::kAvx2Vnni: return internal::Avx2VnniKernel(type);
+    case Isa::kAvx512: return internal::Avx512VnniKernel(type);
+    case Isa::kAuto:
+    case Isa::kAmx: return nullptr;  // a choice, not a set; no AMX matrix kernels
   }
   return nullptr;
 }
@@ -493,53 +491,47 @@ std::string_view ActFormatName(ActFormat f) {
 
 }  // namespace
 
-std::string_view MatIsaName(MatIsa isa) {
+bool MatIsaSupported(Isa isa) {
   switch (isa) {
-    case MatIsa::kRef: return "ref";
-    case MatIsa::kAvx2: return "avx2";
-    case MatIsa::kAvx2Vnni: return "avx2vnni";
-    case MatIsa::kAvx512Vnni: return "avx512vnni";
-  }
-  return "?";
-}
-
-bool MatIsaSupported(MatIsa isa) {
-  switch (isa) {
-    case MatIsa::kRef: return true;
-    case MatIsa::kAvx2: return CpuHasAvx2();
-    case MatIsa::kAvx2Vnni: return CpuHasAvx2Vnni();
-    case MatIsa::kAvx512Vnni: return CpuHasAvx512Vnni();
+    case Isa::kReference:
+    case Isa::kAvx2:
+    case Isa::kAvx2Vnni:
+    case Isa::kAvx512: return CpuHas(isa);
+    case Isa::kAuto:
+    case Isa::kAmx: return false;
   }
   return false;
 }
 
-MatIsa BestMatIsa() {
-  static const MatIsa best = CpuHasAvx512Vnni() ? MatIsa::kAvx512Vnni
-                             : CpuHasAvx2Vnni()   ? MatIsa::kAvx2Vnni
-                             : CpuHasAvx2()       ? MatIsa::kAvx2
-                                                  : MatIsa::kRef;
+Isa BestMatIsa() {
+  static const Isa best = [] {
+    for (Isa isa : {Isa::kAvx512, Isa::kAvx2Vnni, Isa::kAvx2}) {
+      if (CpuHas(isa)) return isa;
+    }
+    return Isa::kReference;
+  }();
   return best;
 }
 
-absl::StatusOr<MatIsa> ParseMatIsa(std::string_view name) {
-  if (name == "auto") return BestMatIsa();
-  for (MatIsa isa : {MatIsa::kRef, MatIsa::kAvx2, MatIsa::kAvx2Vnni, MatIsa::kAvx512Vnni}) {
-    if (name == MatIsaName(isa)) return isa;
+absl::StatusOr<Isa> ParseMatIsa(std::string_view name) {
+  ASSIGN_OR_RETURN(Isa isa, ParseIsa(name));
+  if (isa == Isa::kAuto) return BestMatIsa();
+  if (isa == Isa::kAmx) {
+    return absl::InvalidArgumentError(
+        "there are no amx matrix kernels (expected auto, reference, avx2, avx2-vnni or avx512)");
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown matrix kernel set '", ToAbsl(name),
-                   "' (expected auto, ref, avx2, avx2vnni or avx512vnni)"));
+  return isa;
 }
 
-std::string KernelName(DType type, MatIsa isa) {
+std::string KernelName(DType type, Isa isa) {
   const internal::MatType* mt = internal::FindMatType(type);
   if (mt == nullptr) return "none";
   const std::string_view tname = Traits(type).name;
-  if (type == DType::kF32) return absl::StrCat(ToAbsl(MatIsaName(isa)), "/f32-exact");
-  return absl::StrCat(ToAbsl(MatIsaName(isa)), "/", ToAbsl(tname), "*", ToAbsl(ActFormatName(mt->act)));
+  if (type == DType::kF32) return absl::StrCat(ToAbsl(IsaName(isa)), "/f32-exact");
+  return absl::StrCat(ToAbsl(IsaName(isa)), "/", ToAbsl(tname), "*", ToAbsl(ActFormatName(mt->act)));
 }
 
-void MatMul(const QuantMatrix& w, Activations& x, float* y, ThreadPool* pool, MatIsa isa) {
+void MatMul(const QuantMatrix& w, Activations& x, float* y, ThreadPool* pool, Isa isa) {
   const internal::MatKernel kernel = KernelFor(w.type(), isa);
   ELLM_CHECK(kernel != nullptr && MatIsaSupported(isa) && x.cols() == w.cols() && x.tokens() >= 0,
              absl::StrCat("MatMul: bad call (type ", static_cast<unsigned>(w.type()), ", isa ",

@@ -16,18 +16,18 @@
 //                pool's threads; every row is computed by one thread with the
 //                same code, so results do not depend on the thread count.
 //
-// Kernels (MatIsa), picked once at start-up from what the CPU supports; tests
+// Kernel sets (core/cpu_features.h Isa), picked once at start-up from what the CPU supports; tests
 // and callers may ask for any kernel the CPU can run:
-//   kRef         plain loops: each row dequantised exactly as core/quants.h
+//   reference    plain loops: each row dequantised exactly as core/quants.h
 //                does, dotted with the dequantised activations in fp64 (F32:
 //                core/kernels.h Dot). The oracle, and the fallback.
-//   kAvx2        AVX2 + FMA + F16C, 8 rows per vector; int8 products with
+//   avx2         AVX2 + FMA + F16C, 8 rows per vector; int8 products with
 //                VPMADDUBSW + VPMADDWD.
-//   kAvx2Vnni    kAvx2 with AVX-VNNI (VEX VPDPBUSD) for the int8 products:
+//   avx2-vnni    avx2 with AVX-VNNI (VEX VPDPBUSD) for the int8 products:
 //                CPUs with AVX-VNNI but no AVX-512 (Alder Lake and later
 //                client cores, server parts with AVX-512 off). Gives the same
-//                results as kAvx2 bit for bit (both integer sums are exact).
-//   kAvx512Vnni  AVX-512 F/BW/VL/DQ + VNNI + F16C, 16 rows per vector; int8
+//                results as avx2 bit for bit (both integer sums are exact).
+//   avx512       AVX-512 F/BW/VL/DQ + VNNI + F16C, 16 rows per vector; int8
 //                products with VPDPBUSD (weight codes u8 x activation codes s8
 //                with an embedded 4-byte broadcast).
 // Every kernel computes F32 matrices exactly as core/kernels.h MatVec does (8
@@ -43,25 +43,24 @@
 #include <string_view>
 #include <vector>
 
+#include "core/cpu_features.h"
 #include "core/dtype.h"
 #include "core/status.h"
 #include "core/thread_pool.h"
 
 namespace ellm::mlp {
 
-enum class MatIsa { kRef = 0, kAvx2 = 1, kAvx2Vnni = 2, kAvx512Vnni = 3 };
-inline constexpr int kNumMatIsas = 4;
-
-std::string_view MatIsaName(MatIsa isa);  // "ref", "avx2", "avx2vnni", "avx512vnni"
-// The kernel set named `name` (a MatIsaName, or "auto" for BestMatIsa()), to
-// force one from a flag or a test; InvalidArgument for any other name. Whether
-// this CPU runs it is MatIsaSupported's business.
-absl::StatusOr<MatIsa> ParseMatIsa(std::string_view name);
-// Whether this CPU (and OS) can run the kernel set.
-bool MatIsaSupported(MatIsa isa);
-// The fastest kernel set this CPU supports (decided once): avx512vnni >
-// avx2vnni > avx2 > ref.
-MatIsa BestMatIsa();
+// The matrix kernel sets are named by core/cpu_features.h's Isa: reference,
+// avx2, avx2-vnni and avx512 (there are no amx matrix kernels).
+// The set named `name` (an IsaName, or "auto" for BestMatIsa()), to force one
+// from a flag or a test; InvalidArgument for any other name. Whether this CPU
+// runs it is MatIsaSupported's business.
+absl::StatusOr<Isa> ParseMatIsa(std::string_view name);
+// Whether there are matrix kernels for `isa` and this CPU runs them.
+bool MatIsaSupported(Isa isa);
+// The fastest kernel set this CPU supports (decided once): avx512 >
+// avx2-vnni > avx2 > reference.
+Isa BestMatIsa();
 
 enum class ActFormat { kF32, kQ8x32, kQ8x256 };
 
@@ -166,10 +165,10 @@ void QuantizeActivationRow(const float* x, int64_t cols, int block, int8_t* code
 // `isa` (a programmer error, fatal, when the CPU cannot run it or the shapes
 // disagree). `pool` may be null (the calling thread does all rows).
 void MatMul(const QuantMatrix& w, Activations& x, float* y, ThreadPool* pool,
-            MatIsa isa = BestMatIsa());
+            Isa isa = BestMatIsa());
 
 // The name of the kernel MatMul runs for this type and isa, e.g.
-// "avx512vnni/q4_K x q8x256".
-std::string KernelName(DType type, MatIsa isa);
+// "avx512/q4_K*q8x256".
+std::string KernelName(DType type, Isa isa);
 
 }  // namespace ellm::mlp

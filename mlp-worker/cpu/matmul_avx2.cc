@@ -4,9 +4,9 @@
 //
 // This file is compiled twice: as is (kernel set "avx2": int8 products with
 // VPMADDUBSW + VPMADDWD), and from matmul_avx2_vnni.cc with ELLM_AVX2_VNNI=1
-// (kernel set "avx2vnni": AVX-VNNI's VEX VPDPBUSD, and VPDPWSSD for the
+// (kernel set "avx2-vnni": AVX-VNNI's VEX VPDPBUSD, and VPDPWSSD for the
 // int16 offset sums). The fp32 kernels (exact F32, F16, BF16) have no int8
-// products and are only built once; the avx2vnni table points at them.
+// products and are only built once; the avx2-vnni table points at them.
 //
 // The layout is the AVX-512 one (matmul_layout.h): each 64-byte line holds 16
 // rows; these kernels take it as two halves of 8 rows (bytes 0..31 and
@@ -25,7 +25,7 @@
 //              sub-block scale (Q4_K) as an int16 pair (sc, sc).
 //   Q5_K       pairs <= 2 * 31 * 127: 4 lines per int16 sum (<= 31496).
 //   Q6_K       pairs <= 2 * 63 * 127: 2 lines per int16 sum (<= 32004).
-// "avx2vnni": one VPDPBUSD per line and token straight into int32, as the
+// "avx2-vnni": one VPDPBUSD per line and token straight into int32, as the
 //   AVX-512 kernels do (Q8_0 multiplies the stored u8 = code + 128 and
 //   subtracts 128 * sum(codes)); sub-block scales by VPMULLD.
 // The offsets (-8 for Q4_0, mins for the k-quants, -32 for Q6_K) use the
