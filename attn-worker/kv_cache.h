@@ -63,7 +63,7 @@ struct KvCacheOptions {
   int block_tokens = 16;
   int64_t blocks = 0;    // pool size
   int numa_node = -1;    // allocate on this node (libnuma); -1: anywhere
-  KvDType dtype = KvDType::kF32;  // the worker's default is int8 (--kv_dtype)
+  KvDType dtype = KvDType::kF32;  // the worker's default is int8 (--kv-dtype)
 };
 
 // Memory from libnuma on a node (or plain mmap), released by the destructor.

@@ -9,14 +9,12 @@
 #include <cstdio>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
-#include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -26,6 +24,7 @@
 #include "attn-worker/kv_store.h"
 #include "attn-worker/serve.h"
 #include "attn-worker/synthetic_fill.h"
+#include "core/args.h"
 #include "core/gguf.h"
 #include "core/log.h"
 #include "core/read_probe.h"
@@ -40,41 +39,13 @@
 #include "shm/channel.h"
 #include "shm/messages.h"
 
-ABSL_FLAG(std::string, model, "", "GGUF model file (only its metadata is read)");
-ABSL_FLAG(int, shard, 0, "index of this attention shard (for logs and info)");
-ABSL_FLAG(std::string, kv_heads, "", "KV heads this shard owns, as BEGIN:END (end exclusive)");
-ABSL_FLAG(std::string, channel, "", "name of the shared-memory channel to create");
-ABSL_FLAG(std::string, listen, "", "gRPC control address, e.g. unix:/tmp/x.sock");
-ABSL_FLAG(int, numa_node, -1, "NUMA node to bind memory and threads to (-1: none)");
-ABSL_FLAG(std::string, cpus, "", "cpus for the attention threads, e.g. 0-7 (default: the node's cores)");
-ABSL_FLAG(int, threads, 0, "attention threads (default: one per cpu in --cpus)");
-ABSL_FLAG(int, kv_cache_mb, 256, "KV cache size of this shard in MiB");
-ABSL_FLAG(int, block_tokens, 16, "positions per KV block (a multiple of 16 for int8 and f16)");
-ABSL_FLAG(std::string, kv_dtype, "int8",
-          "KV cache element type: int8 (per-position asymmetric codes, f16 scale and min), "
-          "f16, or f32 (bit-exact with the fp32 reference forward)");
-ABSL_FLAG(std::string, attn_kernel, "auto",
-          "attention kernel for int8/f16: auto (the fastest this CPU runs), reference, avx2, "
-          "avx2-vnni, avx512 or amx");
-ABSL_FLAG(std::string, kv_store, "",
-          "folder of the KV store: prefix-cache blocks written to disk, loaded back on a match "
-          "(empty: none)");
-ABSL_FLAG(int, kv_store_mb, 8192, "most MiB of this shard's KV store files (least recently used go first)");
-ABSL_FLAG(int, probe_mb, 256,
-          "read-bandwidth probe at start-up over this many MiB (the bandwidth accounting's reference; 0: none)");
-ABSL_FLAG(int, max_batch, 16, "most sequences in one step");
-ABSL_FLAG(int, max_step_tokens, 256, "most tokens in one step");
-ABSL_FLAG(std::string, control_secret_file, "",
-          "file (0600) holding the launch's control secret; every control call must carry it");
-ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
-
 namespace ellm::attn {
 namespace {
 
 struct AttnWorkerConfig {
   std::string model_path;
   int shard = 0;
-  KvHeads heads;  // --kv_heads
+  KvHeads heads;  // --kv-heads
   std::string channel;
   std::string listen;
   int numa_node = -1;
@@ -92,37 +63,73 @@ struct AttnWorkerConfig {
   int probe_mb = 256;
 };
 
-absl::StatusOr<AttnWorkerConfig> ConfigFromFlags() {
+// The flags, spelled as on every ellm binary (core/args.h).
+Args Flags() {
+  Args a(
+      "ellm-attn-worker: attention shard of ellm (started by ellm-launch).\n"
+      "Owns KV heads [a, b) of every layer in node-local memory and answers\n"
+      "attention requests over a shared-memory channel.");
+  a.Flag("model", "", "GGUF model file (only its metadata is read)");
+  a.Flag("shard", "0", "index of this attention shard (for logs and info)");
+  a.Flag("kv-heads", "", "KV heads this shard owns, as BEGIN:END (end exclusive)");
+  a.Flag("channel", "", "name of the shared-memory channel to create");
+  a.Flag("listen", "", "gRPC control address, e.g. unix:/tmp/x.sock");
+  a.Flag("numa-node", "-1", "NUMA node to bind memory and threads to (-1: none)");
+  a.Flag("cpus", "", "cpus for the attention threads, e.g. 0-7 (default: the node's cores)");
+  a.Flag("threads", "0", "attention threads (default: one per cpu in --cpus)");
+  a.Flag("kv-cache-mb", "256", "KV cache size of this shard in MiB");
+  a.Flag("block-tokens", "16", "positions per KV block (a multiple of 16 for int8 and f16)");
+  a.Flag("kv-dtype", "int8",
+         "KV cache element type: int8 (per-position asymmetric codes, f16 scale and min), "
+         "f16, or f32 (bit-exact with the fp32 reference forward)");
+  a.Flag("attn-kernel", "auto",
+         "attention kernel for int8/f16: auto (the fastest this CPU runs), reference, avx2, "
+         "avx2-vnni, avx512 or amx");
+  a.Flag("kv-store", "",
+         "folder of the KV store: prefix-cache blocks written to disk, loaded back on a match "
+         "(empty: none)");
+  a.Flag("kv-store-mb", "8192", "most MiB of this shard's KV store files (least recently used go first)");
+  a.Flag("probe-mb", "256",
+         "read-bandwidth probe at start-up over this many MiB (the bandwidth accounting's reference; 0: none)");
+  a.Flag("max-batch", "16", "most sequences in one step");
+  a.Flag("max-step-tokens", "256", "most tokens in one step");
+  a.Flag("control-secret-file", "",
+         "file (0600) holding the launch's control secret; every control call must carry it");
+  a.Flag("log-level", "info", "debug, info, warning or error");
+  return a;
+}
+
+absl::StatusOr<AttnWorkerConfig> ConfigFromFlags(const Args& args) {
   AttnWorkerConfig c;
-  c.model_path = absl::GetFlag(FLAGS_model);
-  c.shard = absl::GetFlag(FLAGS_shard);
-  c.channel = absl::GetFlag(FLAGS_channel);
-  c.listen = absl::GetFlag(FLAGS_listen);
-  c.numa_node = absl::GetFlag(FLAGS_numa_node);
-  c.kv_cache_bytes = int64_t{absl::GetFlag(FLAGS_kv_cache_mb)} << 20;
-  c.block_tokens = absl::GetFlag(FLAGS_block_tokens);
-  c.max_batch = absl::GetFlag(FLAGS_max_batch);
-  c.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
-  c.kv_store = absl::GetFlag(FLAGS_kv_store);
-  c.control_secret_file = absl::GetFlag(FLAGS_control_secret_file);
-  c.probe_mb = absl::GetFlag(FLAGS_probe_mb);
+  c.model_path = args.Get("model");
+  c.channel = args.Get("channel");
+  c.listen = args.Get("listen");
+  c.kv_store = args.Get("kv-store");
+  c.control_secret_file = args.Get("control-secret-file");
+  int kv_cache_mb = 0, kv_store_mb = 0;
+  RETURN_IF_ERROR(args.GetInts({{"shard", &c.shard}, {"numa-node", &c.numa_node},
+                                {"kv-cache-mb", &kv_cache_mb}, {"block-tokens", &c.block_tokens},
+                                {"max-batch", &c.max_batch}, {"max-step-tokens", &c.max_step_tokens},
+                                {"probe-mb", &c.probe_mb}, {"kv-store-mb", &kv_store_mb},
+                                {"threads", &c.threads}}));
+  c.kv_cache_bytes = int64_t{kv_cache_mb} << 20;
+  c.kv_store_bytes = int64_t{kv_store_mb} << 20;
   if (c.control_secret_file.empty()) {
-    return absl::InvalidArgumentError("--control_secret_file is required (ellm-launch writes one)");
+    return absl::InvalidArgumentError("--control-secret-file is required (ellm-launch writes one)");
   }
-  c.kv_store_bytes = int64_t{absl::GetFlag(FLAGS_kv_store_mb)} << 20;
   if (c.model_path.empty()) return absl::InvalidArgumentError("--model is required");
-  if (c.kv_store_bytes <= 0) return absl::InvalidArgumentError("--kv_store_mb must be positive");
+  if (c.kv_store_bytes <= 0) return absl::InvalidArgumentError("--kv-store-mb must be positive");
   if (c.channel.empty()) return absl::InvalidArgumentError("--channel is required");
   if (c.listen.empty()) return absl::InvalidArgumentError("--listen is required");
-  absl::StatusOr<KvHeads> heads = KvHeads::Parse(absl::GetFlag(FLAGS_kv_heads));
-  if (!heads.ok()) return absl::InvalidArgumentError(absl::StrCat("--kv_heads: ", heads.status().message()));
+  absl::StatusOr<KvHeads> heads = KvHeads::Parse(args.Get("kv-heads"));
+  if (!heads.ok()) return absl::InvalidArgumentError(absl::StrCat("--kv-heads: ", heads.status().message()));
   c.heads = *heads;
   if (c.kv_cache_bytes <= 0 || c.block_tokens <= 0 || c.max_batch <= 0 ||
       c.max_step_tokens <= 0) {
     return absl::InvalidArgumentError(
-        "--kv_cache_mb, --block_tokens, --max_batch and --max_step_tokens must be positive");
+        "--kv-cache-mb, --block-tokens, --max-batch and --max-step-tokens must be positive");
   }
-  const std::string cpus = absl::GetFlag(FLAGS_cpus);
+  const std::string cpus = args.Get("cpus");
   if (!cpus.empty()) {
     ASSIGN_OR_RETURN(c.cpus, ParseCpuList(cpus));
   } else if (c.numa_node >= 0) {
@@ -131,9 +138,8 @@ absl::StatusOr<AttnWorkerConfig> ConfigFromFlags() {
       if (n.id == c.numa_node) c.cpus = n.cpus;
     }
   }
-  ASSIGN_OR_RETURN(c.kv_dtype, ParseKvDType(absl::GetFlag(FLAGS_kv_dtype)));
-  ASSIGN_OR_RETURN(c.kernel, ParseIsa(absl::GetFlag(FLAGS_attn_kernel)));
-  c.threads = absl::GetFlag(FLAGS_threads);
+  ASSIGN_OR_RETURN(c.kv_dtype, ParseKvDType(args.Get("kv-dtype")));
+  ASSIGN_OR_RETURN(c.kernel, ParseIsa(args.Get("attn-kernel")));
   if (c.threads <= 0) c.threads = c.cpus.empty() ? 1 : static_cast<int>(c.cpus.size());
   return c;
 }
@@ -158,7 +164,7 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
                        ellm::v1::WorkerInfo* info) override {
     if (grpc::Status denied = secret_.Check(ctx, "GetInfo"); !denied.ok()) return denied;
     std::lock_guard<std::mutex> lock(*cache_mu_);
-    info->set_role("attn-worker");
+    info->set_role(ellm::v1::WORKER_ROLE_ATTN);
     info->set_pid(getpid());
     info->set_model_path(config_.model_path);
     info->set_channel(config_.channel);
@@ -271,7 +277,7 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
   const CallSecret secret_;
   KvCache* cache_;
   std::mutex* cache_mu_;
-  KvStore* store_;  // null without --kv_store
+  KvStore* store_;  // null without --kv-store
   const AttentionShard* shard_;
   std::string kernel_;
   double probe_bytes_per_second_;
@@ -282,7 +288,7 @@ absl::Status Run(const AttnWorkerConfig& config) {
   ASSIGN_OR_RETURN(auto file, GgufFile::Open(config.model_path));
   ASSIGN_OR_RETURN(ModelConfig model, ModelConfig::FromGguf(*file));
   if (config.heads.end > model.n_kv_heads) {
-    return absl::InvalidArgumentError(absl::StrCat("--kv_heads ", config.heads.Flag(),
+    return absl::InvalidArgumentError(absl::StrCat("--kv-heads ", config.heads.Flag(),
                                                    " exceeds the model's ", model.n_kv_heads,
                                                    " KV heads"));
   }
@@ -306,7 +312,7 @@ absl::Status Run(const AttnWorkerConfig& config) {
   kv.dtype = config.kv_dtype;
   kv.blocks = config.kv_cache_bytes / static_cast<int64_t>(KvCache::BlockBytes(kv));
   if (kv.blocks <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--kv_cache_mb is too small for one block of ",
+    return absl::InvalidArgumentError(absl::StrCat("--kv-cache-mb is too small for one block of ",
                                                    KvCache::BlockBytes(kv), " bytes"));
   }
   ASSIGN_OR_RETURN(auto cache, KvCache::Create(kv));
@@ -387,20 +393,17 @@ absl::Status Run(const AttnWorkerConfig& config) {
 
 int main(int argc, char** argv) {
   ellm::DieWithParent();
-  absl::SetProgramUsageMessage(
-      "ellm-attn-worker: attention shard of ellm (started by ellm-launch).\n"
-      "Owns KV heads [a, b) of every layer in node-local memory and answers\n"
-      "attention requests over a shared-memory channel. Flags: --help shows them.");
-  absl::ParseCommandLine(argc, argv);
+  ellm::Args args = ellm::attn::Flags();
+  if (std::optional<int> exit_code = args.ParseFlagsOnly(argc, argv)) return *exit_code;
   ellm::LogLevel level = ellm::LogLevel::kInfo;
-  if (!ellm::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
-    std::fprintf(stderr, "--log_level must be debug, info, warning or error, got '%s'\n",
-                 absl::GetFlag(FLAGS_log_level).c_str());
+  if (!ellm::ParseLogLevel(args.Get("log-level"), &level)) {
+    std::fprintf(stderr, "--log-level must be debug, info, warning or error, got '%s'\n",
+                 args.Get("log-level").c_str());
     return 2;
   }
-  ellm::SetLogIdentity(absl::StrCat("attn-worker[", absl::GetFlag(FLAGS_shard), "]"), level);
+  ellm::SetLogIdentity(absl::StrCat("attn-worker[", args.Get("shard"), "]"), level);
   ellm::InstallStopSignalHandlers();
-  absl::StatusOr<ellm::attn::AttnWorkerConfig> config = ellm::attn::ConfigFromFlags();
+  absl::StatusOr<ellm::attn::AttnWorkerConfig> config = ellm::attn::ConfigFromFlags(args);
   if (!config.ok()) {
     ellm::LogError("%s", config.status().message());
     return 2;

@@ -33,16 +33,19 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "attn-worker/attention_kernels.h"
 #include "attn-worker/attention_shard.h"
 #include "attn-worker/kv_cache.h"
 #include "bench/peak.h"
+#include "core/args.h"
 #include "core/read_probe.h"
 #include "core/thread_pool.h"
 #include "core/topology.h"
@@ -77,44 +80,49 @@ struct Options {
   int64_t probe_bytes = 0;
 };
 
-const char kHelp[] =
-    "ellm-bench attention: decode attention (one query token per layer) of one\n"
-    "attention worker's shard, against a streaming-read probe in the same run.\n"
-    "\n"
-    "Output: one line per case on stdout,\n"
-    "  shape= dtype= positions= threads= us_per_layer= gb_per_s= probe_gb_per_s= ratio=\n"
-    "  macs_per_byte= gmacs= unit= peak_gmacs= roof_gb_per_s= bound= ratio_to_roof=\n"
-    "  isa= cpu=\n"
-    "progress on stderr. The probe runs before every case; probe_gb_per_s is the\n"
-    "best it measured so far in the run with that thread count.\n"
-    "The roofline: macs_per_byte is what the case needs (q·K and p·V of the group's\n"
-    "query heads per KV byte read), peak_gmacs the measured peak of the kernel's\n"
-    "dot-product instruction (unit) on the same pinned threads, roof_gb_per_s =\n"
-    "min(probe, peak_gmacs / macs_per_byte), and bound says which limit that is:\n"
-    "a compute-bound case cannot reach the probe whatever its memory access does.\n"
-    "\n"
-    "Flags (lists are comma-separated):\n"
-    "  --shapes=LIST     qwen2.5-14b (40 query / 8 KV heads, head dim 128), llama-3-8b\n"
-    "                    (32/8, 128), qwen2.5-0.5b (14/2, 64), or NAME:Q/KV/HD for any\n"
-    "                    other shard. Default: the three named ones.\n"
-    "  --positions=LIST  KV lengths; K = 1024 (default 1K,4K,16K,64K,128K).\n"
-    "  --dtypes=LIST     int8, f16, f32 (default int8,f16; f32 runs the fp32 reference path).\n"
-    "  --threads=LIST    thread counts, or 'all' for one per physical core of NUMA node 0\n"
-    "                    (default 1,all). Threads are pinned, one per core.\n"
-    "  --kernel=NAME     auto, reference, avx2, avx2-vnni, avx512, amx (default auto).\n"
-    "  --min-time=SEC    time spent measuring each case (default 0.5).\n"
-    "  --footprint-mb=N  KV bytes each case cycles through, as whole layers (default:\n"
-    "                    twice the last-level cache, at least 256).\n"
-    "  --probe-mb=N      probe buffer (default: twice the last-level cache, at least 256).\n"
-    "  --block-tokens=N  positions per KV block, a multiple of 16 (default 16, as the\n"
-    "                    attention worker's --block_tokens).\n"
-    "  --interleave=N    N sequences take their KV blocks in turn, a block at a time,\n"
-    "                    as sequences decoding side by side do; the measured one then\n"
-    "                    reads every N-th block (default 1: consecutive blocks). The\n"
-    "                    cache grows N-fold.\n"
-    "  --quick           a smoke test in seconds: qwen2.5-0.5b, 1K and 4K positions,\n"
-    "                    int8 and f16, all threads, 256 MiB footprint and probe, short\n"
-    "                    timing. Its numbers are indicative only.\n";
+Args Flags() {
+  Args a(
+      "ellm-bench attention: decode attention (one query token per layer) of one\n"
+      "attention worker's shard, against a streaming-read probe in the same run.\n"
+      "\n"
+      "Output: one line per case on stdout,\n"
+      "  shape= dtype= positions= threads= us_per_layer= gb_per_s= probe_gb_per_s= ratio=\n"
+      "  macs_per_byte= gmacs= unit= peak_gmacs= roof_gb_per_s= bound= ratio_to_roof=\n"
+      "  isa= cpu=\n"
+      "progress on stderr. The probe runs before every case; probe_gb_per_s is the\n"
+      "best it measured so far in the run with that thread count.\n"
+      "The roofline: macs_per_byte is what the case needs (q.K and p.V of the group's\n"
+      "query heads per KV byte read), peak_gmacs the measured peak of the kernel's\n"
+      "dot-product instruction (unit) on the same pinned threads, roof_gb_per_s =\n"
+      "min(probe, peak_gmacs / macs_per_byte), and bound says which limit that is:\n"
+      "a compute-bound case cannot reach the probe whatever its memory access does.\n"
+      "Lists are comma-separated.");
+  a.Flag("shapes", "qwen2.5-14b,llama-3-8b,qwen2.5-0.5b",
+         "qwen2.5-14b (40 query / 8 KV heads, head dim 128), llama-3-8b (32/8, 128), "
+         "qwen2.5-0.5b (14/2, 64), or NAME:Q/KV/HD for any other shard");
+  a.Flag("positions", "1K,4K,16K,64K,128K", "KV lengths; K = 1024");
+  a.Flag("dtypes", "int8,f16", "int8, f16, f32 (f32 runs the fp32 reference path)");
+  a.Flag("threads", "1,all",
+         "thread counts, or 'all' for one per physical core of NUMA node 0; threads are pinned, "
+         "one per core");
+  a.Flag("kernel", "auto", "auto, reference, avx2, avx2-vnni, avx512 or amx");
+  a.Flag("min-time", "0.5", "seconds spent measuring each case");
+  a.Flag("footprint-mb", "",
+         "KV MiB each case cycles through, as whole layers (default: twice the last-level cache, "
+         "at least 256)");
+  a.Flag("probe-mb", "", "probe buffer MiB (default: twice the last-level cache, at least 256)");
+  a.Flag("block-tokens", "16",
+         "positions per KV block, a multiple of 16 (as the attention worker's --block-tokens)");
+  a.Flag("interleave", "1",
+         "N sequences take their KV blocks in turn, a block at a time, as sequences decoding side "
+         "by side do; the measured one then reads every N-th block (1: consecutive blocks). The "
+         "cache grows N-fold");
+  a.Flag("quick", "false",
+         "a smoke test in seconds: qwen2.5-0.5b, 1K and 4K positions, all threads, 256 MiB "
+         "footprint and probe, short timing (flags given as well win). Indicative numbers only",
+         true);
+  return a;
+}
 
 int64_t LastLevelCacheBytes() {
   for (int index = 4; index >= 0; --index) {
@@ -137,56 +145,32 @@ absl::StatusOr<std::vector<std::string>> ListFlag(const std::string& text) {
   return out;
 }
 
-absl::StatusOr<Options> Parse(int argc, char** argv, bool* help) {
+absl::StatusOr<Options> ParseOptions(const Args& args) {
   Options o;
-  const int64_t llc = LastLevelCacheBytes();
-  o.footprint_bytes = o.probe_bytes = std::max<int64_t>(2 * llc, int64_t{256} << 20);
-  std::string shapes = "qwen2.5-14b,llama-3-8b,qwen2.5-0.5b", positions = "1K,4K,16K,64K,128K",
-              dtypes = "int8,f16", threads = "1,all", kernel = "auto";
-  for (int i = 0; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const size_t eq = arg.find('=');
-    const std::string name = arg.substr(0, eq), value = eq == std::string::npos ? "" : arg.substr(eq + 1);
-    if (name == "--help" || name == "-h") {
-      *help = true;
-      return o;
-    } else if (name == "--quick") {
-      shapes = "qwen2.5-0.5b";
-      positions = "1K,4K";
-      threads = "all";
-      o.min_time_s = 0.1;
-      o.footprint_bytes = o.probe_bytes = int64_t{256} << 20;
-    } else if (name == "--shapes") {
-      shapes = value;
-    } else if (name == "--positions") {
-      positions = value;
-    } else if (name == "--dtypes") {
-      dtypes = value;
-    } else if (name == "--threads") {
-      threads = value;
-    } else if (name == "--kernel") {
-      kernel = value;
-    } else if (name == "--min-time") {
-      if (!absl::SimpleAtod(value, &o.min_time_s) || o.min_time_s <= 0) {
-        return absl::InvalidArgumentError("--min-time must be a positive number of seconds");
-      }
-    } else if (name == "--block-tokens") {
-      if (!absl::SimpleAtoi(value, &o.block_tokens) || o.block_tokens < 16 || o.block_tokens % 16 != 0) {
-        return absl::InvalidArgumentError("--block-tokens must be a positive multiple of 16");
-      }
-    } else if (name == "--interleave") {
-      if (!absl::SimpleAtoi(value, &o.interleave) || o.interleave < 1 || o.interleave > 64) {
-        return absl::InvalidArgumentError("--interleave must be 1..64");
-      }
-    } else if (name == "--footprint-mb" || name == "--probe-mb") {
-      int64_t mb;
-      if (!absl::SimpleAtoi(value, &mb) || mb <= 0) {
-        return absl::InvalidArgumentError(name + " must be a positive number of MiB");
-      }
-      (name == "--probe-mb" ? o.probe_bytes : o.footprint_bytes) = mb << 20;
-    } else {
-      return absl::InvalidArgumentError("unknown flag '" + arg + "' (see --help)");
-    }
+  const bool quick = args.GetBool("quick");
+  // --quick changes the defaults; a flag given explicitly still wins.
+  auto value = [&](const char* name, const char* quick_value) {
+    return quick && !args.IsSet(name) ? std::string(quick_value) : args.Get(name);
+  };
+  const std::string shapes = value("shapes", "qwen2.5-0.5b"), positions = value("positions", "1K,4K"),
+                    dtypes = args.Get("dtypes"), threads = value("threads", "all");
+  ASSIGN_OR_RETURN(o.min_time_s, args.GetDouble("min-time"));
+  if (quick && !args.IsSet("min-time")) o.min_time_s = 0.1;
+  if (o.min_time_s <= 0) return absl::InvalidArgumentError("--min-time must be a positive number of seconds");
+  RETURN_IF_ERROR(args.GetInts({{"block-tokens", &o.block_tokens}, {"interleave", &o.interleave}}));
+  if (o.block_tokens < 16 || o.block_tokens % 16 != 0) {
+    return absl::InvalidArgumentError("--block-tokens must be a positive multiple of 16");
+  }
+  if (o.interleave < 1 || o.interleave > 64) return absl::InvalidArgumentError("--interleave must be 1..64");
+  const int64_t automatic =
+      quick ? int64_t{256} << 20 : std::max<int64_t>(2 * LastLevelCacheBytes(), int64_t{256} << 20);
+  for (const auto& [name, bytes] : {std::pair<const char*, int64_t*>{"footprint-mb", &o.footprint_bytes},
+                                    {"probe-mb", &o.probe_bytes}}) {
+    *bytes = automatic;
+    if (args.Get(name).empty()) continue;
+    ASSIGN_OR_RETURN(const int mb, args.GetInt(name));
+    if (mb <= 0) return absl::InvalidArgumentError(absl::StrCat("--", name, " must be a positive number of MiB"));
+    *bytes = int64_t{mb} << 20;
   }
   ASSIGN_OR_RETURN(auto shape_list, ListFlag(shapes));
   for (const std::string& s : shape_list) {
@@ -240,7 +224,7 @@ absl::StatusOr<Options> Parse(int argc, char** argv, bool* help) {
     }
     o.threads.push_back(n);
   }
-  ASSIGN_OR_RETURN(o.kernel, ParseIsa(kernel));
+  ASSIGN_OR_RETURN(o.kernel, ParseIsa(args.Get("kernel")));
   return o;
 }
 
@@ -379,12 +363,11 @@ Result RunCase(Setup& s, const Shape& shape, ThreadPool& pool, const attn::Atten
 }  // namespace
 
 int AttentionMain(int argc, char** argv) {
-  bool help = false;
-  absl::StatusOr<Options> parsed = Parse(argc, argv, &help);
-  if (help) {
-    std::fputs(kHelp, stdout);
-    return 0;
-  }
+  Args args = Flags();
+  // argv[0] is the first flag here (ellm-bench's main passes what follows the
+  // subcommand); Args skips a program name.
+  if (std::optional<int> exit = args.ParseFlagsOnly(argc + 1, argv - 1)) return *exit;
+  absl::StatusOr<Options> parsed = ParseOptions(args);
   if (!parsed.ok()) {
     std::fprintf(stderr, "ellm-bench attention: %s\n", std::string(parsed.status().message()).c_str());
     return 2;

@@ -26,13 +26,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "core/kv_format.h"
-#include "core/read_probe.h"
+#include "core/args.h"
 #include "core/gguf.h"
+#include "core/kv_format.h"
 #include "core/model_config.h"
+#include "core/read_probe.h"
 #include "core/thread_pool.h"
 #include "core/topology.h"
-#include "launch/args.h"
 #include "proto/ellm.grpc.pb.h"
 
 namespace ellm::bench {
@@ -231,7 +231,7 @@ int RunTurns(const std::vector<std::string>& launch_base, const std::string& por
 }  // namespace
 
 int E2eMain(int argc, char** argv) {
-  launch::Args args(
+  Args args(
       "ellm-bench e2e: decode ms/token of the whole system at long context, against the bound\n"
       "(KV bytes + weight bytes read per token) / probe bandwidth.\n\n"
       "Launches ellm (build/ellm-launch) on --model, or uses a running one with --server.\n"

@@ -35,7 +35,7 @@ export LD_LIBRARY_PATH="$libs${cuda_path:+:$cuda_path}${LD_LIBRARY_PATH:+:$LD_LI
     missing=$(ldd "$b" | grep 'not found')
     echo "$(basename "$b"): ${missing:-all libraries found}"
   done
-  "$libs/bin/ellm-mlp-worker" --probe_cuda 2>&1
+  "$libs/bin/ellm-mlp-worker" --probe-cuda 2>&1
   echo "probe exit: $?"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"

@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -37,12 +38,10 @@
 
 #include <cuda_runtime_api.h>
 
-#include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "core/args.h"
 #include "core/log.h"
 #include "core/model_config.h"
 #include "mlp-worker/backend.h"
@@ -53,20 +52,28 @@
 #include "shm/channel.h"
 #include "shm/messages.h"
 
-ABSL_FLAG(std::string, models, "qwen2.5-14b,llama3-8b", "model shapes: qwen2.5-14b, llama3-8b");
-ABSL_FLAG(std::string, batches, "1,8,64", "sequences per decode step");
-ABSL_FLAG(int, iters, 20, "timed steps per configuration");
-ABSL_FLAG(int, warmup, 3, "untimed steps first (graphs are captured on a step's second use)");
-ABSL_FLAG(int, device, 0, "CUDA device");
-ABSL_FLAG(std::string, graphs, "both", "CUDA graphs: off, on or both");
-ABSL_FLAG(std::string, io, "mapped,memcpy",
-          "ring I/O paths to time: mapped (kernels address registered host memory), memcpy");
-ABSL_FLAG(int, shards, 2, "attention shards the KV heads are split over");
-ABSL_FLAG(int, hop_iters, 2000, "ring hops timed per batch size");
-ABSL_FLAG(bool, ring_steps, true, "also time whole steps through StepRunner and real rings");
-
 namespace ellm::mlp {
 namespace {
+
+// The flags, spelled as on every ellm binary (core/args.h).
+Args Flags() {
+  Args a(
+      "ellm-mlp-bench: per-step time of the CUDA MLP backend on random models of real shapes,\n"
+      "against the weight-read bound, and the ring hop's round trip.");
+  a.Flag("models", "qwen2.5-14b,llama3-8b", "model shapes: qwen2.5-14b, llama3-8b");
+  a.Flag("batches", "1,8,64", "sequences per decode step");
+  a.Flag("iters", "20", "timed steps per configuration");
+  a.Flag("warmup", "3", "untimed steps first (graphs are captured on a step's second use)");
+  a.Flag("device", "0", "CUDA device");
+  a.Flag("graphs", "both", "CUDA graphs: off, on or both");
+  a.Flag("io", "mapped,memcpy",
+         "ring I/O paths to time: mapped (kernels address registered host memory), memcpy");
+  a.Flag("shards", "2", "attention shards the KV heads are split over");
+  a.Flag("hop-iters", "2000", "ring hops timed per batch size");
+  a.Flag("ring-steps", "true", "also time whole steps through StepRunner and real rings (true or false)",
+         true);
+  return a;
+}
 
 using Clock = std::chrono::steady_clock;
 
@@ -427,8 +434,10 @@ absl::StatusOr<Stats> TimeHop(const ModelConfig& c, int batch, int shards, bool 
   return Summarise(us);
 }
 
-absl::Status Run() {
-  const int device = absl::GetFlag(FLAGS_device);
+absl::Status Run(const Args& args) {
+  int device = 0, shards = 0, warmup = 0, iters = 0, hop_iters = 0;
+  RETURN_IF_ERROR(args.GetInts({{"device", &device}, {"shards", &shards}, {"warmup", &warmup},
+                                {"iters", &iters}, {"hop-iters", &hop_iters}}));
   std::string why;
   if (!CudaDeviceAvailable(&why, device)) {
     return absl::UnavailableError(absl::StrCat("no CUDA device: ", why));
@@ -446,26 +455,24 @@ absl::Status Run() {
   std::fflush(stdout);
 
   std::vector<int> batches;
-  for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_batches), ',', absl::SkipEmpty())) {
+  for (absl::string_view b : absl::StrSplit(args.Get("batches"), ',', absl::SkipEmpty())) {
     int v = 0;
     if (!absl::SimpleAtoi(b, &v) || v <= 0) return absl::InvalidArgumentError("bad --batches");
     batches.push_back(v);
   }
   const int max_batch = *std::max_element(batches.begin(), batches.end());
   std::vector<bool> graph_modes;
-  const std::string graphs = absl::GetFlag(FLAGS_graphs);
+  const std::string graphs = args.Get("graphs");
   if (graphs == "off" || graphs == "both") graph_modes.push_back(false);
   if (graphs == "on" || graphs == "both") graph_modes.push_back(true);
   std::vector<bool> io_modes;  // true: mapped
-  for (absl::string_view m : absl::StrSplit(absl::GetFlag(FLAGS_io), ',', absl::SkipEmpty())) {
+  for (absl::string_view m : absl::StrSplit(args.Get("io"), ',', absl::SkipEmpty())) {
     if (m == "mapped") io_modes.push_back(true);
     else if (m == "memcpy") io_modes.push_back(false);
     else return absl::InvalidArgumentError("bad --io");
   }
-  const int shards = absl::GetFlag(FLAGS_shards);
-  const int warmup = absl::GetFlag(FLAGS_warmup), iters = absl::GetFlag(FLAGS_iters);
 
-  for (absl::string_view model : absl::StrSplit(absl::GetFlag(FLAGS_models), ',', absl::SkipEmpty())) {
+  for (absl::string_view model : absl::StrSplit(args.Get("models"), ',', absl::SkipEmpty())) {
     ASSIGN_OR_RETURN(const ModelConfig c, Shape(std::string(model)));
     const double bytes = StepWeightBytes(c);
     const double bound_ms = bytes / (gbps * 1e9) * 1e3;
@@ -491,7 +498,7 @@ absl::Status Run() {
                       c.name.c_str(), batch, use_graphs, mapped ? "mapped" : "memcpy", s.median,
                       s.p90, batch / (s.median * 1e-3), bound_ms, bound_ms / s.median);
           std::fflush(stdout);
-          if (absl::GetFlag(FLAGS_ring_steps)) {
+          if (args.GetBool("ring-steps")) {
             ASSIGN_OR_RETURN(Stats r, TimeRingSteps(*backend, c, batch, shards, warmup, iters));
             std::printf("ring_step model=%s batch=%d graphs=%d io=%s shards=%d step_ms=%.3f "
                         "p90_ms=%.3f tok_s=%.1f of_bound=%.3f\n",
@@ -507,7 +514,7 @@ absl::Status Run() {
   ASSIGN_OR_RETURN(const ModelConfig hop_model, Shape("qwen2.5-14b"));
   for (bool mapped : io_modes) {
     for (int batch : batches) {
-      ASSIGN_OR_RETURN(Stats s, TimeHop(hop_model, batch, shards, mapped, absl::GetFlag(FLAGS_hop_iters)));
+      ASSIGN_OR_RETURN(Stats s, TimeHop(hop_model, batch, shards, mapped, hop_iters));
       std::printf("ring_hop model=%s batch=%d shards=%d io=%s median_us=%.1f p90_us=%.1f\n",
                   hop_model.name.c_str(), batch, shards, mapped ? "mapped" : "memcpy", s.median,
                   s.p90);
@@ -521,12 +528,10 @@ absl::Status Run() {
 }  // namespace ellm::mlp
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "ellm-mlp-bench: per-step time of the CUDA MLP backend on random models of real shapes,\n"
-      "against the weight-read bound, and the ring hop's round trip.");
-  absl::ParseCommandLine(argc, argv);
+  ellm::Args args = ellm::mlp::Flags();
+  if (std::optional<int> exit_code = args.ParseFlagsOnly(argc, argv)) return *exit_code;
   ellm::SetLogIdentity("mlp-bench");
-  absl::Status st = ellm::mlp::Run();
+  absl::Status st = ellm::mlp::Run(args);
   if (!st.ok()) {
     std::fprintf(stderr, "ellm-mlp-bench: %s\n", st.ToString().c_str());
     return 1;

@@ -18,12 +18,12 @@
 #include "attn-worker/attention_shard.h"
 #include "attn-worker/kv_cache.h"
 #include "bench/peak.h"
+#include "core/args.h"
 #include "core/gguf.h"
 #include "core/model_config.h"
 #include "core/thread_pool.h"
 #include "core/topology.h"
 #include "core/weights.h"
-#include "launch/args.h"
 #include "mlp-worker/backend.h"
 #include "mlp-worker/cpu/matmul.h"
 #include "shm/messages.h"
@@ -47,7 +47,7 @@ DotUnit MatrixUnit(Isa isa) {
 }  // namespace
 
 int PrefillMain(int argc, char** argv) {
-  launch::Args args(
+  Args args(
       "ellm-bench prefill: cold prefill of prompts in one process, split into matrix work and\n"
       "attention, each in G multiply-adds/s against the measured peak of its dot-product\n"
       "instruction on the same threads. Prints one key=value line per prompt length:\n"

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -15,9 +16,6 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 
-#include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -27,44 +25,12 @@
 #include "coordinator/worker_link.h"
 #include "coordinator/workers.h"
 #include "proto/control_secret.h"
+#include "core/args.h"
 #include "core/gguf.h"
 #include "core/log.h"
 #include "core/model_config.h"
 #include "core/signals.h"
 #include "core/tokenizer.h"
-
-ABSL_FLAG(std::string, model, "", "GGUF model file (tokenizer and shapes are read from it)");
-ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "public gRPC address");
-ABSL_FLAG(std::string, http_listen, "",
-          "address of the OpenAI-compatible HTTP API and /metrics, HOST:PORT (empty: none)");
-ABSL_FLAG(int, http_max_body_mb, 8, "largest HTTP request body (larger: 413)");
-ABSL_FLAG(std::string, mlp_channel, "", "the mlp-worker's shared-memory channel");
-ABSL_FLAG(std::string, workers, "", "control addresses of all workers, comma-separated");
-ABSL_FLAG(int, max_batch, 16, "most sequences in one step");
-ABSL_FLAG(int, max_step_tokens, 256, "most tokens in one step");
-ABSL_FLAG(int, max_queue, 64, "most requests waiting for admission (more: RESOURCE_EXHAUSTED)");
-ABSL_FLAG(int, default_max_tokens, 128, "max_tokens of a request that does not say");
-ABSL_FLAG(bool, prefix_cache, true, "share the KV blocks of equal prompt prefixes across requests");
-ABSL_FLAG(bool, kv_store, false,
-          "the attention workers keep cached blocks on disk (--kv_store): index them and load on a match");
-ABSL_FLAG(int, connect_timeout_s, 120, "how long to wait for the workers at start-up");
-ABSL_FLAG(bool, recover, true,
-          "after a worker dies or freezes, wait for the launcher to restart the workers and resume "
-          "every request (false: end them all with UNAVAILABLE and stop serving)");
-ABSL_FLAG(int, recovery_timeout_s, 300, "how long to wait for restarted workers before giving up");
-ABSL_FLAG(double, min_step_timeout_s, 2,
-          "a step is stuck after 10x the recent p99 step time, and never before this");
-ABSL_FLAG(int, heartbeat_ms, 500, "interval of the workers' health checks (two missed: frozen)");
-ABSL_FLAG(std::string, control_secret_file, "",
-          "file (0600) holding the launch's control secret, sent with every worker control call");
-ABSL_FLAG(std::string, api_key_file, "",
-          "file (0600) holding the API key every public call must carry (authorization: Bearer KEY)");
-ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve the public port over TLS");
-ABSL_FLAG(std::string, control_listen, "",
-          "a second, private address (e.g. unix:/run/dir/coordinator.sock) where the launcher checks "
-          "health whatever the public port's TLS");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
-ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
 
 namespace ellm::coord {
 namespace {
@@ -93,43 +59,89 @@ struct CoordinatorConfig {
   absl::Duration connect_timeout;
 };
 
-absl::StatusOr<CoordinatorConfig> ConfigFromFlags() {
+// The flags, spelled as on every ellm binary (core/args.h).
+Args Flags() {
+  Args a(
+      "ellm-coordinator: public gRPC endpoint of ellm (started by ellm-launch).\n"
+      "Tokenizes, schedules requests into steps, and streams generated text.");
+  a.Flag("model", "", "GGUF model file (tokenizer and shapes are read from it)");
+  a.Flag("listen", "127.0.0.1:50051", "public gRPC address");
+  a.Flag("http-listen", "",
+         "address of the OpenAI-compatible HTTP API and /metrics, HOST:PORT (empty: none)");
+  a.Flag("http-max-body-mb", "8", "largest HTTP request body (larger: 413)");
+  a.Flag("mlp-channel", "", "the mlp-worker's shared-memory channel");
+  a.Flag("workers", "", "control addresses of all workers, comma-separated");
+  a.Flag("max-batch", "16", "most sequences in one step");
+  a.Flag("max-step-tokens", "256", "most tokens in one step");
+  a.Flag("max-queue", "64", "most requests waiting for admission (more: RESOURCE_EXHAUSTED)");
+  a.Flag("default-max-tokens", "128", "max_tokens of a request that does not say");
+  a.Flag("prefix-cache", "true", "share the KV blocks of equal prompt prefixes across requests (true or false)",
+         true);
+  a.Flag("kv-store", "false",
+         "the attention workers keep cached blocks on disk (their --kv-store): index them and load on a match",
+         true);
+  a.Flag("connect-timeout-s", "120", "how long to wait for the workers at start-up");
+  a.Flag("recover", "true",
+         "after a worker dies or freezes, wait for the launcher to restart the workers and resume "
+         "every request (false: end them all with UNAVAILABLE and stop serving)",
+         true);
+  a.Flag("recovery-timeout-s", "300", "how long to wait for restarted workers before giving up");
+  a.Flag("min-step-timeout-s", "2",
+         "a step is stuck after 10x the recent p99 step time, and never before this");
+  a.Flag("heartbeat-ms", "500", "interval of the workers' health checks (two missed: frozen)");
+  a.Flag("control-secret-file", "",
+         "file (0600) holding the launch's control secret, sent with every worker control call");
+  a.Flag("api-key-file", "",
+         "file (0600) holding the API key every public call must carry (authorization: Bearer KEY)");
+  a.Flag("tls-cert", "", "PEM certificate chain: serve the public port over TLS");
+  a.Flag("tls-key", "", "PEM private key of --tls-cert");
+  a.Flag("control-listen", "",
+         "a second, private address (e.g. unix:/run/dir/coordinator.sock) where the launcher checks "
+         "health whatever the public port's TLS");
+  a.Flag("log-level", "info", "debug, info, warning or error");
+  return a;
+}
+
+absl::StatusOr<CoordinatorConfig> ConfigFromFlags(const Args& args) {
   CoordinatorConfig c;
-  c.model_path = absl::GetFlag(FLAGS_model);
-  c.listen = absl::GetFlag(FLAGS_listen);
-  c.http_listen = absl::GetFlag(FLAGS_http_listen);
-  c.http_max_body_mb = absl::GetFlag(FLAGS_http_max_body_mb);
-  if (c.http_max_body_mb <= 0) return absl::InvalidArgumentError("--http_max_body_mb must be positive");
-  c.mlp_channel = absl::GetFlag(FLAGS_mlp_channel);
-  c.workers = absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty());
-  c.max_batch = absl::GetFlag(FLAGS_max_batch);
-  c.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
-  c.max_queue = absl::GetFlag(FLAGS_max_queue);
-  c.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
-  c.kv_store = absl::GetFlag(FLAGS_kv_store) && c.prefix_cache;
-  c.default_max_tokens = absl::GetFlag(FLAGS_default_max_tokens);
-  c.connect_timeout = absl::Seconds(absl::GetFlag(FLAGS_connect_timeout_s));
-  c.recover = absl::GetFlag(FLAGS_recover);
-  c.control_secret_file = absl::GetFlag(FLAGS_control_secret_file);
-  c.api_key_file = absl::GetFlag(FLAGS_api_key_file);
-  c.tls_cert = absl::GetFlag(FLAGS_tls_cert);
-  c.tls_key = absl::GetFlag(FLAGS_tls_key);
-  c.control_listen = absl::GetFlag(FLAGS_control_listen);
+  c.model_path = args.Get("model");
+  c.listen = args.Get("listen");
+  c.http_listen = args.Get("http-listen");
+  c.mlp_channel = args.Get("mlp-channel");
+  c.workers = absl::StrSplit(args.Get("workers"), ',', absl::SkipEmpty());
+  int connect_timeout_s = 0, recovery_timeout_s = 0, heartbeat_ms = 0;
+  RETURN_IF_ERROR(args.GetInts({{"http-max-body-mb", &c.http_max_body_mb}, {"max-batch", &c.max_batch},
+                                {"max-step-tokens", &c.max_step_tokens}, {"max-queue", &c.max_queue},
+                                {"default-max-tokens", &c.default_max_tokens},
+                                {"connect-timeout-s", &connect_timeout_s},
+                                {"recovery-timeout-s", &recovery_timeout_s},
+                                {"heartbeat-ms", &heartbeat_ms}}));
+  ASSIGN_OR_RETURN(const double min_step_timeout_s, args.GetDouble("min-step-timeout-s"));
+  if (c.http_max_body_mb <= 0) return absl::InvalidArgumentError("--http-max-body-mb must be positive");
+  c.prefix_cache = args.GetBool("prefix-cache");
+  c.kv_store = args.GetBool("kv-store") && c.prefix_cache;
+  c.recover = args.GetBool("recover");
+  c.connect_timeout = absl::Seconds(connect_timeout_s);
+  c.control_secret_file = args.Get("control-secret-file");
+  c.api_key_file = args.Get("api-key-file");
+  c.tls_cert = args.Get("tls-cert");
+  c.tls_key = args.Get("tls-key");
+  c.control_listen = args.Get("control-listen");
   if (c.control_secret_file.empty()) {
-    return absl::InvalidArgumentError("--control_secret_file is required (ellm-launch writes one)");
+    return absl::InvalidArgumentError("--control-secret-file is required (ellm-launch writes one)");
   }
   if (c.tls_cert.empty() != c.tls_key.empty()) {
-    return absl::InvalidArgumentError("--tls_cert and --tls_key go together");
+    return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
   }
-  c.recovery_timeout = absl::Seconds(absl::GetFlag(FLAGS_recovery_timeout_s));
-  c.min_step_timeout = absl::Seconds(absl::GetFlag(FLAGS_min_step_timeout_s));
-  c.heartbeat = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_ms));
+  c.recovery_timeout = absl::Seconds(recovery_timeout_s);
+  c.min_step_timeout = absl::Seconds(min_step_timeout_s);
+  c.heartbeat = absl::Milliseconds(heartbeat_ms);
   if (c.recovery_timeout <= absl::ZeroDuration() || c.min_step_timeout <= absl::ZeroDuration() ||
       c.heartbeat <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("--recovery_timeout_s, --min_step_timeout_s and --heartbeat_ms must be positive");
+    return absl::InvalidArgumentError("--recovery-timeout-s, --min-step-timeout-s and --heartbeat-ms must be positive");
   }
   if (c.model_path.empty()) return absl::InvalidArgumentError("--model is required");
-  if (c.mlp_channel.empty()) return absl::InvalidArgumentError("--mlp_channel is required");
+  if (c.mlp_channel.empty()) return absl::InvalidArgumentError("--mlp-channel is required");
   if (c.workers.empty()) return absl::InvalidArgumentError("--workers is required");
   if (c.max_batch <= 0 || c.max_step_tokens <= 0 || c.max_queue < 0 || c.default_max_tokens <= 0) {
     return absl::InvalidArgumentError("batch, step, queue and token limits must be positive");
@@ -150,7 +162,7 @@ std::vector<Metrics::WorkerSample> WorkerSamples(WorkerLink& link) {
   std::vector<Metrics::WorkerSample> out;
   for (const ellm::v1::WorkerInfo& info : link.PollInfo()) {
     Metrics::WorkerSample w;
-    w.attention = info.role() == "attn-worker";
+    w.attention = info.role() == ellm::v1::WORKER_ROLE_ATTN;
     w.name = w.attention ? absl::StrCat("attn-", info.shard()) : "mlp";
     w.kv_read_bytes = info.kv_read_bytes();
     w.probe_bytes_per_second = info.probe_bytes_per_second();
@@ -201,7 +213,7 @@ absl::Status Run(const CoordinatorConfig& config) {
   for (const ellm::v1::WorkerInfo* w : attn) {
     kv_blocks = std::min(kv_blocks, w->kv_blocks_total());
     if (w->kv_block_tokens() != block_tokens) {
-      return absl::InvalidArgumentError("attention workers disagree on --block_tokens");
+      return absl::InvalidArgumentError("attention workers disagree on --block-tokens");
     }
     if (w->max_batch() < config.max_batch || w->max_step_tokens() < config.max_step_tokens) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -305,7 +317,7 @@ absl::Status Run(const CoordinatorConfig& config) {
     const size_t colon = config.http_listen.rfind(':');
     int http_port = -1;
     if (colon == std::string::npos || !absl::SimpleAtoi(config.http_listen.substr(colon + 1), &http_port)) {
-      return absl::InvalidArgumentError(absl::StrCat("--http_listen must be HOST:PORT, got '", config.http_listen, "'"));
+      return absl::InvalidArgumentError(absl::StrCat("--http-listen must be HOST:PORT, got '", config.http_listen, "'"));
     }
     ho.host = config.http_listen.substr(0, colon);
     ho.port = http_port;
@@ -346,19 +358,17 @@ absl::Status Run(const CoordinatorConfig& config) {
 
 int main(int argc, char** argv) {
   ellm::DieWithParent();
-  absl::SetProgramUsageMessage(
-      "ellm-coordinator: public gRPC endpoint of ellm (started by ellm-launch).\n"
-      "Tokenizes, schedules requests into steps, and streams generated text.");
-  absl::ParseCommandLine(argc, argv);
+  ellm::Args args = ellm::coord::Flags();
+  if (std::optional<int> exit_code = args.ParseFlagsOnly(argc, argv)) return *exit_code;
   ellm::LogLevel level = ellm::LogLevel::kInfo;
-  if (!ellm::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
-    std::fprintf(stderr, "--log_level must be debug, info, warning or error, got '%s'\n",
-                 absl::GetFlag(FLAGS_log_level).c_str());
+  if (!ellm::ParseLogLevel(args.Get("log-level"), &level)) {
+    std::fprintf(stderr, "--log-level must be debug, info, warning or error, got '%s'\n",
+                 args.Get("log-level").c_str());
     return 2;
   }
   ellm::SetLogIdentity("coordinator", level);
   ellm::InstallStopSignalHandlers();
-  absl::StatusOr<ellm::coord::CoordinatorConfig> config = ellm::coord::ConfigFromFlags();
+  absl::StatusOr<ellm::coord::CoordinatorConfig> config = ellm::coord::ConfigFromFlags(args);
   if (!config.ok()) {
     ellm::LogError("%s", config.status().message());
     return 2;

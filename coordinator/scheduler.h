@@ -72,7 +72,7 @@ struct SchedulerOptions {
   int max_queue = 64;            // requests waiting for admission
   int context_length = 0;
   bool prefix_cache = true;      // share whole KV blocks of equal prompt prefixes
-  bool kv_store = false;         // the workers keep published blocks on disk (--kv_store)
+  bool kv_store = false;         // the workers keep published blocks on disk (--kv-store)
   // A worker failure (Unavailable or DeadlineExceeded from the executor, or
   // WorkerFailed) pauses every request, waits for StepExecutor::Recover, and
   // resumes each by prefilling its prompt and the tokens it already has.

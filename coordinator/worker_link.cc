@@ -40,8 +40,8 @@ absl::StatusOr<std::unique_ptr<WorkerLink>> WorkerLink::Connect(
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    LogInfo("worker %s at %s: pid %d%s", w.info.role(), address, w.info.pid(),
-            w.info.role() == "attn-worker"
+    LogInfo("%s at %s: pid %d%s", WorkerName(w.info), address, w.info.pid(),
+            w.info.role() == ellm::v1::WORKER_ROLE_ATTN
                 ? absl::StrCat(", KV heads [", w.info.kv_head_begin(), ", ", w.info.kv_head_end(),
                                "), ", w.info.kv_blocks_total(), " KV blocks")
                 : absl::StrCat(", backend ", w.info.kernel()));
@@ -52,17 +52,25 @@ absl::StatusOr<std::unique_ptr<WorkerLink>> WorkerLink::Connect(
   return link;
 }
 
+std::string WorkerName(const ellm::v1::WorkerInfo& info) {
+  switch (info.role()) {
+    case ellm::v1::WORKER_ROLE_ATTN: return absl::StrCat("attn-worker ", info.shard());
+    case ellm::v1::WORKER_ROLE_MLP: return "mlp-worker";
+    default: return absl::StrCat("worker of unknown role ", static_cast<int>(info.role()));
+  }
+}
+
 std::vector<const ellm::v1::WorkerInfo*> WorkerLink::attn_workers() const {
   std::vector<const ellm::v1::WorkerInfo*> out;
   for (const WorkerHandle& w : workers_) {
-    if (w.info.role() == "attn-worker") out.push_back(&w.info);
+    if (w.info.role() == ellm::v1::WORKER_ROLE_ATTN) out.push_back(&w.info);
   }
   return out;
 }
 
 const ellm::v1::WorkerInfo* WorkerLink::mlp_worker() const {
   for (const WorkerHandle& w : workers_) {
-    if (w.info.role() == "mlp-worker") return &w.info;
+    if (w.info.role() == ellm::v1::WORKER_ROLE_MLP) return &w.info;
   }
   return nullptr;
 }
@@ -103,7 +111,7 @@ absl::StatusOr<std::vector<shm::SampledSeq>> WorkerLink::Run(uint64_t step,
 template <typename Rpc>
 absl::Status WorkerLink::ForEachAttnWorker(absl::Duration timeout, const Rpc& rpc) {
   for (WorkerHandle& w : workers_) {
-    if (w.info.role() != "attn-worker") continue;
+    if (w.info.role() != ellm::v1::WORKER_ROLE_ATTN) continue;
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
     secret_.Attach(&ctx);
@@ -195,8 +203,7 @@ absl::Status WorkerLink::CheckWorkers() {
   for (WorkerHandle& w : workers_) {
     if (!shm::ProcessAlive(w.info.pid())) {
       return absl::UnavailableError(absl::StrCat(
-          w.info.role(), w.info.role() == "attn-worker" ? absl::StrCat(" ", w.info.shard()) : "",
-          " (pid ", w.info.pid(), ") has exited"));
+          WorkerName(w.info), " (pid ", w.info.pid(), ") has exited"));
     }
   }
   return absl::OkStatus();

@@ -23,6 +23,9 @@ namespace ellm::coord {
 absl::StatusOr<std::vector<shm::SampledSeq>> RunStep(shm::Channel& channel, uint64_t step,
                                                      const shm::StepPlan& plan, absl::Duration timeout);
 
+// "attn-worker 3" or "mlp-worker": a worker as the logs name it.
+std::string WorkerName(const ellm::v1::WorkerInfo& info);
+
 struct WorkerHandle {
   std::string address;
   std::unique_ptr<ellm::v1::WorkerControl::Stub> stub;

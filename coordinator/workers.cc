@@ -101,7 +101,7 @@ absl::Status Workers::Heartbeat() {
     }
     if (missed >= 2) {
       const int pid = workers[i].info.pid();
-      const std::string who = absl::StrCat(workers[i].info.role(), " (pid ", pid, ")");
+      const std::string who = absl::StrCat(WorkerName(workers[i].info), " (pid ", pid, ")");
       LogError("%s has not answered for %d heartbeats: frozen; killing it", who, missed);
       kill(pid, SIGKILL);
       return absl::UnavailableError(absl::StrCat(who, " froze"));

@@ -20,7 +20,7 @@ struct KvHeads {
   int count() const { return end - begin; }
   bool operator==(const KvHeads&) const = default;
 
-  // "BEGIN:END", the spelling on every command line (--kv_heads, --attn_shards).
+  // "BEGIN:END", the spelling on every command line (--kv-heads, --attn-shards).
   static absl::StatusOr<KvHeads> Parse(std::string_view text);
   std::string Flag() const;      // "BEGIN:END"
   std::string ToString() const;  // "[BEGIN, END)"

@@ -15,7 +15,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
-#include "launch/args.h"
+#include "core/args.h"
 #include "proto/ellm.grpc.pb.h"
 #include "proto/health.grpc.pb.h"
 

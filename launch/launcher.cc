@@ -21,6 +21,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/args.h"
+#include "core/backend_names.h"
 #include "core/cpu_features.h"
 #include "core/gguf.h"
 #include "core/kv_format.h"
@@ -29,7 +31,6 @@
 #include "core/model_config.h"
 #include "core/signals.h"
 #include "core/topology.h"
-#include "launch/args.h"
 #include "proto/control_secret.h"
 #include "proto/health.grpc.pb.h"
 
@@ -61,8 +62,8 @@ struct LaunchConfig {
   int max_queue = 64;
   int mlp_threads = 0;
   KvDType kv_dtype = KvDType::kInt8;
-  std::string backend = "auto";    // auto, cpu or cuda
-  std::string cpu_weights = "native";
+  MlpBackendKind backend = MlpBackendKind::kAuto;
+  CpuWeights cpu_weights = CpuWeights::kNative;
   Isa matmul_isa = Isa::kAuto;   // the CPU backend's matrix kernels
   Isa attn_kernel = Isa::kAuto;  // the attention workers' int8/f16 kernels
   std::string topology_spec;
@@ -218,21 +219,21 @@ absl::Status Launch::Start() {
   }
   const bool numactl = c_.use_numactl && system("command -v numactl >/dev/null 2>&1") == 0;
   // The MLP backend: cuda when asked, or when auto finds a GPU; cpu otherwise.
-  std::string backend = c_.backend;
-  if (backend == "auto" || backend == "cuda") {
-    const std::string probe = c_.bin_dir + "/ellm-mlp-worker --probe_cuda 2>/dev/null";
+  MlpBackendKind backend = c_.backend;
+  if (backend != MlpBackendKind::kCpu) {
+    const std::string probe = c_.bin_dir + "/ellm-mlp-worker --probe-cuda 2>/dev/null";
     std::string answer;
     if (FILE* f = popen(probe.c_str(), "r")) {
       char buf[512];
       while (fgets(buf, sizeof(buf), f) != nullptr) answer += buf;
       const int rc = pclose(f);
       if (!answer.empty() && answer.back() == '\n') answer.pop_back();
-      if (backend == "auto") backend = rc == 0 ? "cuda" : "cpu";
+      if (backend == MlpBackendKind::kAuto) backend = rc == 0 ? MlpBackendKind::kCuda : MlpBackendKind::kCpu;
       else if (rc != 0) return absl::UnavailableError(absl::StrCat("--backend cuda: ", answer));
-    } else if (backend == "auto") {
-      backend = "cpu";
+    } else if (backend == MlpBackendKind::kAuto) {
+      backend = MlpBackendKind::kCpu;
     }
-    LogInfo("MLP backend %s (%s)", backend, answer.empty() ? "no CUDA probe" : answer);
+    LogInfo("MLP backend %s (%s)", MlpBackendName(backend), answer.empty() ? "no CUDA probe" : answer);
   }
   LogInfo("model %s: %s", c_.model_path, model.DebugString());
   LogInfo("topology %s; %d attention workers with %d KV heads each%s", topo.DebugString(), n,
@@ -250,8 +251,8 @@ absl::Status Launch::Start() {
   // 0700 run folder, never on a command line.
   const std::string secret_file = run_dir_ + "/control-secret";
   RETURN_IF_ERROR(WriteNewSecret(secret_file).status());
-  const std::string secret_flag = "--control_secret_file=" + secret_file;
-  std::string api_key_flag = "--api_key_file=";
+  const std::string secret_flag = "--control-secret-file=" + secret_file;
+  std::string api_key_flag = "--api-key-file=";
   if (!c_.api_key.empty()) {
     const std::string path = run_dir_ + "/api-key";
     const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
@@ -273,8 +274,8 @@ absl::Status Launch::Start() {
     kv_mb = static_cast<int>(std::max(1.0, std::min(want, ram_mb / 4 / n)) + 1);
   }
 
-  const std::string common_limits = absl::StrCat("--max_batch=", c_.max_batch);
-  const std::string step_limit = absl::StrCat("--max_step_tokens=", c_.max_step_tokens);
+  const std::string common_limits = absl::StrCat("--max-batch=", c_.max_batch);
+  const std::string step_limit = absl::StrCat("--max-step-tokens=", c_.max_step_tokens);
   std::vector<std::string> shard_specs, worker_addresses;
   for (int i = 0; i < n; ++i) {
     const NumaNode& node = topo.nodes[i % topo.nodes.size()];
@@ -296,15 +297,15 @@ absl::Status Launch::Start() {
     }
     std::vector<std::string> rest = {
         c_.bin_dir + "/ellm-attn-worker", "--model=" + c_.model_path,
-        absl::StrCat("--shard=", i), "--kv_heads=" + heads.Flag(),
-        "--channel=" + channel, "--listen=" + address, absl::StrCat("--numa_node=", node.id),
-        "--cpus=" + FormatCpuList(cpus), absl::StrCat("--kv_cache_mb=", kv_mb),
-        absl::StrCat("--kv_dtype=", ToAbsl(KvDTypeName(c_.kv_dtype))),
-        absl::StrCat("--attn_kernel=", ToAbsl(IsaName(c_.attn_kernel))), common_limits,
-        step_limit, "--log_level=" + c_.log_level, secret_flag};
+        absl::StrCat("--shard=", i), "--kv-heads=" + heads.Flag(),
+        "--channel=" + channel, "--listen=" + address, absl::StrCat("--numa-node=", node.id),
+        "--cpus=" + FormatCpuList(cpus), absl::StrCat("--kv-cache-mb=", kv_mb),
+        absl::StrCat("--kv-dtype=", ToAbsl(KvDTypeName(c_.kv_dtype))),
+        absl::StrCat("--attn-kernel=", ToAbsl(IsaName(c_.attn_kernel))), common_limits,
+        step_limit, "--log-level=" + c_.log_level, secret_flag};
     if (!c_.kv_store.empty()) {
-      rest.push_back("--kv_store=" + c_.kv_store);
-      rest.push_back(absl::StrCat("--kv_store_mb=", std::max(1, c_.kv_store_mb / n)));
+      rest.push_back("--kv-store=" + c_.kv_store);
+      rest.push_back(absl::StrCat("--kv-store-mb=", std::max(1, c_.kv_store_mb / n)));
     }
     argv.insert(argv.end(), rest.begin(), rest.end());
     children_.push_back({absl::StrCat("attn-worker ", i), Spawn(argv), address, false, 0, argv});
@@ -321,10 +322,10 @@ absl::Status Launch::Start() {
     if (numactl) argv = {"numactl", absl::StrCat("--cpunodebind=", mlp_node.id)};
     std::vector<std::string> rest = {
         c_.bin_dir + "/ellm-mlp-worker", "--model=" + c_.model_path, "--channel=" + mlp_channel,
-        "--attn_shards=" + absl::StrJoin(shard_specs, ","), "--listen=" + mlp_address,
-        absl::StrCat("--threads=", mlp_threads), "--backend=" + backend,
-        "--cpu_weights=" + c_.cpu_weights, absl::StrCat("--matmul_isa=", ToAbsl(IsaName(c_.matmul_isa))), common_limits, step_limit,
-        "--log_level=" + c_.log_level, secret_flag};
+        "--attn-shards=" + absl::StrJoin(shard_specs, ","), "--listen=" + mlp_address,
+        absl::StrCat("--threads=", mlp_threads), absl::StrCat("--backend=", ToAbsl(MlpBackendName(backend))),
+        absl::StrCat("--cpu-weights=", ToAbsl(CpuWeightsName(c_.cpu_weights))), absl::StrCat("--matmul-isa=", ToAbsl(IsaName(c_.matmul_isa))), common_limits, step_limit,
+        "--log-level=" + c_.log_level, secret_flag};
     argv.insert(argv.end(), rest.begin(), rest.end());
     children_.push_back({"mlp-worker", Spawn(argv), mlp_address, false, 0, argv});
     worker_addresses.push_back(mlp_address);
@@ -336,14 +337,14 @@ absl::Status Launch::Start() {
   {
     std::vector<std::string> argv = {
         c_.bin_dir + "/ellm-coordinator", "--model=" + c_.model_path, "--listen=" + public_address,
-        "--mlp_channel=" + mlp_channel, "--workers=" + absl::StrJoin(worker_addresses, ","),
-        common_limits, step_limit, "--log_level=" + c_.log_level,
-        c_.prefix_cache ? "--prefix_cache" : "--noprefix_cache",
-        c_.kv_store.empty() ? "--nokv_store" : "--kv_store", c_.restart ? "--recover" : "--norecover",
-        secret_flag, api_key_flag, "--tls_cert=" + c_.tls_cert, "--tls_key=" + c_.tls_key,
-        "--control_listen=" + coordinator_address, absl::StrCat("--max_queue=", c_.max_queue),
-        c_.http_port > 0 ? absl::StrCat("--http_listen=", c_.host, ":", c_.http_port) : "--http_listen=",
-        absl::StrCat("--http_max_body_mb=", c_.http_max_body_mb)};
+        "--mlp-channel=" + mlp_channel, "--workers=" + absl::StrJoin(worker_addresses, ","),
+        common_limits, step_limit, "--log-level=" + c_.log_level,
+        c_.prefix_cache ? "--prefix-cache=true" : "--prefix-cache=false",
+        c_.kv_store.empty() ? "--kv-store=false" : "--kv-store=true", c_.restart ? "--recover=true" : "--recover=false",
+        secret_flag, api_key_flag, "--tls-cert=" + c_.tls_cert, "--tls-key=" + c_.tls_key,
+        "--control-listen=" + coordinator_address, absl::StrCat("--max-queue=", c_.max_queue),
+        c_.http_port > 0 ? absl::StrCat("--http-listen=", c_.host, ":", c_.http_port) : "--http-listen=",
+        absl::StrCat("--http-max-body-mb=", c_.http_max_body_mb)};
     children_.push_back({"coordinator", Spawn(argv), coordinator_address, false, 0, argv});
   }
 
@@ -351,8 +352,10 @@ absl::Status Launch::Start() {
   RETURN_IF_ERROR(WaitHealthy(0, children_.size(), absl::Seconds(c_.ready_timeout_s)));
   LogInfo("ellm is ready: listening on %s (model %s, %d attention workers, %d MiB KV cache each)",
           public_address, fs::path(c_.model_path).filename().string(), n, kv_mb);
-  LogInfo("KV cache %s; MLP backend %s%s", KvDTypeName(c_.kv_dtype), backend,
-          backend == "cpu" ? absl::StrCat(" (", c_.cpu_weights, " weights, ", mlp_threads, " threads)") : "");
+  LogInfo("KV cache %s; MLP backend %s%s", KvDTypeName(c_.kv_dtype), MlpBackendName(backend),
+          backend == MlpBackendKind::kCpu
+              ? absl::StrCat(" (", ToAbsl(CpuWeightsName(c_.cpu_weights)), " weights, ", mlp_threads, " threads)")
+              : "");
   std::printf("ellm listening on %s\n", public_address.c_str());
   std::fflush(stdout);
   return absl::OkStatus();
@@ -630,30 +633,28 @@ int Main(int argc, char** argv) {
   if (!args.IsSet("kv-dtype")) {
     if (const char* env = std::getenv("ELLM_KV_DTYPE"); env != nullptr && *env) kv_dtype = env;
   }
-  c.backend = args.Get("backend");
-  c.cpu_weights = args.Get("cpu-weights");
   absl::StatusOr<KvDType> kv = ParseKvDType(kv_dtype);
   absl::StatusOr<Isa> matmul_isa = ParseIsa(args.Get("matmul-isa"));
   absl::StatusOr<Isa> attn_kernel = ParseIsa(args.Get("attn-kernel"));
-  if (!kv.ok() || !matmul_isa.ok() || !attn_kernel.ok()) {
-    LogError("%s", !kv.ok()           ? absl::StrCat("--kv-dtype: ", kv.status().message())
-                   : !matmul_isa.ok() ? absl::StrCat("--matmul-isa: ", matmul_isa.status().message())
-                                      : absl::StrCat("--attn-kernel: ", attn_kernel.status().message()));
-    return 2;
+  absl::StatusOr<MlpBackendKind> backend = ParseMlpBackend(args.Get("backend"));
+  absl::StatusOr<CpuWeights> cpu_weights = ParseCpuWeights(args.Get("cpu-weights"));
+  for (const auto& [flag, status] : {std::pair<const char*, absl::Status>{"kv-dtype", kv.status()},
+                                     {"matmul-isa", matmul_isa.status()},
+                                     {"attn-kernel", attn_kernel.status()},
+                                     {"backend", backend.status()},
+                                     {"cpu-weights", cpu_weights.status()}}) {
+    if (!status.ok()) {
+      LogError("--%s: %s", flag, status.message());
+      return 2;
+    }
   }
+  c.backend = *backend;
+  c.cpu_weights = *cpu_weights;
   c.kv_dtype = *kv;
   c.matmul_isa = *matmul_isa;
   c.attn_kernel = *attn_kernel;
   if (c.matmul_isa == Isa::kAmx) {
     LogError("--matmul-isa: there are no amx matrix kernels (amx is an --attn-kernel)");
-    return 2;
-  }
-  if (c.backend != "auto" && c.backend != "cpu" && c.backend != "cuda") {
-    LogError("--backend must be auto, cpu or cuda, got '%s'", c.backend);
-    return 2;
-  }
-  if (c.cpu_weights != "native" && c.cpu_weights != "f32") {
-    LogError("--cpu-weights must be native or f32, got '%s'", c.cpu_weights);
     return 2;
   }
   absl::Status st = args.GetInts({{"port", &c.port}, {"http-port", &c.http_port},

@@ -3,11 +3,11 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "core/args.h"
 #include "core/gguf.h"
 #include "core/log.h"
 #include "core/model_config.h"
 #include "core/model_maker.h"
-#include "launch/args.h"
 
 namespace ellm::launch {
 namespace {

@@ -6,18 +6,18 @@
 #include <atomic>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
-#include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "core/args.h"
+#include "core/backend_names.h"
 #include "core/gguf.h"
 #include "core/log.h"
 #include "core/model_config.h"
@@ -34,31 +34,6 @@
 #include "shm/channel.h"
 #include "shm/messages.h"
 
-ABSL_FLAG(std::string, model, "", "GGUF model file");
-ABSL_FLAG(std::string, channel, "", "name of the shared-memory channel to create for the coordinator");
-ABSL_FLAG(std::string, attn_shards, "",
-          "attention shards as CHANNEL=BEGIN:END,... (KV heads [BEGIN, END) each), in head order");
-ABSL_FLAG(std::string, listen, "", "gRPC control address, e.g. unix:/tmp/x.sock");
-ABSL_FLAG(std::string, backend, "cpu", "cpu, or cuda (a GPU; builds with the CUDA toolkit)");
-ABSL_FLAG(int, threads, 1, "threads of the CPU backend");
-ABSL_FLAG(std::string, matmul_isa, "auto",
-          "CPU backend: instruction set of the quantised matrix kernels: auto (the fastest this CPU "
-          "runs), reference, avx2, avx2-vnni or avx512");
-ABSL_FLAG(std::string, cpu_weights, "native",
-          "weights of the CPU backend: native (each matrix in its file type, int8/half kernels) or "
-          "f32 (dequantised at load: results bit-identical to the reference forward)");
-ABSL_FLAG(int, device, 0, "CUDA device of the cuda backend");
-ABSL_FLAG(bool, cuda_graphs, false, "cuda backend: replay each layer's kernels from CUDA graphs");
-ABSL_FLAG(bool, probe_cuda, false,
-          "print 'cuda: yes (<device>)' and exit 0 when --device is a usable CUDA device, else "
-          "'cuda: no (<why>)' and exit 1");
-ABSL_FLAG(int, max_batch, 16, "most sequences in one step");
-ABSL_FLAG(int, max_step_tokens, 256, "most tokens in one step");
-ABSL_FLAG(int, connect_timeout_s, 60, "how long to wait for the attention workers' channels");
-ABSL_FLAG(std::string, control_secret_file, "",
-          "file (0600) holding the launch's control secret; every control call must carry it");
-ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
-
 namespace ellm::mlp {
 namespace {
 
@@ -72,8 +47,8 @@ struct MlpWorkerConfig {
   std::string channel;
   std::vector<ShardSpec> shards;
   std::string listen;
-  std::string backend;
-  std::string cpu_weights;  // "native" or "f32"
+  MlpBackendKind backend = MlpBackendKind::kCpu;  // cpu or cuda
+  CpuWeights cpu_weights = CpuWeights::kNative;
   std::string matmul_isa;   // core/cpu_features.h IsaName, or "auto"
   int threads = 1;
   int device = 0;
@@ -84,28 +59,62 @@ struct MlpWorkerConfig {
   std::string control_secret_file;
 };
 
-absl::StatusOr<MlpWorkerConfig> ConfigFromFlags() {
+// The flags, spelled as on every ellm binary (core/args.h).
+Args Flags() {
+  Args a(
+      "ellm-mlp-worker: weights and non-attention math of ellm (started by ellm-launch).\n"
+      "Runs the coordinator's step plans, sending each attention shard its heads.");
+  a.Flag("model", "", "GGUF model file");
+  a.Flag("channel", "", "name of the shared-memory channel to create for the coordinator");
+  a.Flag("attn-shards", "",
+         "attention shards as CHANNEL=BEGIN:END,... (KV heads [BEGIN, END) each), in head order");
+  a.Flag("listen", "", "gRPC control address, e.g. unix:/tmp/x.sock");
+  a.Flag("backend", "cpu", "cpu, or cuda (a GPU; builds with the CUDA toolkit)");
+  a.Flag("threads", "1", "threads of the CPU backend");
+  a.Flag("matmul-isa", "auto",
+         "CPU backend: instruction set of the quantised matrix kernels: auto (the fastest this CPU "
+         "runs), reference, avx2, avx2-vnni or avx512");
+  a.Flag("cpu-weights", "native",
+         "weights of the CPU backend: native (each matrix in its file type, int8/half kernels) or "
+         "f32 (dequantised at load: results bit-identical to the reference forward)");
+  a.Flag("device", "0", "CUDA device of the cuda backend");
+  a.Flag("cuda-graphs", "false", "cuda backend: replay each layer's kernels from CUDA graphs", true);
+  a.Flag("probe-cuda", "false",
+         "print 'cuda: yes (<device>)' and exit 0 when --device is a usable CUDA device, else "
+         "'cuda: no (<why>)' and exit 1",
+         true);
+  a.Flag("max-batch", "16", "most sequences in one step");
+  a.Flag("max-step-tokens", "256", "most tokens in one step");
+  a.Flag("connect-timeout-s", "60", "how long to wait for the attention workers' channels");
+  a.Flag("control-secret-file", "",
+         "file (0600) holding the launch's control secret; every control call must carry it");
+  a.Flag("log-level", "info", "debug, info, warning or error");
+  return a;
+}
+
+absl::StatusOr<MlpWorkerConfig> ConfigFromFlags(const Args& args) {
   MlpWorkerConfig c;
-  c.model_path = absl::GetFlag(FLAGS_model);
-  c.channel = absl::GetFlag(FLAGS_channel);
-  c.listen = absl::GetFlag(FLAGS_listen);
-  c.backend = absl::GetFlag(FLAGS_backend);
-  c.cpu_weights = absl::GetFlag(FLAGS_cpu_weights);
-  c.matmul_isa = absl::GetFlag(FLAGS_matmul_isa);
-  c.control_secret_file = absl::GetFlag(FLAGS_control_secret_file);
-  c.threads = std::max(1, absl::GetFlag(FLAGS_threads));
-  c.device = absl::GetFlag(FLAGS_device);
-  c.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
-  c.max_batch = absl::GetFlag(FLAGS_max_batch);
-  c.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
-  c.connect_timeout = absl::Seconds(absl::GetFlag(FLAGS_connect_timeout_s));
+  c.model_path = args.Get("model");
+  c.channel = args.Get("channel");
+  c.listen = args.Get("listen");
+  ASSIGN_OR_RETURN(c.backend, ParseMlpBackend(args.Get("backend")));
+  ASSIGN_OR_RETURN(c.cpu_weights, ParseCpuWeights(args.Get("cpu-weights")));
+  c.matmul_isa = args.Get("matmul-isa");
+  c.control_secret_file = args.Get("control-secret-file");
+  int connect_timeout_s = 0;
+  RETURN_IF_ERROR(args.GetInts({{"threads", &c.threads}, {"device", &c.device},
+                                {"max-batch", &c.max_batch}, {"max-step-tokens", &c.max_step_tokens},
+                                {"connect-timeout-s", &connect_timeout_s}}));
+  c.threads = std::max(1, c.threads);
+  c.cuda_graphs = args.GetBool("cuda-graphs");
+  c.connect_timeout = absl::Seconds(connect_timeout_s);
   if (c.model_path.empty()) return absl::InvalidArgumentError("--model is required");
-  if (c.control_secret_file.empty() && !absl::GetFlag(FLAGS_probe_cuda)) {
-    return absl::InvalidArgumentError("--control_secret_file is required (ellm-launch writes one)");
+  if (c.control_secret_file.empty()) {
+    return absl::InvalidArgumentError("--control-secret-file is required (ellm-launch writes one)");
   }
   if (c.channel.empty()) return absl::InvalidArgumentError("--channel is required");
   if (c.listen.empty()) return absl::InvalidArgumentError("--listen is required");
-  if (c.backend == "cuda") {
+  if (c.backend == MlpBackendKind::kCuda) {
 #if ELLM_HAVE_CUDA
     std::string why;
     if (!CudaDeviceAvailable(&why, c.device)) {
@@ -114,29 +123,24 @@ absl::StatusOr<MlpWorkerConfig> ConfigFromFlags() {
 #else
     return absl::InvalidArgumentError("--backend cuda: this build has no CUDA backend");
 #endif
-  } else if (c.backend != "cpu") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--backend ", c.backend, " is not a backend (cpu or cuda)"));
-  }
-  if (c.cpu_weights != "native" && c.cpu_weights != "f32") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--cpu_weights must be native or f32, not '", c.cpu_weights, "'"));
+  } else if (c.backend != MlpBackendKind::kCpu) {
+    return absl::InvalidArgumentError("--backend auto is the launcher's choice; a worker runs cpu or cuda");
   }
   if (c.max_batch <= 0 || c.max_step_tokens <= 0) {
-    return absl::InvalidArgumentError("--max_batch and --max_step_tokens must be positive");
+    return absl::InvalidArgumentError("--max-batch and --max-step-tokens must be positive");
   }
-  for (absl::string_view spec : absl::StrSplit(absl::GetFlag(FLAGS_attn_shards), ',', absl::SkipEmpty())) {
+  for (absl::string_view spec : absl::StrSplit(args.Get("attn-shards"), ',', absl::SkipEmpty())) {
     std::vector<std::string> kv = absl::StrSplit(spec, '=');
     absl::StatusOr<KvHeads> heads =
         kv.size() == 2 ? KvHeads::Parse(kv[1]) : absl::InvalidArgumentError("no '='");
     if (!heads.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("bad --attn_shards entry '", spec,
+      return absl::InvalidArgumentError(absl::StrCat("bad --attn-shards entry '", spec,
                                                      "' (expected CHANNEL=BEGIN:END): ",
                                                      heads.status().message()));
     }
     c.shards.push_back({kv[0], *heads});
   }
-  if (c.shards.empty()) return absl::InvalidArgumentError("--attn_shards is required");
+  if (c.shards.empty()) return absl::InvalidArgumentError("--attn-shards is required");
   return c;
 }
 
@@ -152,7 +156,7 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
   grpc::Status GetInfo(grpc::ServerContext* ctx, const ellm::v1::GetInfoRequest*,
                        ellm::v1::WorkerInfo* info) override {
     if (grpc::Status denied = secret_.Check(ctx, "GetInfo"); !denied.ok()) return denied;
-    info->set_role("mlp-worker");
+    info->set_role(ellm::v1::WORKER_ROLE_MLP);
     info->set_pid(getpid());
     info->set_model_path(config_.model_path);
     info->set_channel(config_.channel);
@@ -201,7 +205,7 @@ int64_t WeightBytesPerStep(const GgufFile& file) {
 absl::StatusOr<std::unique_ptr<MlpBackend>> MakeBackend(const MlpWorkerConfig& config,
                                                          ModelWeights weights) {
 #if ELLM_HAVE_CUDA
-  if (config.backend == "cuda") {
+  if (config.backend == MlpBackendKind::kCuda) {
     CudaBackendOptions options;
     options.device = config.device;
     options.use_graphs = config.cuda_graphs;
@@ -220,11 +224,16 @@ absl::StatusOr<std::unique_ptr<MlpBackend>> MakeBackend(const MlpWorkerConfig& c
   return CreateCpuBackend(std::move(weights), config.max_step_tokens, config.threads, config.matmul_isa);
 }
 
-// --probe_cuda: one line for the launcher, exit 0 when a device is usable.
-int ProbeCuda() {
+// --probe-cuda: one line for the launcher, exit 0 when a device is usable.
+int ProbeCuda(const Args& args) {
 #if ELLM_HAVE_CUDA
+  absl::StatusOr<int> device = args.GetInt("device");
+  if (!device.ok()) {
+    std::printf("cuda: no (%s)\n", std::string(device.status().message()).c_str());
+    return 1;
+  }
   std::string why;
-  const bool yes = CudaDeviceAvailable(&why, absl::GetFlag(FLAGS_device));
+  const bool yes = CudaDeviceAvailable(&why, *device);
   std::printf("cuda: %s (%s)\n", yes ? "yes" : "no", why.c_str());
   return yes ? 0 : 1;
 #else
@@ -240,7 +249,7 @@ absl::Status Run(const MlpWorkerConfig& config) {
   LoadOptions load;
   // The CPU backend's native kernels take the matrices as stored; other
   // backends get fp32.
-  load.raw_matrices = config.backend == "cpu" && config.cpu_weights == "native";
+  load.raw_matrices = config.backend == MlpBackendKind::kCpu && config.cpu_weights == CpuWeights::kNative;
   // On a terminal, one line that counts up; in a log, a line per stage.
   const bool terminal = isatty(STDERR_FILENO) != 0;
   const absl::Time load_start = absl::Now();
@@ -302,20 +311,18 @@ absl::Status Run(const MlpWorkerConfig& config) {
 
 int main(int argc, char** argv) {
   ellm::DieWithParent();
-  absl::SetProgramUsageMessage(
-      "ellm-mlp-worker: weights and non-attention math of ellm (started by ellm-launch).\n"
-      "Runs the coordinator's step plans, sending each attention shard its heads.");
-  absl::ParseCommandLine(argc, argv);
+  ellm::Args args = ellm::mlp::Flags();
+  if (std::optional<int> exit_code = args.ParseFlagsOnly(argc, argv)) return *exit_code;
   ellm::LogLevel level = ellm::LogLevel::kInfo;
-  if (!ellm::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
-    std::fprintf(stderr, "--log_level must be debug, info, warning or error, got '%s'\n",
-                 absl::GetFlag(FLAGS_log_level).c_str());
+  if (!ellm::ParseLogLevel(args.Get("log-level"), &level)) {
+    std::fprintf(stderr, "--log-level must be debug, info, warning or error, got '%s'\n",
+                 args.Get("log-level").c_str());
     return 2;
   }
   ellm::SetLogIdentity("mlp-worker", level);
   ellm::InstallStopSignalHandlers();
-  if (absl::GetFlag(FLAGS_probe_cuda)) return ellm::mlp::ProbeCuda();
-  absl::StatusOr<ellm::mlp::MlpWorkerConfig> config = ellm::mlp::ConfigFromFlags();
+  if (args.GetBool("probe-cuda")) return ellm::mlp::ProbeCuda(args);
+  absl::StatusOr<ellm::mlp::MlpWorkerConfig> config = ellm::mlp::ConfigFromFlags(args);
   if (!config.ok()) {
     ellm::LogError("%s", config.status().message());
     return 2;

@@ -427,6 +427,8 @@ TEST(Integration, LauncherRefusesBadModelsAndSplits) {
       {{"--model=" + kStories, "--matmul-isa=amx"}, "no amx matrix kernels"},
       {{"--model=" + kStories, "--attn-kernel=sse"}, "--attn-kernel: unknown instruction set"},
       {{"--model=" + kStories, "--kv-dtype=q4"}, "--kv-dtype: unknown KV dtype"},
+      {{"--model=" + kStories, "--backend=gpu"}, "--backend: unknown MLP backend 'gpu'"},
+      {{"--model=" + kStories, "--cpu-weights=f16"}, "--cpu-weights: unknown CPU weight mode"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> args = c.args;

@@ -1,6 +1,7 @@
-// A small command-line parser for the user-facing tools (ellm-launch, ellm):
-// GNU-style `--name value` / `--name=value` flags with hyphens, positional
-// arguments, and a generated --help.
+// The command-line parser of every ellm binary (the launcher, the client, the
+// three processes it starts, the benchmarks): GNU-style `--name value` /
+// `--name=value` flags spelled with hyphens, positional arguments, and a
+// generated --help.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +14,7 @@
 
 #include "core/status.h"
 
-namespace ellm::launch {
+namespace ellm {
 
 class Args {
  public:
@@ -54,4 +55,4 @@ class Args {
   bool help_ = false;
 };
 
-}  // namespace ellm::launch
+}  // namespace ellm

@@ -1,4 +1,4 @@
-#include "launch/args.h"
+#include "core/args.h"
 
 #include <cstdio>
 
@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 
-namespace ellm::launch {
+namespace ellm {
 
 void Args::Flag(const std::string& name, const std::string& default_value, const std::string& help,
                 bool is_bool) {
@@ -53,6 +53,10 @@ absl::Status Args::Parse(int argc, char** argv) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, " (see --help)"));
     }
     if (it->second.is_bool) {
+      if (has_value && value != "true" && value != "false") {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", name, " is true or false, got '", value, "'"));
+      }
       values_[name] = has_value ? value : "true";
       continue;
     }
@@ -106,10 +110,7 @@ absl::Status Args::GetInts(const std::vector<std::pair<const char*, int*>>& flag
   return absl::OkStatus();
 }
 
-bool Args::GetBool(const std::string& name) const {
-  const std::string v = Get(name);
-  return v == "true" || v == "1" || v == "yes";
-}
+bool Args::GetBool(const std::string& name) const { return Get(name) == "true"; }
 
 std::string Args::HelpText() const {
   std::string out = usage_ + "\n\nFlags:\n";
@@ -125,4 +126,4 @@ std::string Args::HelpText() const {
   return out;
 }
 
-}  // namespace ellm::launch
+}  // namespace ellm
