@@ -758,8 +758,12 @@ struct HasRunWhole : std::false_type {};
 template <typename Tile>
 struct HasRunWhole<Tile, std::void_t<decltype(&Tile::RunWhole)>> : std::true_type {};
 
+// Per group: one token on whole lines (RunWhole) where the tile has it, else
+// token pairs over each half line that has rows, or over whole lines (h = 0
+// covers both halves) for the tiles that take them.
 template <typename Tile>
 ELLM_TARGET void RunTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
+  constexpr int kHalves = TakesWholeLines<Tile>::value ? 1 : 2;
   for (int64_t g = g_begin; g < g_end; ++g) {
     if constexpr (HasRunWhole<Tile>::value) {
       if (a.T == 1) {
@@ -767,17 +771,7 @@ ELLM_TARGET void RunTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
         continue;
       }
     }
-    if constexpr (TakesWholeLines<Tile>::value) {
-      for (int t0 = 0; t0 < a.T; t0 += kMaxTile) {
-        if (a.T - t0 >= 2) {
-          Tile::template Run<2>(a, g, 0, t0);
-        } else {
-          Tile::template Run<1>(a, g, 0, t0);
-        }
-      }
-      continue;
-    }
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kHalves; ++h) {
       if (ValidHalf(*a.w, g, h) == 0) continue;
       for (int t0 = 0; t0 < a.T; t0 += kMaxTile) {
         if (a.T - t0 >= 2) {
