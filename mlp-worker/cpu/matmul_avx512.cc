@@ -65,96 +65,49 @@ ELLM_TARGET ELLM_INLINE void Store16(__m512 v, float* y, int valid) {
   }
 }
 
-// Q8_0 (kQ4 = false) and Q4_0 (kQ4 = true). Bounds: |dot| <= 32 * 255 * 127.
-template <bool kQ4>
+// Q8_0 (kQ4 = false) and Q4_0 (kQ4 = true) on kG groups of 16 rows at once.
+// Bounds: |dot| <= 32 * 255 * 127.
+// kG = 2: each broadcast activation group serves two VPDPBUSDs, one per
+// group's line. One group is bound by loads (a 4-byte broadcast and half a
+// weight line per VPDPBUSD); two need 0.75 loads per VPDPBUSD. A single group
+// keeps two sum chains (its two lines) to cover VPDPBUSD's latency; integer
+// sums are exact, so both shapes give the same results bit for bit.
+template <bool kQ4, int kG>
 struct Q32Tile {
   template <int NT>
   ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int t0) {
     constexpr int kQuant = kQ4 ? 256 : 512;
     constexpr int32_t kOffset = kQ4 ? 8 : 128;
+    constexpr int kChains = kG == 1 ? 2 : 1;  // sum chains per group and token
     const QuantMatrix& w = *a.w;
     const int64_t nb = w.cols() / 32;
-    const uint8_t* quant = w.group(g);
-    const uint16_t* dh = reinterpret_cast<const uint16_t*>(quant + nb * kQuant);
-    const TileActs<NT> act(a, t0, 32);
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512 acc[NT];
-#pragma GCC unroll 4
-    for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* qb = quant + b * kQuant;
-      __m512i s0[NT], s1[NT];
-#pragma GCC unroll 4
-      for (int t = 0; t < NT; ++t) {
-        s0[t] = _mm512_set1_epi32(-kOffset * act.sum[t][b]);
-        s1[t] = _mm512_setzero_si512();
-      }
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        __m512i w0, w1;
-        int o0, o1;  // activation offsets of the two lines
-        if constexpr (kQ4) {
-          const __m512i v = Load64(qb + 64 * i);
-          w0 = _mm512_and_si512(v, low);
-          w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          o0 = 4 * i;
-          o1 = 16 + 4 * i;
-        } else {
-          w0 = Load64(qb + 128 * i);
-          w1 = Load64(qb + 128 * i + 64);
-          o0 = 8 * i;
-          o1 = 8 * i + 4;
-        }
-#pragma GCC unroll 4
-        for (int t = 0; t < NT; ++t) {
-          const int8_t* c = act.codes[t] + 32 * b;
-          s0[t] = _mm512_dpbusd_epi32(s0[t], w0, Bcast4(c + o0));
-          s1[t] = _mm512_dpbusd_epi32(s1[t], w1, Bcast4(c + o1));
-        }
-      }
-      const __m512 dw = LoadHalves16(dh + 16 * b);
-#pragma GCC unroll 4
-      for (int t = 0; t < NT; ++t) {
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[t], s1[t]));
-        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(act.d[t][b])), dw, acc[t]);
-      }
+    const uint8_t* quant[kG];
+    const uint16_t* dh[kG];
+    for (int h = 0; h < kG; ++h) {
+      quant[h] = w.group(g + h);
+      dh[h] = reinterpret_cast<const uint16_t*>(quant[h] + nb * kQuant);
     }
-    const int valid = ValidRows(w, g);
-    for (int t = 0; t < NT; ++t) Store16(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows, valid);
-  }
-};
-
-// Q8_0 / Q4_0 on two groups (32 rows) at once: each broadcast activation
-// group serves two VPDPBUSDs, one per group's line. The single-group tile is
-// bound by loads (a 4-byte broadcast and half a weight line per VPDPBUSD);
-// this one needs 0.75 loads per VPDPBUSD. Same sums as Q32Tile, so the
-// results are bit-identical.
-template <bool kQ4>
-struct Q32PairTile {
-  template <int NT>
-  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int t0) {
-    constexpr int kQuant = kQ4 ? 256 : 512;
-    constexpr int32_t kOffset = kQ4 ? 8 : 128;
-    const QuantMatrix& w = *a.w;
-    const int64_t nb = w.cols() / 32;
-    const uint8_t* quant[2] = {w.group(g), w.group(g + 1)};
-    const uint16_t* dh[2] = {reinterpret_cast<const uint16_t*>(quant[0] + nb * kQuant),
-                             reinterpret_cast<const uint16_t*>(quant[1] + nb * kQuant)};
     const TileActs<NT> act(a, t0, 32);
     const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512 acc[2][NT];
+    __m512 acc[kG][NT];
 #pragma GCC unroll 4
-    for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+    for (int t = 0; t < NT; ++t) {
+      for (int h = 0; h < kG; ++h) acc[h][t] = _mm512_setzero_ps();
+    }
     for (int64_t b = 0; b < nb; ++b) {
-      __m512i s[2][NT];
+      __m512i s[kG][kChains][NT];
 #pragma GCC unroll 4
-      for (int t = 0; t < NT; ++t) s[0][t] = s[1][t] = _mm512_set1_epi32(-kOffset * act.sum[t][b]);
+      for (int t = 0; t < NT; ++t) {
+        for (int h = 0; h < kG; ++h) {
+          s[h][0][t] = _mm512_set1_epi32(-kOffset * act.sum[t][b]);
+          if constexpr (kChains == 2) s[h][1][t] = _mm512_setzero_si512();
+        }
+      }
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
-        __m512i w0[2], w1[2];
-        int o0, o1;  // activation offsets of the two lines
+        __m512i w0[kG], w1[kG];
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < kG; ++h) {
           const uint8_t* qb = quant[h] + b * kQuant;
           if constexpr (kQ4) {
             const __m512i v = Load64(qb + 64 * i);
@@ -165,34 +118,30 @@ struct Q32PairTile {
             w1[h] = Load64(qb + 128 * i + 64);
           }
         }
-        if constexpr (kQ4) {
-          o0 = 4 * i;
-          o1 = 16 + 4 * i;
-        } else {
-          o0 = 8 * i;
-          o1 = 8 * i + 4;
-        }
+        // Activation offsets of the two lines.
+        const int o0 = kQ4 ? 4 * i : 8 * i, o1 = kQ4 ? 16 + 4 * i : 8 * i + 4;
 #pragma GCC unroll 4
         for (int t = 0; t < NT; ++t) {
           const int8_t* c = act.codes[t] + 32 * b;
           const __m512i c0 = Bcast4(c + o0), c1 = Bcast4(c + o1);
-          s[0][t] = _mm512_dpbusd_epi32(s[0][t], w0[0], c0);
-          s[1][t] = _mm512_dpbusd_epi32(s[1][t], w0[1], c0);
-          s[0][t] = _mm512_dpbusd_epi32(s[0][t], w1[0], c1);
-          s[1][t] = _mm512_dpbusd_epi32(s[1][t], w1[1], c1);
+          for (int h = 0; h < kG; ++h) s[h][0][t] = _mm512_dpbusd_epi32(s[h][0][t], w0[h], c0);
+          for (int h = 0; h < kG; ++h) {
+            s[h][kChains - 1][t] = _mm512_dpbusd_epi32(s[h][kChains - 1][t], w1[h], c1);
+          }
         }
       }
 #pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < kG; ++h) {
         const __m512 dw = LoadHalves16(dh[h] + 16 * b);
 #pragma GCC unroll 4
         for (int t = 0; t < NT; ++t) {
-          const __m512 f = _mm512_cvtepi32_ps(s[h][t]);
+          const __m512i sum = kChains == 2 ? _mm512_add_epi32(s[h][0][t], s[h][kChains - 1][t]) : s[h][0][t];
+          const __m512 f = _mm512_cvtepi32_ps(sum);
           acc[h][t] = _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(act.d[t][b])), dw, acc[h][t]);
         }
       }
     }
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kG; ++h) {
       const int valid = ValidRows(w, g + h);
       for (int t = 0; t < NT; ++t) Store16(acc[h][t], a.y + (t0 + t) * a.ldy + (g + h) * kGroupRows, valid);
     }
@@ -434,8 +383,8 @@ MatKernel Avx512VnniKernel(DType type) {
     case DType::kF32: return F32ExactKernelAvx;
     case DType::kF16: return RunTiles<HalfTile<false>>;
     case DType::kBF16: return RunTiles<HalfTile<true>>;
-    case DType::kQ8_0: return RunPairTiles<Q32PairTile<false>, Q32Tile<false>>;
-    case DType::kQ4_0: return RunPairTiles<Q32PairTile<true>, Q32Tile<true>>;
+    case DType::kQ8_0: return RunPairTiles<Q32Tile<false, 2>, Q32Tile<false, 1>>;
+    case DType::kQ4_0: return RunPairTiles<Q32Tile<true, 2>, Q32Tile<true, 1>>;
     case DType::kQ4_K: return RunTiles<K4Tile<false>>;
     case DType::kQ5_K: return RunTiles<K4Tile<true>>;
     case DType::kQ6_K: return RunTiles<Q6Tile>;
