@@ -22,10 +22,6 @@ const AttentionKernel kAvx512{"avx512", 127, 255, internal::AttendF16Avx512,
                               internal::AttendInt8Avx512};
 const AttentionKernel kAmx{"amx", 127, 255, internal::AttendF16Avx512, internal::AttendInt8Amx};
 
-bool HasAvx2() { return CpuHas(Isa::kAvx2); }
-bool HasAvxVnni() { return CpuHas(Isa::kAvx2Vnni); }
-bool HasAvx512() { return CpuHas(Isa::kAvx512); }
-
 // AMX-TILE and AMX-INT8 (core/cpu_features.h), and Linux's permission to
 // use the tile data state, asked once per process (ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA): without it the first tile instruction faults.
@@ -107,20 +103,20 @@ absl::StatusOr<const AttentionKernel*> SelectKernel(Isa choice) {
   switch (choice) {
     case Isa::kAuto:
       // amx is not considered: it measured slower than avx512 (see the header).
-      if (HasAvx512()) return &kAvx512;
-      if (HasAvxVnni()) return &kAvx2Vnni;
-      if (HasAvx2()) return &kAvx2;
+      if (CpuHas(Isa::kAvx512)) return &kAvx512;
+      if (CpuHas(Isa::kAvx2Vnni)) return &kAvx2Vnni;
+      if (CpuHas(Isa::kAvx2)) return &kAvx2;
       return &kReference;
     case Isa::kReference:
       return &kReference;
     case Isa::kAvx2:
-      if (HasAvx2()) return &kAvx2;
+      if (CpuHas(Isa::kAvx2)) return &kAvx2;
       return absl::UnavailableError("this CPU lacks AVX2, FMA or F16C");
     case Isa::kAvx2Vnni:
-      if (HasAvxVnni()) return &kAvx2Vnni;
+      if (CpuHas(Isa::kAvx2Vnni)) return &kAvx2Vnni;
       return absl::UnavailableError("this CPU lacks AVX2, FMA, F16C or AVX-VNNI");
     case Isa::kAvx512:
-      if (HasAvx512()) return &kAvx512;
+      if (CpuHas(Isa::kAvx512)) return &kAvx512;
       return absl::UnavailableError("this CPU lacks AVX-512 F/BW/VL/DQ/VNNI");
     case Isa::kAmx:
       if (HasAmx()) return &kAmx;

@@ -170,9 +170,7 @@ struct HostBlock {
 std::vector<KvHeads> ShardBounds(const ModelConfig& c, int shards) {
   shards = std::max(1, std::min(shards, c.n_kv_heads));
   std::vector<KvHeads> b;
-  for (int s = 0; s < shards; ++s) {
-    b.push_back({c.n_kv_heads * s / shards, c.n_kv_heads * (s + 1) / shards});
-  }
+  for (int s = 0; s < shards; ++s) b.push_back(SplitKvHeads(c.n_kv_heads, shards, s));
   return b;
 }
 

@@ -24,8 +24,7 @@ std::string KvHeads::Flag() const { return absl::StrCat(begin, ":", end); }
 std::string KvHeads::ToString() const { return absl::StrCat("[", begin, ", ", end, ")"); }
 
 KvHeads SplitKvHeads(int n_kv_heads, int n, int i) {
-  const int each = n_kv_heads / n;
-  return {i * each, (i + 1) * each};
+  return {n_kv_heads * i / n, n_kv_heads * (i + 1) / n};
 }
 
 absl::Status KvHeadCover::Add(KvHeads range) {

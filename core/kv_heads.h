@@ -26,7 +26,8 @@ struct KvHeads {
   std::string ToString() const;  // "[BEGIN, END)"
 };
 
-// Part `i` of `n` equal parts of a model's `n_kv_heads` (n must divide it).
+// Part `i` of `n` consecutive parts of a model's `n_kv_heads`: equal when n
+// divides it, else differing by at most one head.
 KvHeads SplitKvHeads(int n_kv_heads, int n, int i);
 
 // Checks ranges, given one at a time, that must cover the KV heads

@@ -210,7 +210,7 @@ absl::Status Launch::Start() {
         "cannot split the model's ", model.n_kv_heads, " KV heads evenly over ", n,
         " attention workers; choose --attn-workers from the divisors of ", model.n_kv_heads));
   }
-  const int heads_each = SplitKvHeads(model.n_kv_heads, n, 0).count();
+  const int heads_each = model.n_kv_heads / n;
   for (const char* bin : {"ellm-attn-worker", "ellm-mlp-worker", "ellm-coordinator"}) {
     if (!Executable(c_.bin_dir + "/" + bin)) {
       return absl::NotFoundError(absl::StrCat("cannot find ", c_.bin_dir, "/", bin,

@@ -515,6 +515,9 @@ TEST(KvHeads, ParsesSplitsAndChecksCovers) {
   EXPECT_EQ(SplitKvHeads(8, 2, 0), (KvHeads{0, 4}));
   EXPECT_EQ(SplitKvHeads(8, 2, 1), (KvHeads{4, 8}));
   EXPECT_EQ(SplitKvHeads(8, 4, 3), (KvHeads{6, 8}));
+  // Uneven: parts differ by at most one head and still cover every head.
+  EXPECT_EQ(SplitKvHeads(5, 2, 0), (KvHeads{0, 2}));
+  EXPECT_EQ(SplitKvHeads(5, 2, 1), (KvHeads{2, 5}));
 
   KvHeadCover good;
   EXPECT_TRUE(good.Add({0, 1}).ok());

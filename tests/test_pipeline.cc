@@ -69,12 +69,11 @@ class Pipeline : public coord::StepExecutor {
     static std::atomic<int> counter{0};
     const std::string prefix = absl::StrCat("ellm-test-pipeline-", getpid(), "-", counter++);
     std::vector<mlp::ShardLink> links;
-    const int heads_each = config.n_kv_heads / shards;
     for (int i = 0; i < shards; ++i) {
       auto part = std::make_unique<AttnPart>();
       attn::ShardGeometry g;
       g.layers = config.n_layers;
-      g.heads = {i * heads_each, i + 1 == shards ? config.n_kv_heads : (i + 1) * heads_each};
+      g.heads = SplitKvHeads(config.n_kv_heads, shards, i);
       g.gqa_ratio = config.gqa_ratio();
       g.head_dim = config.head_dim;
       g.max_positions = config.context_length;
