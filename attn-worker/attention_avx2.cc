@@ -432,6 +432,50 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
 }  // namespace
 }  // namespace ELLM_AVX2_NS
 
+#if !ELLM_AVX2_VNNI
+ELLM_TARGET float QuantizeQueryAvx2(const float* x, int head_dim, int hp, int q_max, int8_t* codes,
+                                    int32_t* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 top = _mm256_setzero_ps();
+  int d = 0;
+  for (; d + 8 <= head_dim; d += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + d)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float amax = 0;
+  for (float l : lanes) amax = std::max(amax, l);
+  for (; d < head_dim; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float sq = amax / static_cast<float>(q_max);
+  const float inv = sq > 0 ? 1.0f / sq : 0.0f;
+  // Round half away from zero (truncate v + copysign(0.5, v)), then clamp.
+  const __m256 vinv = _mm256_set1_ps(inv), half = _mm256_set1_ps(0.5f);
+  const __m256i hi = _mm256_set1_epi32(q_max), lo = _mm256_set1_epi32(-q_max);
+  __m256i total = _mm256_setzero_si256();
+  d = 0;
+  for (; d + 8 <= head_dim; d += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + d), vinv);
+    const __m256 rounded = _mm256_add_ps(v, _mm256_or_ps(half, _mm256_and_ps(sign, v)));
+    const __m256i c = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvttps_epi32(rounded)));
+    total = _mm256_add_epi32(total, c);
+    // 8 int32 -> 8 int8 (within ±127: the packs do not saturate).
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + d), _mm_packs_epi16(w, w));
+  }
+  alignas(32) int32_t parts[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(parts), total);
+  int32_t s = 0;
+  for (int32_t p : parts) s += p;
+  for (; d < head_dim; ++d) {
+    const float v = x[d] * inv;
+    const int c = std::clamp(static_cast<int>(v + (v >= 0 ? 0.5f : -0.5f)), -q_max, q_max);
+    codes[d] = static_cast<int8_t>(c);
+    s += c;
+  }
+  std::fill(codes + head_dim, codes + hp, int8_t{0});
+  *sum = s;
+  return sq;
+}
+#endif
+
 #if ELLM_AVX2_VNNI
 void AttendInt8Avx2Vnni(const ChunkArgs& args) { avx2_vnni::AttendChunk<true>(args); }
 #else

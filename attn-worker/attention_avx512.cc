@@ -234,9 +234,19 @@ ELLM_TARGET ELLM_INLINE void VTile(const TileCtx* t, int dg, const HeadsCtx& q, 
   for (int b = 0; b < D; ++b) {
     for (int j = 0; j < G; ++j) va[b][j] = _mm512_setzero_si512();
   }
+  // A call prefetches at most 5 D lines (Int8Tiles: hp / 4 + 1 lines over
+  // hp / 16 groups of 16 dims), kPfPerQuad per step. Written with a fixed
+  // count and one test per line so that the steps unroll and each test
+  // takes the same way on every call for the same dg: a loop whose trip
+  // count varied from step to step kept the steps rolled up (accumulators
+  // copied between registers every step) and mispredicted its exit.
+  constexpr int kPfPerQuad = (5 * D + 4 * T - 1) / (4 * T);
+#pragma GCC unroll 8
   for (int quad = 0; quad < 4 * T; ++quad) {
     if constexpr (T == 2) {
-      for (int l = pf_line + quad; l < pf_end; l += 4 * T) PrefetchLine(t[1], l);
+      for (int k = 0; k < kPfPerQuad; ++k) {
+        if (pf_line + quad + 4 * T * k < pf_end) PrefetchLine(t[1], pf_line + quad + 4 * T * k);
+      }
     }
     const uint8_t* v = t[quad / 4].v + 64 * (quad % 4);
     for (int j = 0; j < G; ++j) {
@@ -245,6 +255,9 @@ ELLM_TARGET ELLM_INLINE void VTile(const TileCtx* t, int dg, const HeadsCtx& q, 
         va[b][j] = _mm512_dpbusd_epi32(va[b][j], w, _mm512_loadu_si512(v + 256 * (dg + b)));
       }
     }
+  }
+  if constexpr (T == 2) {
+    for (int l = pf_line + 4 * T * kPfPerQuad; l < pf_end; ++l) PrefetchLine(t[1], l);  // none so far
   }
   for (int b = 0; b < D; ++b) {
     for (int j = 0; j < G; ++j) {

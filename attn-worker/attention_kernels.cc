@@ -14,7 +14,7 @@ namespace ellm::attn {
 namespace {
 
 const AttentionKernel kReference{"reference", 127, 255, internal::AttendChunkReference,
-                                 internal::AttendChunkReference};
+                                 internal::AttendChunkReference, /*reference=*/true};
 const AttentionKernel kAvx2{"avx2", 63, 127, internal::AttendF16Avx2, internal::AttendInt8Avx2};
 const AttentionKernel kAvx2Vnni{"avx2-vnni", 127, 255, internal::AttendF16Avx2,
                                 internal::AttendInt8Avx2Vnni};
@@ -36,43 +36,44 @@ bool HasAmx() {
 
 }  // namespace
 
-void PrepareQueries(const float* q, int rows, int head_dim, int q_max, QueryPrep* prep,
-                    ThreadPool* pool) {
+void PrepareQueries(const AttentionKernel& kernel, KvDType dtype, const float* q, int rows, int head_dim,
+                    QueryPrep* prep, ThreadPool* pool) {
   const int hp = (head_dim + 15) / 16 * 16;
+  const QueryForm forms = kernel.QueryForms(dtype);
   prep->rows = rows;
   prep->head_dim = head_dim;
   prep->padded_dim = hp;
   prep->score_scale = static_cast<float>(M_LOG2E / std::sqrt(static_cast<double>(head_dim)));
-  prep->raw.Resize(static_cast<size_t>(rows) * hp);
-  prep->scaled.Resize(static_cast<size_t>(rows) * hp);
-  prep->codes.Resize(static_cast<size_t>(rows) * hp);
-  prep->code_scale.resize(rows);
-  prep->code_sum.resize(rows);
+  const size_t n = static_cast<size_t>(rows) * hp;
+  // Only the forms the kernel reads: a prefill step has tens of thousands
+  // of rows, and each form costs a pass over them.
+  if (forms & kRawQuery) prep->raw.Resize(n);
+  if (forms & kScaledQuery) prep->scaled.Resize(n);
+  if (forms & kQueryCodes) {
+    prep->codes.Resize(n);
+    prep->code_scale.resize(rows);
+    prep->code_sum.resize(rows);
+  }
   // Rows are independent: a prefill step's (tokens x heads) split over the pool.
   auto prepare = [&](int64_t r_begin, int64_t r_end, int) {
-  for (int64_t r = r_begin; r < r_end; ++r) {
-    const float* x = q + static_cast<size_t>(r) * head_dim;
-    float* raw = prep->raw.data() + static_cast<size_t>(r) * hp;
-    float* scaled = prep->scaled.data() + static_cast<size_t>(r) * hp;
-    int8_t* codes = prep->codes.data() + static_cast<size_t>(r) * hp;
-    float amax = 0;
-    for (int d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(x[d]));
-    const float sq = amax / static_cast<float>(q_max);
-    const float inv = sq > 0 ? 1.0f / sq : 0.0f;
-    int32_t sum = 0;
-    for (int d = 0; d < hp; ++d) {
-      const float v = d < head_dim ? x[d] : 0.0f;
-      raw[d] = v;
-      scaled[d] = v * prep->score_scale;
-      // Round half away from zero (no libm call), within ±q_max.
-      const float x = v * inv;
-      const int c = static_cast<int>(x + (x >= 0 ? 0.5f : -0.5f));
-      codes[d] = static_cast<int8_t>(std::clamp(c, -q_max, q_max));
-      sum += codes[d];
+    for (int64_t r = r_begin; r < r_end; ++r) {
+      const float* x = q + static_cast<size_t>(r) * head_dim;
+      const size_t at = static_cast<size_t>(r) * hp;
+      if (forms & kRawQuery) {
+        std::copy_n(x, head_dim, prep->raw.data() + at);
+        std::fill(prep->raw.data() + at + head_dim, prep->raw.data() + at + hp, 0.0f);
+      }
+      if (forms & kScaledQuery) {
+        float* scaled = prep->scaled.data() + at;
+        for (int d = 0; d < head_dim; ++d) scaled[d] = x[d] * prep->score_scale;
+        std::fill(scaled + head_dim, scaled + hp, 0.0f);
+      }
+      if (forms & kQueryCodes) {
+        const float sq = internal::QuantizeQueryAvx2(x, head_dim, hp, kernel.q_max, prep->codes.data() + at,
+                                                     &prep->code_sum[r]);
+        prep->code_scale[r] = sq * prep->score_scale;
+      }
     }
-    prep->code_scale[r] = sq * prep->score_scale;
-    prep->code_sum[r] = sum;
-  }
   };
   if (pool != nullptr && pool->size() > 1 && rows >= 256) {
     pool->ParallelFor(rows, prepare);

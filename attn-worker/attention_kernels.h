@@ -90,23 +90,25 @@ class AlignedArray {
   size_t size_ = 0, capacity_ = 0;
 };
 
-// The query rows of one step, prepared once for every kernel: rows are
-// (token, query head) in the request's order, each padded to hp dims.
+// The query rows of one step, prepared once in the forms the kernel reads
+// (AttentionKernel::QueryForms): rows are (token, query head) in the
+// request's order, each padded to hp dims.
+enum QueryForm : unsigned {
+  kRawQuery = 1,     // raw: q as given (the reference kernel)
+  kScaledQuery = 2,  // scaled: q * score_scale (f16 SIMD kernels)
+  kQueryCodes = 4,   // codes, code_scale, code_sum (int8 SIMD kernels)
+};
 struct QueryPrep {
   int rows = 0;
   int head_dim = 0;
   int padded_dim = 0;
   float score_scale = 0;         // log2(e) / sqrt(head_dim)
-  AlignedArray<float> raw;       // [rows][hp] q as given (reference)
-  AlignedArray<float> scaled;    // [rows][hp] q * score_scale (f16 kernels)
+  AlignedArray<float> raw;       // [rows][hp] q as given
+  AlignedArray<float> scaled;    // [rows][hp] q * score_scale
   AlignedArray<int8_t> codes;    // [rows][hp] int8 query codes
   std::vector<float> code_scale;  // [rows] sq * score_scale
   std::vector<int32_t> code_sum;  // [rows] sum of codes
 };
-// Fills `prep` from q [rows][head_dim] f32; int8 codes lie in [-q_max, q_max].
-// Many rows (a prefill step) are split over `pool` when given.
-void PrepareQueries(const float* q, int rows, int head_dim, int q_max, QueryPrep* prep,
-                    ThreadPool* pool = nullptr);
 
 struct ChunkArgs {
   KvSeqView kv;               // the sequence's K and V of one (layer, KV head)
@@ -136,8 +138,19 @@ struct AttentionKernel {
   int p_max = 255;  // int8 attention-weight codes
   AttendChunkFn f16 = nullptr;
   AttendChunkFn int8 = nullptr;
+  bool reference = false;  // reads the raw query (any dtype)
   AttendChunkFn For(KvDType dtype) const { return dtype == KvDType::kF16 ? f16 : int8; }
+  // The QueryPrep forms the kernel reads for `dtype`.
+  QueryForm QueryForms(KvDType dtype) const {
+    return reference ? kRawQuery : dtype == KvDType::kF16 ? kScaledQuery : kQueryCodes;
+  }
 };
+
+// Fills the forms of `prep` that `kernel` reads for `dtype` from q
+// [rows][head_dim] f32 (int8 codes lie in [-q_max, q_max]). Many rows (a
+// prefill step) are split over `pool` when given.
+void PrepareQueries(const AttentionKernel& kernel, KvDType dtype, const float* q, int rows, int head_dim,
+                    QueryPrep* prep, ThreadPool* pool = nullptr);
 
 // The kernel for `choice` (core/cpu_features.h; kAuto: the fastest this CPU
 // runs, amx excluded); its name is IsaName(choice). Unavailable when the CPU
@@ -155,6 +168,10 @@ void AttendInt8Avx2Vnni(const ChunkArgs& args);
 void AttendF16Avx512(const ChunkArgs& args);
 void AttendInt8Avx512(const ChunkArgs& args);
 void AttendInt8Amx(const ChunkArgs& args);  // in attention_avx512.cc
+// One query row's int8 codes (attention_avx2.cc; every int8 SIMD kernel's
+// CPU has AVX2): codes[d] = round(x[d] / sq) (half away from zero) for d <
+// head_dim, 0 up to hp, sq = max|x| / q_max. Returns sq; *sum = sum of codes.
+float QuantizeQueryAvx2(const float* x, int head_dim, int hp, int q_max, int8_t* codes, int32_t* sum);
 
 // Scratch floats per (token, head) row that ChunkScratchFloats provides.
 inline constexpr int kHeadScratchFloats = 64;

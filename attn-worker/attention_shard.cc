@@ -168,7 +168,8 @@ absl::Status AttentionShard::Process(uint32_t layer, uint32_t n_seqs, uint32_t n
     return absl::OkStatus();
   }
 
-  PrepareQueries(req.q, static_cast<int>(n_tokens) * g_.q_heads(), hd, kernel_->q_max, &prep_, pool_);
+  PrepareQueries(*kernel_, cache_->format().dtype, req.q, static_cast<int>(n_tokens) * g_.q_heads(), hd, &prep_,
+                 pool_);
 
   // Plan: parallel chunks for decodes and small prefill chunks (within the
   // partials budget), one folding item per (16 tokens, KV head) otherwise.

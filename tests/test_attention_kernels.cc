@@ -164,7 +164,7 @@ std::vector<float> RunChunks(const AttentionKernel& kernel, const KvSeqView& kv,
                              int chunk) {
   const int hd = kv.format.head_dim, hp = kv.format.padded_dim, pf = PartialFloats(hp);
   QueryPrep prep;
-  PrepareQueries(q, n_tokens * group, hd, kernel.q_max, &prep);
+  PrepareQueries(kernel, kv.format.dtype, q, n_tokens * group, hd, &prep);
   AlignedArray<float> partials, acc, scratch;
   partials.Resize(static_cast<size_t>(n_tokens) * group * pf);
   acc.Resize(partials.size());
@@ -399,7 +399,9 @@ TEST(AttentionKernels, DispatcherPicksARunnableKernel) {
   // A kernel's name is its instruction set's one spelling.
   for (Isa isa : kAllIsas) {
     absl::StatusOr<const AttentionKernel*> k = SelectKernel(isa);
-    if (k.ok()) EXPECT_EQ((*k)->name, IsaName(isa));
+    if (k.ok()) {
+      EXPECT_EQ((*k)->name, IsaName(isa));
+    }
   }
 }
 
@@ -551,7 +553,7 @@ TEST(AttentionKernels, ChunkBeyondEveryTokenGivesEmptyPartials) {
       const int group = 3, pf = PartialFloats(64);
       const std::vector<float> q = Normal(static_cast<size_t>(2) * group * 64, gen);
       QueryPrep prep;
-      PrepareQueries(q.data(), 2 * group, 64, k->q_max, &prep);
+      PrepareQueries(*k, dtype, q.data(), 2 * group, 64, &prep);
       AlignedArray<float> partials, scratch;
       partials.Resize(2 * group * pf);
       scratch.Resize(ChunkScratchFloats(2, group));
