@@ -379,6 +379,59 @@ TEST(Partial, EmptyMergesWithoutNan) {
 // ---------------------------------------------------------------------------
 // Kernels against the oracle.
 
+// Each kernel's query forms, against plain loops: the int8 codes are
+// round(q / sq) (half away from zero) within ±q_max with sq = max|q| / q_max,
+// padding dims are zero, and the sums and scales agree; odd head dims reach
+// the SIMD quantiser's scalar tail.
+TEST(AttentionKernels, QueriesArePreparedInTheFormsTheKernelReads) {
+  std::mt19937 gen(12);
+  for (const AttentionKernel* k : AvailableKernels()) {
+    for (KvDType dtype : {KvDType::kF16, KvDType::kInt8}) {
+      for (int hd : {64, 100, 128}) {
+        SCOPED_TRACE(testing::Message() << k->name << " " << KvDTypeName(dtype) << " hd " << hd);
+        const int rows = 300, hp = (hd + 15) / 16 * 16;  // 300 rows: split over the pool
+        std::vector<float> q = Normal(static_cast<size_t>(rows) * hd, gen, 3.0f);
+        std::fill_n(q.begin() + hd, hd, 0.0f);  // an all-zero row
+        q[2 * hd + 5] = -40.0f;                 // a row whose maximum is negative
+        QueryPrep prep;
+        ThreadPool pool(2);
+        PrepareQueries(*k, dtype, q.data(), rows, hd, &prep, &pool);
+        const QueryForm forms = k->QueryForms(dtype);
+        ASSERT_EQ(forms, k->name == "reference" ? kRawQuery : dtype == KvDType::kF16 ? kScaledQuery : kQueryCodes);
+        ASSERT_EQ(prep.padded_dim, hp);
+        for (int r = 0; r < rows; ++r) {
+          const float* x = q.data() + static_cast<size_t>(r) * hd;
+          if (forms & kRawQuery) {
+            for (int d = 0; d < hp; ++d) ASSERT_EQ(prep.raw[static_cast<size_t>(r) * hp + d], d < hd ? x[d] : 0.0f);
+          }
+          if (forms & kScaledQuery) {
+            for (int d = 0; d < hp; ++d) {
+              ASSERT_EQ(prep.scaled[static_cast<size_t>(r) * hp + d], d < hd ? x[d] * prep.score_scale : 0.0f);
+            }
+          }
+          if (forms & kQueryCodes) {
+            float amax = 0;
+            for (int d = 0; d < hd; ++d) amax = std::max(amax, std::fabs(x[d]));
+            const float sq = amax / static_cast<float>(k->q_max);
+            int32_t sum = 0;
+            for (int d = 0; d < hp; ++d) {
+              int want = 0;
+              if (d < hd && sq > 0) {
+                want = static_cast<int>(std::lround(x[d] * (1.0f / sq)));  // halves away from zero
+                want = std::clamp(want, -k->q_max, k->q_max);
+              }
+              ASSERT_EQ(prep.codes[static_cast<size_t>(r) * hp + d], want) << "row " << r << " dim " << d;
+              sum += want;
+            }
+            ASSERT_EQ(prep.code_sum[r], sum) << "row " << r;
+            ASSERT_EQ(prep.code_scale[r], sq * prep.score_scale) << "row " << r;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(AttentionKernels, DispatcherPicksARunnableKernel) {
   const std::vector<const AttentionKernel*> all = AvailableKernels();
   ASSERT_FALSE(all.empty());
