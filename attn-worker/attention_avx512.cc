@@ -259,9 +259,13 @@ ELLM_TARGET ELLM_INLINE void VTile(const TileCtx* t, int dg, const HeadsCtx& q, 
   if constexpr (T == 2) {
     for (int l = pf_line + 4 * T * kPfPerQuad; l < pf_end; ++l) PrefetchLine(t[1], l);  // none so far
   }
+  // In locals: each store to o could otherwise alias q's fields, and they
+  // would be reloaded after every store.
+  float* const part = q.part;
+  const int pf = q.pf;
   for (int b = 0; b < D; ++b) {
     for (int j = 0; j < G; ++j) {
-      float* o = q.part + j * q.pf + 16 * (dg + b);
+      float* o = part + j * pf + 16 * (dg + b);
       _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(va[b][j]), _mm512_set1_ps(wscale[MaxLane(j)]),
                                           _mm512_loadu_ps(o)));
     }
@@ -658,6 +662,9 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
           TilesForHeads<kInt8, 1, kAmx>(g, t, q);
         }
       }
+      // The later tiles this token prefetched are on their way: the
+      // chunk's other tokens need not ask again.
+      for (int x = 0; x < mine; ++x) t[x].pk = t[x].pv = nullptr;
     }
     pos += tiles * kTile;
     n += tiles;
