@@ -774,6 +774,7 @@ std::vector<Isa> BenchIsas() {
 // ELLM_BENCH_MATVEC_N (default 5120) and ELLM_BENCH_WORKING_SET_KB (default
 // 1 GiB, beyond the last-level cache) change the shape and the bytes cycled
 // through: e.g. 512 and 300 measure the kernels on weights in cache.
+// ELLM_BENCH_TYPES="q8_0,q4_K" times only those weight types.
 TEST(MatMulBench, DISABLED_Matvec5120) {
   const std::vector<Isa> isas = BenchIsas();
   const char* n_env = std::getenv("ELLM_BENCH_MATVEC_N");
@@ -786,7 +787,12 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
     std::printf("read probe, %d thread(s): %.1f GB/s\n", threads, ReadBandwidth(probe, pool));
   }
   probe = {};
+  const char* types_env = std::getenv("ELLM_BENCH_TYPES");
   for (DType type : {DType::kQ8_0, DType::kQ4_K, DType::kQ6_K, DType::kF16}) {
+    if (types_env != nullptr &&
+        ("," + std::string(types_env) + ",").find("," + std::string(Traits(type).name) + ",") == std::string::npos) {
+      continue;
+    }
     // Random blocks (valid halves for the scales), repacked into enough
     // copies to stream from DRAM.
     const uint64_t bytes = *DTypeBytes(type, kN * kN);
