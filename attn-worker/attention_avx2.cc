@@ -402,10 +402,11 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
       for (int j0 = 0; j0 < a.group; j0 += kBlock) {
         const int row = a.q_row0 + i * a.q_token_stride + j0;
         HeadsCtx q;
-        q.codes = prep.codes.data() + static_cast<size_t>(row) * hp;
-        q.scaled = prep.scaled.data() + static_cast<size_t>(row) * hp;
-        q.code_scale = prep.code_scale.data() + row;
-        q.code_sum = prep.code_sum.data() + row;
+        // Only the form this dtype prepared (QueryForms) exists.
+        q.codes = kInt8 ? prep.codes.data() + static_cast<size_t>(row) * hp : nullptr;
+        q.scaled = kInt8 ? nullptr : prep.scaled.data() + static_cast<size_t>(row) * hp;
+        q.code_scale = kInt8 ? prep.code_scale.data() + row : nullptr;
+        q.code_sum = kInt8 ? prep.code_sum.data() + row : nullptr;
         q.part = a.partials + static_cast<size_t>(i * a.group + j0) * pf;
         q.pf = pf;
         q.hs = scratch + i * a.group + j0;
