@@ -10,8 +10,10 @@
 //
 // The layout is the AVX-512 one (matmul_layout.h): each 64-byte line holds 16
 // rows; these kernels take it as two halves of 8 rows (bytes 0..31 and
-// 32..63), one half at a time, except Q8_0's, which takes whole lines, and
-// the plain-AVX2 Q4_K, Q5_K and Q6_K tiles for one token (RunWhole, decode).
+// 32..63), one half at a time, except Q8_0's, which takes whole lines (for
+// one token, of two groups side by side), and the plain-AVX2 Q4_K, Q5_K and
+// Q6_K tiles for one token (RunWhole, decode). Pairs of groups did not help
+// those: Q4_K stayed at 0.55-0.65 of the probe and Q6_K got slower.
 // The half-line tiles prefetch (matmul_layout.h) in their first pass (h = 0)
 // and spread the next group over both passes; the second pass finds its group
 // in L2.
@@ -374,44 +376,76 @@ struct Q8_0Tile {
   static constexpr bool kWholeLines = true;
   template <int NT>
   ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int /*h*/, int t0) {
+    Lines<NT, 1>(a, g, t0);
+  }
+
+  // One token (T = 1, decode): groups in pairs, their lines interleaved. Two
+  // streams of lines keep more DRAM reads in flight than one: one group at a
+  // time ran at 0.65-0.76 of the read probe, pairs at 0.9-1.0 (the AVX-512
+  // kernel reads groups in pairs too). Two tokens of a pair would spill.
+  ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
+    int64_t g = g_begin;
+    for (; g + 1 < g_end; g += 2) Lines<1, 2>(a, g, 0);
+    if (g < g_end) Lines<1, 1>(a, g, 0);
+  }
+
+  // Groups g .. g + kG - 1, NT tokens.
+  template <int NT, int kG>
+  ELLM_TARGET static void Lines(const KernelArgs& a, int64_t g, int t0) {
     const QuantMatrix& w = *a.w;
     const int64_t nb = w.cols() / 32;
-    const uint8_t* quant = w.group(g);
-    const uint16_t* dh = reinterpret_cast<const uint16_t*>(w.group(g) + nb * 512);
+    const uint8_t* quant[kG];
+    const uint16_t* dh[kG];
+    for (int i = 0; i < kG; ++i) {
+      quant[i] = w.group(g + i);
+      dh[i] = reinterpret_cast<const uint16_t*>(quant[i] + nb * 512);
+    }
     const TileActs<NT> act(a, t0, 32);
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[NT][2];
-    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    __m256 acc[kG][NT][2];
+    for (int i = 0; i < kG; ++i) {
+      for (int t = 0; t < NT; ++t) acc[i][t][0] = acc[i][t][1] = _mm256_setzero_ps();
+    }
     for (int64_t b = 0; b < nb; ++b) {
-      __m256i s[NT][2];
-      for (int t = 0; t < NT; ++t) s[t][0] = s[t][1] = _mm256_setzero_si256();
-      PrefetchAhead(quant + b * 512, 512);
-      PrefetchAhead(dh + 16 * b, 32);
+      __m256i s[kG][NT][2];
+      for (int i = 0; i < kG; ++i) {
+        for (int t = 0; t < NT; ++t) s[i][t][0] = s[i][t][1] = _mm256_setzero_si256();
+        PrefetchAhead(quant[i] + b * 512, 512);
+        PrefetchAhead(dh[i] + 16 * b, 32);
+      }
 #pragma GCC unroll 8
       for (int k = 0; k < 8; ++k) {
-        const uint8_t* line = quant + b * 512 + 64 * k;
-        const __m256i ws0 = _mm256_xor_si256(Load32(line), flip);
-        const __m256i ws1 = _mm256_xor_si256(Load32(line + 32), flip);
-        const __m256i aw0 = _mm256_sign_epi8(ws0, ws0);
-        const __m256i aw1 = _mm256_sign_epi8(ws1, ws1);
 #pragma GCC unroll 2
-        for (int t = 0; t < NT; ++t) {
-          const __m256i c = Bcast4(act.codes[t] + 32 * b + 4 * k);
-          s[t][0] = _mm256_add_epi32(s[t][0], _mm256_madd_epi16(_mm256_maddubs_epi16(aw0, _mm256_sign_epi8(c, ws0)), ones));
-          s[t][1] = _mm256_add_epi32(s[t][1], _mm256_madd_epi16(_mm256_maddubs_epi16(aw1, _mm256_sign_epi8(c, ws1)), ones));
+        for (int i = 0; i < kG; ++i) {
+          const uint8_t* line = quant[i] + b * 512 + 64 * k;
+          const __m256i ws0 = _mm256_xor_si256(Load32(line), flip);
+          const __m256i ws1 = _mm256_xor_si256(Load32(line + 32), flip);
+          const __m256i aw0 = _mm256_sign_epi8(ws0, ws0);
+          const __m256i aw1 = _mm256_sign_epi8(ws1, ws1);
+#pragma GCC unroll 2
+          for (int t = 0; t < NT; ++t) {
+            const __m256i c = Bcast4(act.codes[t] + 32 * b + 4 * k);
+            s[i][t][0] = _mm256_add_epi32(s[i][t][0], _mm256_madd_epi16(_mm256_maddubs_epi16(aw0, _mm256_sign_epi8(c, ws0)), ones));
+            s[i][t][1] = _mm256_add_epi32(s[i][t][1], _mm256_madd_epi16(_mm256_maddubs_epi16(aw1, _mm256_sign_epi8(c, ws1)), ones));
+          }
         }
       }
-      const __m256 dw0 = LoadHalves8(dh + 16 * b), dw1 = LoadHalves8(dh + 16 * b + 8);
-      for (int t = 0; t < NT; ++t) {
-        const __m256 da = _mm256_set1_ps(act.d[t][b]);
-        acc[t][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[t][0]), da), dw0, acc[t][0]);
-        acc[t][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[t][1]), da), dw1, acc[t][1]);
+#pragma GCC unroll 2
+      for (int i = 0; i < kG; ++i) {
+        const __m256 dw0 = LoadHalves8(dh[i] + 16 * b), dw1 = LoadHalves8(dh[i] + 16 * b + 8);
+        for (int t = 0; t < NT; ++t) {
+          const __m256 da = _mm256_set1_ps(act.d[t][b]);
+          acc[i][t][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[i][t][0]), da), dw0, acc[i][t][0]);
+          acc[i][t][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[i][t][1]), da), dw1, acc[i][t][1]);
+        }
       }
     }
-    for (int t = 0; t < NT; ++t) {
-      for (int h = 0; h < 2; ++h) {
-        Store8(acc[t][h], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+    for (int i = 0; i < kG; ++i) {
+      for (int t = 0; t < NT; ++t) {
+        for (int h = 0; h < 2; ++h) {
+          Store8(acc[i][t][h], a.y + (t0 + t) * a.ldy + (g + i) * kGroupRows + 8 * h, ValidHalf(w, g + i, h));
+        }
       }
     }
   }
@@ -566,7 +600,10 @@ struct K4Tile {
 
   // One token (T = 1, decode): both halves of each block in turn, so the
   // group is read in one pass. The arithmetic per half is Run's.
-  ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g, int t0) {
+  ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
+    for (int64_t g = g_begin; g < g_end; ++g) Whole(a, g, 0);
+  }
+  ELLM_TARGET static void Whole(const KernelArgs& a, int64_t g, int t0) {
     const QuantMatrix& w = *a.w;
     const int64_t nb = w.cols() / 256;
     const uint8_t* quant = w.group(g);
@@ -677,7 +714,10 @@ struct Q6Tile {
 
   // One token (T = 1, decode): both halves of each sub-block pair in turn, so
   // the group is read in one pass. The arithmetic per half is Run's.
-  ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g, int t0) {
+  ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
+    for (int64_t g = g_begin; g < g_end; ++g) Whole(a, g, 0);
+  }
+  ELLM_TARGET static void Whole(const KernelArgs& a, int64_t g, int t0) {
     const QuantMatrix& w = *a.w;
     const int64_t nb = w.cols() / 256;
     const uint8_t* quant = w.group(g);
@@ -752,25 +792,23 @@ struct TakesWholeLines : std::false_type {};
 template <typename Tile>
 struct TakesWholeLines<Tile, std::void_t<decltype(Tile::kWholeLines)>> : std::bool_constant<Tile::kWholeLines> {};
 
-// Tiles with a RunWhole (one token over whole lines) use it for T = 1.
+// Tiles with a RunWhole (one token over whole lines, groups [g_begin, g_end))
+// use it for T = 1.
 template <typename Tile, typename = void>
 struct HasRunWhole : std::false_type {};
 template <typename Tile>
 struct HasRunWhole<Tile, std::void_t<decltype(&Tile::RunWhole)>> : std::true_type {};
 
-// Per group: one token on whole lines (RunWhole) where the tile has it, else
+// One token on whole lines (RunWhole) where the tile has it, else per group
 // token pairs over each half line that has rows, or over whole lines (h = 0
 // covers both halves) for the tiles that take them.
 template <typename Tile>
 ELLM_TARGET void RunTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
+  if constexpr (HasRunWhole<Tile>::value) {
+    if (a.T == 1) return Tile::RunWhole(a, g_begin, g_end);
+  }
   constexpr int kHalves = TakesWholeLines<Tile>::value ? 1 : 2;
   for (int64_t g = g_begin; g < g_end; ++g) {
-    if constexpr (HasRunWhole<Tile>::value) {
-      if (a.T == 1) {
-        Tile::RunWhole(a, g, 0);
-        continue;
-      }
-    }
     for (int h = 0; h < kHalves; ++h) {
       if (ValidHalf(*a.w, g, h) == 0) continue;
       for (int t0 = 0; t0 < a.T; t0 += kMaxTile) {
