@@ -4,6 +4,17 @@
 
 namespace ellm::coord {
 
+const char* FinishReasonName(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kNone: return "not finished";
+    case FinishReason::kStopToken: return "stop token";
+    case FinishReason::kMaxTokens: return "max_tokens";
+    case FinishReason::kStopString: return "stop string";
+    case FinishReason::kContext: return "context full";
+  }
+  return "unknown";
+}
+
 void RequestStream::Push(StreamEvent event) {
   std::function<void()> notify;
   {

@@ -20,6 +20,9 @@ namespace ellm::coord {
 
 enum class FinishReason { kNone = 0, kStopToken = 1, kMaxTokens = 2, kStopString = 3, kContext = 4 };
 
+// "stop token", "max_tokens", "stop string", "context full" (for logs).
+const char* FinishReasonName(FinishReason reason);
+
 struct FinishInfo {
   FinishReason reason = FinishReason::kNone;
   int prompt_tokens = 0;

@@ -250,6 +250,10 @@ void Scheduler::Finish(Sequence* s, FinishReason reason) {
           absl::ToDoubleMilliseconds(s->last_token - s->first_token) / (s->generated.size() - 1);
     }
   }
+  LogInfo("sequence %d finished (%s): prompt %d tokens, %d from the prefix cache; tokenized in %.1f ms, "
+          "queued %.1f ms, first token %.1f ms after submission, %d generated at %.2f ms/token",
+          s->id, FinishReasonName(reason), f.prompt_tokens, f.cached_tokens, s->options.tokenize_ms,
+          f.queue_ms, f.time_to_first_token_ms, f.completion_tokens, f.decode_ms_per_token);
   s->stream->Push(std::move(e));
 }
 

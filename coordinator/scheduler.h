@@ -88,6 +88,7 @@ struct GenerateOptions {
   uint64_t seed = 0;
   std::vector<std::string> stop;
   int synthetic_context = 0;  // benchmarks: random K/V positions before the prompt
+  double tokenize_ms = 0;     // time the service took to tokenize the prompt (for the log)
 };
 
 struct SchedulerStats {

@@ -50,9 +50,11 @@ absl::StatusOr<std::vector<int32_t>> EllmService::PromptTokens(
 
 absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRequest& r) const {
   GenerateOptions o;
+  const absl::Time start = absl::Now();
   ASSIGN_OR_RETURN(o.prompt, PromptTokens(r.prompt(), r.messages(),
                                           r.has_add_bos() ? std::optional<bool>(r.add_bos())
                                                           : std::nullopt));
+  o.tokenize_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
   const int n = static_cast<int>(o.prompt.size());
   const int ctx = config_.context_length;
   if (n >= ctx) {
