@@ -402,7 +402,7 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
       for (int j0 = 0; j0 < a.group; j0 += kBlock) {
         const int row = a.q_row0 + i * a.q_token_stride + j0;
         HeadsCtx q;
-        // Only the form this dtype prepared (QueryForms) exists.
+        // Only the form this dtype prepared (QueryFormFor) exists.
         q.codes = kInt8 ? prep.codes.data() + static_cast<size_t>(row) * hp : nullptr;
         q.scaled = kInt8 ? nullptr : prep.scaled.data() + static_cast<size_t>(row) * hp;
         q.code_scale = kInt8 ? prep.code_scale.data() + row : nullptr;

@@ -39,39 +39,45 @@ bool HasAmx() {
 void PrepareQueries(const AttentionKernel& kernel, KvDType dtype, const float* q, int rows, int head_dim,
                     QueryPrep* prep, ThreadPool* pool) {
   const int hp = (head_dim + 15) / 16 * 16;
-  const QueryForm forms = kernel.QueryForms(dtype);
+  const QueryForm form = kernel.QueryFormFor(dtype);
   prep->rows = rows;
   prep->head_dim = head_dim;
   prep->padded_dim = hp;
   prep->score_scale = static_cast<float>(M_LOG2E / std::sqrt(static_cast<double>(head_dim)));
   const size_t n = static_cast<size_t>(rows) * hp;
-  // Only the forms the kernel reads: a prefill step has tens of thousands
-  // of rows, and each form costs a pass over them.
-  if (forms & kRawQuery) prep->raw.Resize(n);
-  if (forms & kScaledQuery) prep->scaled.Resize(n);
-  if (forms & kQueryCodes) {
-    prep->codes.Resize(n);
-    prep->code_scale.resize(rows);
-    prep->code_sum.resize(rows);
+  // Only the form the kernel reads: a prefill step has tens of thousands of
+  // rows, and each form costs a pass over them.
+  switch (form) {
+    case QueryForm::kRaw: prep->raw.Resize(n); break;
+    case QueryForm::kScaled: prep->scaled.Resize(n); break;
+    case QueryForm::kCodes:
+      prep->codes.Resize(n);
+      prep->code_scale.resize(rows);
+      prep->code_sum.resize(rows);
+      break;
   }
   // Rows are independent: a prefill step's (tokens x heads) split over the pool.
   auto prepare = [&](int64_t r_begin, int64_t r_end, int) {
     for (int64_t r = r_begin; r < r_end; ++r) {
       const float* x = q + static_cast<size_t>(r) * head_dim;
       const size_t at = static_cast<size_t>(r) * hp;
-      if (forms & kRawQuery) {
-        std::copy_n(x, head_dim, prep->raw.data() + at);
-        std::fill(prep->raw.data() + at + head_dim, prep->raw.data() + at + hp, 0.0f);
-      }
-      if (forms & kScaledQuery) {
-        float* scaled = prep->scaled.data() + at;
-        for (int d = 0; d < head_dim; ++d) scaled[d] = x[d] * prep->score_scale;
-        std::fill(scaled + head_dim, scaled + hp, 0.0f);
-      }
-      if (forms & kQueryCodes) {
-        const float sq = internal::QuantizeQueryAvx2(x, head_dim, hp, kernel.q_max, prep->codes.data() + at,
-                                                     &prep->code_sum[r]);
-        prep->code_scale[r] = sq * prep->score_scale;
+      switch (form) {
+        case QueryForm::kRaw:
+          std::copy_n(x, head_dim, prep->raw.data() + at);
+          std::fill(prep->raw.data() + at + head_dim, prep->raw.data() + at + hp, 0.0f);
+          break;
+        case QueryForm::kScaled: {
+          float* scaled = prep->scaled.data() + at;
+          for (int d = 0; d < head_dim; ++d) scaled[d] = x[d] * prep->score_scale;
+          std::fill(scaled + head_dim, scaled + hp, 0.0f);
+          break;
+        }
+        case QueryForm::kCodes: {
+          const float sq = internal::QuantizeQueryAvx2(x, head_dim, hp, kernel.q_max, prep->codes.data() + at,
+                                                       &prep->code_sum[r]);
+          prep->code_scale[r] = sq * prep->score_scale;
+          break;
+        }
       }
     }
   };

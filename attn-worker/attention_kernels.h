@@ -90,14 +90,16 @@ class AlignedArray {
   size_t size_ = 0, capacity_ = 0;
 };
 
-// The query rows of one step, prepared once in the forms the kernel reads
-// (AttentionKernel::QueryForms): rows are (token, query head) in the
-// request's order, each padded to hp dims.
-enum QueryForm : unsigned {
-  kRawQuery = 1,     // raw: q as given (the reference kernel)
-  kScaledQuery = 2,  // scaled: q * score_scale (f16 SIMD kernels)
-  kQueryCodes = 4,   // codes, code_scale, code_sum (int8 SIMD kernels)
+// The form of the query rows a kernel reads (AttentionKernel::QueryFormFor).
+enum class QueryForm {
+  kRaw,     // raw: q as given (the reference kernel)
+  kScaled,  // scaled: q * score_scale (f16 SIMD kernels)
+  kCodes,   // codes, code_scale, code_sum (int8 SIMD kernels)
 };
+
+// The query rows of one step, prepared once in the form the kernel reads:
+// rows are (token, query head) in the request's order, each padded to hp
+// dims.
 struct QueryPrep {
   int rows = 0;
   int head_dim = 0;
@@ -140,9 +142,9 @@ struct AttentionKernel {
   AttendChunkFn int8 = nullptr;
   bool reference = false;  // reads the raw query (any dtype)
   AttendChunkFn For(KvDType dtype) const { return dtype == KvDType::kF16 ? f16 : int8; }
-  // The QueryPrep forms the kernel reads for `dtype`.
-  QueryForm QueryForms(KvDType dtype) const {
-    return reference ? kRawQuery : dtype == KvDType::kF16 ? kScaledQuery : kQueryCodes;
+  // The QueryPrep form the kernel reads for `dtype`.
+  QueryForm QueryFormFor(KvDType dtype) const {
+    return reference ? QueryForm::kRaw : dtype == KvDType::kF16 ? QueryForm::kScaled : QueryForm::kCodes;
   }
 };
 

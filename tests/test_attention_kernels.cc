@@ -396,20 +396,22 @@ TEST(AttentionKernels, QueriesArePreparedInTheFormsTheKernelReads) {
         QueryPrep prep;
         ThreadPool pool(2);
         PrepareQueries(*k, dtype, q.data(), rows, hd, &prep, &pool);
-        const QueryForm forms = k->QueryForms(dtype);
-        ASSERT_EQ(forms, k->name == "reference" ? kRawQuery : dtype == KvDType::kF16 ? kScaledQuery : kQueryCodes);
+        const QueryForm form = k->QueryFormFor(dtype);
+        ASSERT_EQ(form, k->name == "reference"        ? QueryForm::kRaw
+                        : dtype == KvDType::kF16 ? QueryForm::kScaled
+                                                 : QueryForm::kCodes);
         ASSERT_EQ(prep.padded_dim, hp);
         for (int r = 0; r < rows; ++r) {
           const float* x = q.data() + static_cast<size_t>(r) * hd;
-          if (forms & kRawQuery) {
+          if (form == QueryForm::kRaw) {
             for (int d = 0; d < hp; ++d) ASSERT_EQ(prep.raw[static_cast<size_t>(r) * hp + d], d < hd ? x[d] : 0.0f);
           }
-          if (forms & kScaledQuery) {
+          if (form == QueryForm::kScaled) {
             for (int d = 0; d < hp; ++d) {
               ASSERT_EQ(prep.scaled[static_cast<size_t>(r) * hp + d], d < hd ? x[d] * prep.score_scale : 0.0f);
             }
           }
-          if (forms & kQueryCodes) {
+          if (form == QueryForm::kCodes) {
             float amax = 0;
             for (int d = 0; d < hd; ++d) amax = std::max(amax, std::fabs(x[d]));
             const float sq = amax / static_cast<float>(k->q_max);
