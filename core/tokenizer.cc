@@ -86,6 +86,8 @@ class SpmTokenizer : public Tokenizer {
 
   // Appends the ids of one escaped fragment ('▁' for spaces) to `out`.
   void EncodeFragment(std::string_view text, std::vector<int32_t>& out) const;
+  // The merges of one piece of a fragment, as if it were the whole fragment.
+  void EncodeSegment(std::string_view text, std::vector<int32_t>& out) const;
 
   std::vector<float> scores_;
   // Id for each byte value: its <0xXX> token, else the one-byte token, else unk
@@ -95,6 +97,11 @@ class SpmTokenizer : public Tokenizer {
   std::vector<int16_t> token_byte_;
   int32_t unk_id_ = -1;
   bool add_space_prefix_ = true;
+  // No token has a '▁' right after another character than '▁', so no merge
+  // can join the text before such a '▁' to the text from it on: a fragment
+  // is encoded word by word (the same ids; one heap over a long document
+  // costs a log factor more: 14K tokens took 47 ms that way, 4.6 ms so).
+  bool split_at_words_ = false;
 };
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> SpmTokenizer::Create(const GgufFile& file) {
@@ -140,6 +147,15 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> SpmTokenizer::Create(const GgufFile& 
     tok->byte_token_[b] = id >= 0 ? id : tok->unk_id_;
   }
 
+  tok->split_at_words_ = true;
+  for (const std::string& t : tok->tokens_) {
+    for (size_t k = t.find(kSpmSpace, 1); k != std::string::npos; k = t.find(kSpmSpace, k + 1)) {
+      if (k < kSpmSpace.size() || t.compare(k - kSpmSpace.size(), kSpmSpace.size(), kSpmSpace) != 0) {
+        tok->split_at_words_ = false;
+      }
+    }
+  }
+
   RETURN_IF_ERROR(tok->LoadEndOfGeneration(file));
   return std::unique_ptr<Tokenizer>(std::move(tok));
 }
@@ -169,6 +185,21 @@ std::vector<int32_t> SpmTokenizer::Encode(std::string_view text, bool add_bos,
 }
 
 void SpmTokenizer::EncodeFragment(std::string_view text, std::vector<int32_t>& out) const {
+  if (!split_at_words_) return EncodeSegment(text, out);
+  // Cut before every '▁' that follows another character.
+  size_t begin = 0;
+  for (size_t k = text.find(kSpmSpace, 1); k != std::string_view::npos; k = text.find(kSpmSpace, k + 1)) {
+    if (k >= begin + kSpmSpace.size() &&
+        text.compare(k - kSpmSpace.size(), kSpmSpace.size(), kSpmSpace) == 0) {
+      continue;  // a run of '▁' stays together
+    }
+    if (k > begin) EncodeSegment(text.substr(begin, k - begin), out);
+    begin = k;
+  }
+  EncodeSegment(text.substr(begin), out);
+}
+
+void SpmTokenizer::EncodeSegment(std::string_view text, std::vector<int32_t>& out) const {
   // A piece of `text` in a doubly linked list; merged-away pieces have len 0.
   // Pieces are always contiguous: a piece's bytes end where its next begins.
   struct Piece {

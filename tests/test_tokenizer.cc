@@ -277,21 +277,27 @@ struct TinyVocabOptions {
   size_t scores = 10;  // how many scores to write
   uint32_t bos = 1;
   std::string model = "llama";
+  std::string extra_token;  // a normal token after id 9 (scored highest), if not empty
 };
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> TinyTokenizer(const TinyVocabOptions& o) {
   GgufWriter w;
   w.SetString("general.architecture", "llama");
   w.SetString("tokenizer.ggml.model", o.model);
-  if (o.write_tokens) {
-    w.SetStringArray("tokenizer.ggml.tokens", {"<unk>", "<s>", "</s>", "\xE2\x96\x81", "a", "b",
-                                               "aa", "ab", "\xE2\x96\x81" "a", "<0x63>"});
-  }
+  std::vector<std::string> tokens = {"<unk>", "<s>", "</s>", "\xE2\x96\x81", "a", "b",
+                                     "aa", "ab", "\xE2\x96\x81" "a", "<0x63>"};
   // "aa" outranks "ab" outranks "▁a".
   std::vector<float> scores = {0, 0, 0, -5, -6, -6, -1, -2, -3, 0};
-  scores.resize(o.scores);
+  std::vector<int32_t> types = {2, 3, 3, 1, 1, 1, 1, 1, 1, 6};
+  if (!o.extra_token.empty()) {
+    tokens.push_back(o.extra_token);
+    scores.push_back(0);
+    types.push_back(1);
+  }
+  if (o.write_tokens) w.SetStringArray("tokenizer.ggml.tokens", tokens);
+  scores.resize(o.scores + (o.extra_token.empty() ? 0 : 1));
   w.SetFloat32Array("tokenizer.ggml.scores", scores);
-  w.SetInt32Array("tokenizer.ggml.token_type", {2, 3, 3, 1, 1, 1, 1, 1, 1, 6});
+  w.SetInt32Array("tokenizer.ggml.token_type", types);
   w.SetUint32("tokenizer.ggml.bos_token_id", o.bos);
   w.SetUint32("tokenizer.ggml.eos_token_id", 2);
   w.SetUint32("tokenizer.ggml.unknown_token_id", 0);
@@ -317,6 +323,21 @@ TEST(TinyVocabTest, EqualScoresMergeLeftmostFirst) {
   // ▁ a a a: both "aa" pairs score -1; the left one wins, then "▁a" is stale.
   EXPECT_THAT((*tok)->Encode("aaa", false), ElementsAre(3, 6, 4));
   EXPECT_THAT((*tok)->Encode("aaaa", false), ElementsAre(3, 6, 6));
+}
+
+// Words are encoded one by one only where no token spans a word start: with
+// "b▁a" in the vocabulary, "b a" must still merge across the space.
+TEST(TinyVocabTest, MergesAcrossWordsWhereATokenSpansThem) {
+  absl::StatusOr<std::unique_ptr<Tokenizer>> plain = TinyTokenizer({});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_THAT((*plain)->Encode("b a", false), ElementsAre(3, 5, 8));  // ▁ b ▁a
+  TinyVocabOptions o;
+  o.extra_token = "b\xE2\x96\x81" "a";
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = TinyTokenizer(o);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  // ▁a (-3) first, then b + ▁a = "b▁a" (id 10).
+  EXPECT_THAT((*tok)->Encode("b a", false), ElementsAre(3, 10));
+  EXPECT_THAT((*tok)->Encode("ab b a b", false), ElementsAre(3, 7, 3, 10, 3, 5));
 }
 
 TEST(TinyVocabTest, ByteFallbackThenUnknown) {
