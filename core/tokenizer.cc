@@ -16,6 +16,12 @@ namespace {
 
 // U+2581 LOWER ONE EIGHTH BLOCK, SentencePiece's visible space.
 constexpr std::string_view kSpmSpace = "\xE2\x96\x81";
+
+// Whether the '▁' at byte k of s starts a word: it follows another character
+// than '▁' (a run of '▁' is one word start, at its first).
+bool StartsWord(std::string_view s, size_t k) {
+  return k > 0 && !(k >= kSpmSpace.size() && s.substr(k - kSpmSpace.size(), kSpmSpace.size()) == kSpmSpace);
+}
 // U+FFFD REPLACEMENT CHARACTER.
 constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
 // GGUF writers store "no such token" as uint32 max; some as int32 -1.
@@ -97,9 +103,9 @@ class SpmTokenizer : public Tokenizer {
   std::vector<int16_t> token_byte_;
   int32_t unk_id_ = -1;
   bool add_space_prefix_ = true;
-  // No token has a '▁' right after another character than '▁', so no merge
-  // can join the text before such a '▁' to the text from it on: a fragment
-  // is encoded word by word (the same ids; one heap over a long document
+  // No token has a '▁' that starts a word (StartsWord) after its first byte,
+  // so no merge can join the text before a word start to the text from it
+  // on: a fragment is encoded word by word (the same ids; one heap over a long document
   // costs a log factor more: 14K tokens took 47 ms that way, 4.6 ms so).
   bool split_at_words_ = false;
 };
@@ -147,14 +153,12 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> SpmTokenizer::Create(const GgufFile& 
     tok->byte_token_[b] = id >= 0 ? id : tok->unk_id_;
   }
 
-  tok->split_at_words_ = true;
-  for (const std::string& t : tok->tokens_) {
-    for (size_t k = t.find(kSpmSpace, 1); k != std::string::npos; k = t.find(kSpmSpace, k + 1)) {
-      if (k < kSpmSpace.size() || t.compare(k - kSpmSpace.size(), kSpmSpace.size(), kSpmSpace) != 0) {
-        tok->split_at_words_ = false;
-      }
+  tok->split_at_words_ = std::none_of(tok->tokens_.begin(), tok->tokens_.end(), [](std::string_view t) {
+    for (size_t k = t.find(kSpmSpace, 1); k != std::string_view::npos; k = t.find(kSpmSpace, k + 1)) {
+      if (StartsWord(t, k)) return true;
     }
-  }
+    return false;
+  });
 
   RETURN_IF_ERROR(tok->LoadEndOfGeneration(file));
   return std::unique_ptr<Tokenizer>(std::move(tok));
@@ -186,14 +190,10 @@ std::vector<int32_t> SpmTokenizer::Encode(std::string_view text, bool add_bos,
 
 void SpmTokenizer::EncodeFragment(std::string_view text, std::vector<int32_t>& out) const {
   if (!split_at_words_) return EncodeSegment(text, out);
-  // Cut before every '▁' that follows another character.
   size_t begin = 0;
   for (size_t k = text.find(kSpmSpace, 1); k != std::string_view::npos; k = text.find(kSpmSpace, k + 1)) {
-    if (k >= begin + kSpmSpace.size() &&
-        text.compare(k - kSpmSpace.size(), kSpmSpace.size(), kSpmSpace) == 0) {
-      continue;  // a run of '▁' stays together
-    }
-    if (k > begin) EncodeSegment(text.substr(begin, k - begin), out);
+    if (!StartsWord(text, k)) continue;
+    EncodeSegment(text.substr(begin, k - begin), out);
     begin = k;
   }
   EncodeSegment(text.substr(begin), out);
