@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "core/gguf.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -220,6 +223,28 @@ TEST_F(LlamaSpmTest, LongPromptTokenizesInMilliseconds) {
     std::printf("%zu bytes -> %zu tokens in %.2f ms\n", text->size(), ids.size(), ms);
     EXPECT_LT(ms, 250.0);  // milliseconds in practice; generous for loaded CI
     EXPECT_EQ(tok_->Decode(ids), *text);
+  }
+}
+
+// Benchmark, not a check: encode time of long documents (the vocabulary's
+// test texts repeated) on the llama SPM vocabulary. ELLM_BENCH_TOKENIZER_KB
+// sets the sizes (default 80,4096).
+TEST_F(LlamaSpmTest, DISABLED_BenchLongDocuments) {
+  const std::vector<VocabCase> cases = LoadVocabCases(kVocabDir + "ggml-vocab-llama-spm.gguf");
+  ASSERT_FALSE(cases.empty());
+  const char* env = std::getenv("ELLM_BENCH_TOKENIZER_KB");
+  for (absl::string_view kb : absl::StrSplit(env != nullptr ? env : "80,4096", ',')) {
+    size_t bytes = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(kb, &bytes)) << kb;
+    bytes *= 1024;
+    std::string text;
+    while (text.size() < bytes) {
+      for (const VocabCase& c : cases) text += c.text + " ";
+    }
+    const auto start = std::chrono::steady_clock::now();
+    const std::vector<int32_t> ids = tok_->Encode(text, true);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    std::printf("tokenizer llama-spm: %zu bytes -> %zu tokens in %.1f ms\n", text.size(), ids.size(), ms);
   }
 }
 
