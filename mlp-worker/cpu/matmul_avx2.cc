@@ -381,7 +381,7 @@ struct Q8_0Tile {
 
   // One token (T = 1, decode): groups in pairs, their lines interleaved. Two
   // streams of lines keep more DRAM reads in flight than one: one group at a
-  // time ran at 0.65-0.76 of the read probe, pairs at 0.9-1.0 (the AVX-512
+  // time ran at 0.63-0.83 of the read probe, pairs at 0.84-1.03 (the AVX-512
   // kernel reads groups in pairs too). Two tokens of a pair would spill.
   ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
     int64_t g = g_begin;
@@ -601,14 +601,14 @@ struct K4Tile {
   // One token (T = 1, decode): both halves of each block in turn, so the
   // group is read in one pass. The arithmetic per half is Run's.
   ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
-    for (int64_t g = g_begin; g < g_end; ++g) Whole(a, g, 0);
+    for (int64_t g = g_begin; g < g_end; ++g) Whole(a, g);
   }
-  ELLM_TARGET static void Whole(const KernelArgs& a, int64_t g, int t0) {
+  ELLM_TARGET static void Whole(const KernelArgs& a, int64_t g) {
     const QuantMatrix& w = *a.w;
     const int64_t nb = w.cols() / 256;
     const uint8_t* quant = w.group(g);
     const uint8_t* meta0 = quant + nb * kQuant;
-    const TileActs<1> act(a, t0, 256);
+    const TileActs<1> act(a, 0, 256);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* qb = quant + b * kQuant;
@@ -621,7 +621,7 @@ struct K4Tile {
         acc[h] = Finish(meta, h, si, sm, act.d[0][b], acc[h]);
       }
     }
-    for (int h = 0; h < 2; ++h) Store8(acc[h], a.y + t0 * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+    for (int h = 0; h < 2; ++h) Store8(acc[h], a.y + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
   }
 };
 
@@ -715,14 +715,14 @@ struct Q6Tile {
   // One token (T = 1, decode): both halves of each sub-block pair in turn, so
   // the group is read in one pass. The arithmetic per half is Run's.
   ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
-    for (int64_t g = g_begin; g < g_end; ++g) Whole(a, g, 0);
+    for (int64_t g = g_begin; g < g_end; ++g) Whole(a, g);
   }
-  ELLM_TARGET static void Whole(const KernelArgs& a, int64_t g, int t0) {
+  ELLM_TARGET static void Whole(const KernelArgs& a, int64_t g) {
     const QuantMatrix& w = *a.w;
     const int64_t nb = w.cols() / 256;
     const uint8_t* quant = w.group(g);
     const uint8_t* meta0 = quant + nb * 3072;
-    const TileActs<1> act(a, t0, 256);
+    const TileActs<1> act(a, 0, 256);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* qb = quant + b * 3072;
@@ -736,7 +736,7 @@ struct Q6Tile {
       }
       for (int h = 0; h < 2; ++h) acc[h] = Finish(meta, h, si[h], corr[h], act.d[0][b], acc[h]);
     }
-    for (int h = 0; h < 2; ++h) Store8(acc[h], a.y + t0 * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+    for (int h = 0; h < 2; ++h) Store8(acc[h], a.y + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
   }
 };
 
