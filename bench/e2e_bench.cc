@@ -119,6 +119,7 @@ struct Timing {
   int prompt_tokens = 0;
   int cached_tokens = 0;
   std::string text;
+  std::vector<int32_t> ids;  // generated
   double ttft_ms() const { return arrivals.empty() ? 0 : (arrivals[0] - start) * 1e3; }
 };
 
@@ -131,6 +132,7 @@ Timing Run(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRequest& req) {
   while (reader->Read(&resp)) {
     const double now = Seconds();
     for (int i = 0; i < resp.token_ids_size(); ++i) t.arrivals.push_back(now);
+    t.ids.insert(t.ids.end(), resp.token_ids().begin(), resp.token_ids().end());
     t.text += resp.text();
     if (resp.has_finish()) {
       t.prompt_tokens = resp.finish().prompt_tokens();
@@ -161,13 +163,27 @@ std::string Text(int tokens, int seed) {
   return out;
 }
 
+// The ids of `text` (no BOS unless asked), from the server's tokenizer.
+absl::StatusOr<std::vector<int32_t>> TokenIds(ellm::v1::Ellm::Stub* stub, const std::string& text, bool bos) {
+  ellm::v1::TokenizeRequest req;
+  req.set_text(text);
+  req.set_add_bos(bos);
+  ellm::v1::TokenizeResponse resp;
+  grpc::ClientContext ctx;
+  const grpc::Status st = stub->Tokenize(&ctx, req, &resp);
+  if (!st.ok()) return absl::UnavailableError(absl::StrCat("Tokenize: ", st.error_message()));
+  return std::vector<int32_t>(resp.token_ids().begin(), resp.token_ids().end());
+}
+
 // --turns: a conversation over one long document. Turn 1 is the document
 // (about --context tokens); every later turn appends the answer and about
 // --turn-tokens new tokens, and generates --answer-tokens. Prints the time to
 // first token of every turn with the prefix cache and without it, then, after
-// a restart on the same --kv-store, of one more turn.
+// a restart on the same --kv-store, of one more turn. With `ids`, the client
+// sends token ids and appends the answer's own ids, as an agent that keeps
+// them does; otherwise it sends text, and the answer is tokenized anew.
 int RunTurns(const std::vector<std::string>& launch_base, const std::string& port_arg, int context,
-             int turns, int turn_tokens, int answer_tokens, const std::string& server) {
+             int turns, int turn_tokens, int answer_tokens, const std::string& server, bool ids) {
   const std::string store = absl::StrCat("/tmp/ellm-bench-kvstore-", getpid());
   struct Mode {
     const char* name;
@@ -187,6 +203,7 @@ int RunTurns(const std::vector<std::string>& launch_base, const std::string& por
     }
     auto stub = ellm::v1::Ellm::NewStub(grpc::CreateChannel(server, grpc::InsecureChannelCredentials()));
     std::string prompt = Text(context, 0);
+    std::vector<int32_t> prompt_ids;
     double turn1 = 0;
     for (int turn = 1; turn <= turns + (std::string(mode.name) == "on" ? 1 : 0); ++turn) {
       const bool after_restart = std::string(mode.name) == "on" && turn == turns + 1;
@@ -203,7 +220,19 @@ int RunTurns(const std::vector<std::string>& launch_base, const std::string& por
       std::fprintf(stderr, "[e2e] prefix cache %s, turn %d%s...\n", mode.name, turn,
                    after_restart ? " (after a restart, from the KV store)" : "");
       ellm::v1::GenerateRequest req;
-      req.set_prompt(prompt);
+      if (ids) {
+        if (turn == 1) {
+          absl::StatusOr<std::vector<int32_t>> first = TokenIds(stub.get(), prompt, true);
+          if (!first.ok()) {
+            std::fprintf(stderr, "ellm-bench e2e: %s\n", std::string(first.status().message()).c_str());
+            return 1;
+          }
+          prompt_ids = *std::move(first);
+        }
+        for (int32_t id : prompt_ids) req.add_prompt_token_ids(id);
+      } else {
+        req.set_prompt(prompt);
+      }
       req.set_max_tokens(answer_tokens);
       req.mutable_sampling()->set_temperature(0);
       Timing t = Run(stub.get(), req);
@@ -213,13 +242,24 @@ int RunTurns(const std::vector<std::string>& launch_base, const std::string& por
       }
       if (turn == 1) turn1 = t.ttft_ms();
       if (turn == 1 && std::string(mode.name) == "off") cold_ttft = t.ttft_ms();
-      std::printf("turn=%d prefix_cache=%s%s prompt_tokens=%d cached_tokens=%d ttft_ms=%.1f "
+      std::printf("turn=%d prefix_cache=%s%s input=%s prompt_tokens=%d cached_tokens=%d ttft_ms=%.1f "
                   "ratio_to_turn1=%.4f ratio_to_cold=%.4f\n",
-                  turn, mode.name, after_restart ? " restarted_from_kv_store=1" : "", t.prompt_tokens,
+                  turn, mode.name, after_restart ? " restarted_from_kv_store=1" : "", ids ? "ids" : "text",
+                  t.prompt_tokens,
                   t.cached_tokens, t.ttft_ms(), turn1 > 0 ? t.ttft_ms() / turn1 : 0,
                   cold_ttft > 0 ? t.ttft_ms() / cold_ttft : 0);
       std::fflush(stdout);
-      prompt += t.text + Text(turn_tokens, turn);
+      const std::string next = Text(turn_tokens, turn);
+      prompt += t.text + next;
+      if (ids) {
+        absl::StatusOr<std::vector<int32_t>> next_ids = TokenIds(stub.get(), next, false);
+        if (!next_ids.ok()) {
+          std::fprintf(stderr, "ellm-bench e2e: %s\n", std::string(next_ids.status().message()).c_str());
+          return 1;
+        }
+        prompt_ids.insert(prompt_ids.end(), t.ids.begin(), t.ids.end());
+        prompt_ids.insert(prompt_ids.end(), next_ids->begin(), next_ids->end());
+      }
     }
   }
   std::error_code ec;
@@ -257,6 +297,9 @@ int E2eMain(int argc, char** argv) {
             "restart from the KV store");
   args.Flag("turn-tokens", "256", "--turns: new tokens each turn appends");
   args.Flag("answer-tokens", "64", "--turns: tokens each turn generates");
+  args.Flag("turn-input", "text",
+            "--turns: what the client sends: text (each answer is tokenized anew with the prompt, so "
+            "an answer whose text tokenizes otherwise is recomputed) or ids (the answer's own ids)");
   args.Flag("no-prefix-cache", "", "launch with --no-prefix-cache (decode with and without the cache)", true);
   args.Flag("bin-dir", "", "folder of ellm-launch (default: this program's folder)");
   args.Flag("port", "50391", "port for the launched system");
@@ -349,8 +392,13 @@ int E2eMain(int argc, char** argv) {
         absl::StrCat("--kv-cache-mb=", kv_mb), "--max-batch=2", "--ready-timeout=600",
         absl::StrCat("--attn-workers=", args.Get("attn-workers"))};
     std::printf("# cpu=%s probe_gb_per_s=%.1f\n", CpuModelName().c_str(), probe_gb_per_s);
+    const std::string input = args.Get("turn-input");
+    if (input != "text" && input != "ids") {
+      std::fprintf(stderr, "ellm-bench e2e: --turn-input is text or ids, not '%s'\n", input.c_str());
+      return 2;
+    }
     return RunTurns(base, "", max_context, *turns, *turn_tokens, *answer_tokens,
-                    absl::StrCat("127.0.0.1:", *port));
+                    absl::StrCat("127.0.0.1:", *port), input == "ids");
   }
 
   Launched launched;

@@ -82,9 +82,23 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
   } else {
     if (!j.contains("prompt")) return Bad("prompt", "is required");
     const json& p = j["prompt"];
-    if (p.is_array()) {
+    // A list of token ids, or a list of one such list, is a prompt of ids.
+    const json* ids = p.is_array() && !p.empty() && p[0].is_number_integer() ? &p
+                      : p.is_array() && p.size() == 1 && p[0].is_array()  ? &p[0]
+                                                                            : nullptr;
+    if (ids != nullptr) {
+      for (const json& id : *ids) {
+        if (!id.is_number_integer() || id.get<int64_t>() < INT32_MIN || id.get<int64_t>() > INT32_MAX) {
+          return Bad("prompt", "a list of token ids must hold only 32-bit integers");
+        }
+        g.add_prompt_token_ids(static_cast<int32_t>(id.get<int64_t>()));
+      }
+      if (g.prompt_token_ids().empty()) return Bad("prompt", "is an empty list of token ids");
+    } else if (p.is_array()) {
       if (p.size() != 1 || !p[0].is_string()) {
-        return Bad("prompt", "must be a string or a list of exactly one string (one prompt per request)");
+        return Bad("prompt",
+                   "must be a string, a list of token ids, or a list of exactly one of those (one prompt "
+                   "per request)");
       }
       g.set_prompt(p[0].get<std::string>());
     } else {

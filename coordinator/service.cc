@@ -48,12 +48,34 @@ absl::StatusOr<std::vector<int32_t>> EllmService::PromptTokens(
   return tokenizer_.Encode(rendered.text, add_bos.value_or(false), rendered.markup);
 }
 
+absl::StatusOr<std::vector<int32_t>> EllmService::GivenTokens(const ellm::v1::GenerateRequest& r) const {
+  if (!r.prompt().empty() || !r.messages().empty()) {
+    return absl::InvalidArgumentError("send one of a prompt, chat messages or prompt_token_ids");
+  }
+  if (r.has_add_bos()) {
+    return absl::InvalidArgumentError("add_bos applies to text; prompt_token_ids are used as given");
+  }
+  for (int i = 0; i < r.prompt_token_ids_size(); ++i) {
+    const int32_t id = r.prompt_token_ids(i);
+    if (id < 0 || id >= config_.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt_token_ids[", i, "] = ", id,
+                                                     " is outside the vocabulary of ", config_.vocab_size,
+                                                     " tokens"));
+    }
+  }
+  return std::vector<int32_t>(r.prompt_token_ids().begin(), r.prompt_token_ids().end());
+}
+
 absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRequest& r) const {
   GenerateOptions o;
   const absl::Time start = absl::Now();
-  ASSIGN_OR_RETURN(o.prompt, PromptTokens(r.prompt(), r.messages(),
-                                          r.has_add_bos() ? std::optional<bool>(r.add_bos())
-                                                          : std::nullopt));
+  if (r.prompt_token_ids().empty()) {
+    ASSIGN_OR_RETURN(o.prompt, PromptTokens(r.prompt(), r.messages(),
+                                            r.has_add_bos() ? std::optional<bool>(r.add_bos())
+                                                            : std::nullopt));
+  } else {
+    ASSIGN_OR_RETURN(o.prompt, GivenTokens(r));
+  }
   o.tokenize_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
   const int n = static_cast<int>(o.prompt.size());
   const int ctx = config_.context_length;

@@ -46,6 +46,8 @@ class EllmService final : public ellm::v1::Ellm::Service {
       const std::string& prompt,
       const google::protobuf::RepeatedPtrField<ellm::v1::ChatMessage>& messages,
       const std::optional<bool>& add_bos) const;
+  // A request's prompt_token_ids, checked against the vocabulary.
+  absl::StatusOr<std::vector<int32_t>> GivenTokens(const ellm::v1::GenerateRequest& request) const;
 
  private:
   const ServiceOptions& options_;

@@ -142,6 +142,22 @@ TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
   EXPECT_EQ(j["usage"]["completion_tokens"], 40);
   EXPECT_EQ(j["usage"]["total_tokens"], 45);
   EXPECT_TRUE(j["usage"]["prompt_tokens_details"].contains("cached_tokens"));
+  // A prompt of token ids (a list, or a list of one list) is the same prompt.
+  ellm::v1::TokenizeRequest treq;
+  treq.set_text("Once upon a time");
+  ellm::v1::TokenizeResponse ids;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(system.stub()->Tokenize(&ctx, treq, &ids).ok());
+  }
+  const json id_list(std::vector<int32_t>(ids.token_ids().begin(), ids.token_ids().end()));
+  for (const json& prompt : {id_list, json::array({id_list})}) {
+    json id_req = Completion("", 40, false);
+    id_req["prompt"] = prompt;
+    j = Post(port, "/v1/completions", id_req).Json();
+    EXPECT_EQ(j["choices"][0]["text"], grpc_answer.text) << prompt;
+    EXPECT_EQ(j["usage"]["prompt_tokens"], 5);
+  }
 
   json stream_req = Completion("Once upon a time", 40, true);
   stream_req["stream_options"] = {{"include_usage", true}};
@@ -270,6 +286,10 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   expect(Post(port, "/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"top_logprobs", 2}}),
          400, "'top_logprobs'");
   expect(Post(port, "/v1/completions", {{"prompt", ""}}), 400, "prompt is empty");
+  expect(Post(port, "/v1/completions", {{"prompt", {1, "a"}}}), 400, "'prompt'");
+  expect(Post(port, "/v1/completions", {{"prompt", {1, 4294967296LL}}}), 400, "'prompt'");
+  expect(Post(port, "/v1/completions", {{"prompt", {json::array()}}}), 400, "empty list of token ids");
+  expect(Post(port, "/v1/completions", {{"prompt", {1, 512}}}), 400, "outside the vocabulary");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 5000}}), 400, "exceeds");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stream", "yes"}}), 400, "'stream'");
   expect(Post(port, "/v1/chat/completions", {{"messages", json::array()}}), 400, "'messages'");

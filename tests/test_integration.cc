@@ -173,6 +173,18 @@ TEST(Integration, BadRequestsGetClearErrorsAndTheServerGoesOn) {
   }
   bad = Greedy("Once", INT32_MAX);
   expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "exceeds");
+  // Prompts of token ids: in the vocabulary (512), alone, and without add_bos.
+  bad = Greedy("", 5);
+  for (int32_t id : {1, 400, 512}) bad.add_prompt_token_ids(id);
+  expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "prompt_token_ids[2] = 512 is outside");
+  bad.set_prompt_token_ids(2, -1);
+  expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "prompt_token_ids[2] = -1 is outside");
+  bad.set_prompt_token_ids(2, 7);
+  bad.set_prompt("Once");
+  expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "one of a prompt");
+  bad.clear_prompt();
+  bad.set_add_bos(true);
+  expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "add_bos");
 
   // The KV budget: 1 MiB per worker holds 102 blocks of 16 positions (1632).
   // A request that can never fit is refused; two that fit one at a time queue.
@@ -223,6 +235,21 @@ TEST(Integration, StopStringAndCancelledClient) {
   ExpectCleanShutdown(system);
 }
 
+// The next turn of a conversation as a client that keeps ids sends it: the
+// first prompt's ids, the answer's, then the new text's.
+ellm::v1::GenerateRequest NextTurnIds(const std::string& prompt, const std::vector<int32_t>& answer,
+                                      const std::string& next) {
+  auto file = GgufFile::Open(kStories);
+  auto tokenizer = Tokenizer::FromGguf(**file);
+  std::vector<int32_t> ids = (*tokenizer)->Encode(prompt, true);
+  ids.insert(ids.end(), answer.begin(), answer.end());
+  const std::vector<int32_t> tail = (*tokenizer)->Encode(next, false);
+  ids.insert(ids.end(), tail.begin(), tail.end());
+  ellm::v1::GenerateRequest req = Greedy("", 16);
+  for (int32_t id : ids) req.add_prompt_token_ids(id);
+  return req;
+}
+
 // The prefix cache: a request served from cached blocks gives what a fresh
 // server without the cache gives (bit for bit with f32 KV, the same tokens
 // with int8), for a repeated prompt, a shared prefix with another tail, and
@@ -239,14 +266,16 @@ TEST(Integration, PrefixCacheHitsGiveWhatAFreshServerGives) {
       EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", kv});
       ASSERT_TRUE(system.ready()) << system.Log();
       for (const std::string& p : prompts) cached.push_back(Generate(system.stub(), Greedy(p, 24)));
-      // The next turn: the first prompt, its answer and a new line.
+      // The next turn: the first prompt, its answer and a new line, as text
+      // and as the ids a client kept.
       cached.push_back(Generate(system.stub(), Greedy(prompts[0] + cached[0].text + " The end.", 16)));
+      cached.push_back(Generate(system.stub(), NextTurnIds(prompts[0], cached[0].tokens, " The end.")));
       ellm::v1::ModelInfo info;
       grpc::ClientContext ctx;
       ASSERT_TRUE(system.stub()->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info).ok());
       EXPECT_TRUE(info.prefix_cache());
       EXPECT_EQ(info.prefix_cache_misses(), 1);
-      EXPECT_EQ(info.prefix_cache_hits(), 4);
+      EXPECT_EQ(info.prefix_cache_hits(), 5);
       EXPECT_GT(info.kv_blocks_cached(), 12);  // the ~190-token document alone fills 11
       EXPECT_EQ(info.kv_blocks_free() + info.kv_blocks_cached(), info.kv_blocks_total());
       ExpectCleanShutdown(system);
@@ -256,6 +285,7 @@ TEST(Integration, PrefixCacheHitsGiveWhatAFreshServerGives) {
       ASSERT_TRUE(system.ready()) << system.Log();
       for (const std::string& p : prompts) fresh.push_back(Generate(system.stub(), Greedy(p, 24)));
       fresh.push_back(Generate(system.stub(), Greedy(prompts[0] + fresh[0].text + " The end.", 16)));
+      fresh.push_back(Generate(system.stub(), NextTurnIds(prompts[0], fresh[0].tokens, " The end.")));
       ExpectCleanShutdown(system);
     }
     ASSERT_EQ(cached.size(), fresh.size());
@@ -267,8 +297,14 @@ TEST(Integration, PrefixCacheHitsGiveWhatAFreshServerGives) {
       EXPECT_EQ(cached[i].tokens, fresh[i].tokens) << i;
       if (std::string(kv) == "--kv-dtype=f32") EXPECT_EQ(cached[i].logprobs, fresh[i].logprobs) << i;
     }
-    // The next turn reuses the first turn's answer too.
-    EXPECT_GT(cached.back().finish.cached_tokens(), cached[1].finish.cached_tokens());
+    // The next turn reuses the first turn's answer too, all of it (but the
+    // last block) when the client sends the ids it was given.
+    const Generated& by_text = cached[cached.size() - 2];
+    const Generated& by_ids = cached.back();
+    EXPECT_GT(by_text.finish.cached_tokens(), cached[1].finish.cached_tokens());
+    const int fed = cached[0].finish.prompt_tokens() + static_cast<int>(cached[0].tokens.size()) - 1;
+    EXPECT_GE(by_ids.finish.cached_tokens(), fed / 16 * 16);  // every whole block turn 1 computed
+    EXPECT_GE(by_ids.finish.cached_tokens(), by_text.finish.cached_tokens());
   }
 }
 
