@@ -11,8 +11,9 @@
 // The layout is the AVX-512 one (matmul_layout.h): each 64-byte line holds 16
 // rows; these kernels take it as two halves of 8 rows (bytes 0..31 and
 // 32..63), one half at a time, except Q8_0's, which takes whole lines (for
-// one token, of two groups side by side), and the plain-AVX2 Q4_K, Q5_K and
-// Q6_K tiles for one token (RunWhole, decode). Pairs of groups did not help
+// one token, of two groups side by side; in avx2-vnni for two or more tokens,
+// up to 4 per tile), and the plain-AVX2 Q4_K, Q5_K and Q6_K tiles for one
+// token (RunWhole, decode). Pairs of groups did not help
 // those: Q4_K stayed at 0.55-0.65 of the probe and Q6_K got slower.
 // The half-line tiles prefetch (matmul_layout.h) in their first pass (h = 0)
 // and spread the next group over both passes; the second pass finds its group
@@ -221,6 +222,56 @@ struct Q32Tile {
     }
     for (int t = 0; t < NT; ++t) {
       Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+    }
+  }
+};
+
+// Q8_0 for several tokens (prefill) on whole lines: each line's two halves
+// (rows 0-7, 8-15) serve every token of the tile, so a VPDPBUSD costs
+// 1/2 + 1/NT loads (0.75 for 4 tokens) where the half-line tile's cost
+// 1 + 1/NT for two tokens at most (1.5). Prefill of 1024 tokens on the bench model (ellm-bench
+// prefill --matmul-isa avx2-vnni, AMD EPYC Zen 5, 2 threads): matrix work at
+// 0.35-0.39 -> 0.50-0.52 of the VPDPBUSD peak, 348-383 -> 508 tokens/s.
+struct Q8_0LineTile {
+  static constexpr bool kWholeLines = true;
+  static constexpr int kMaxTokens = 4;
+  template <int NT>
+  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int /*h*/, int t0) {
+    const QuantMatrix& w = *a.w;
+    const int64_t nb = w.cols() / 32;
+    const uint8_t* quant = w.group(g);
+    const uint16_t* dh = reinterpret_cast<const uint16_t*>(quant + nb * 512);
+    const TileActs<NT> act(a, t0, 32);
+    __m256 acc[NT][2];
+    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* qb = quant + b * 512;
+      PrefetchAhead(qb, 512);
+      PrefetchAhead(dh + 16 * b, 32);
+      __m256i s[NT][2];
+      for (int t = 0; t < NT; ++t) s[t][0] = s[t][1] = _mm256_set1_epi32(-128 * act.sum[t][b]);
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {
+        const __m256i w0 = Load32(qb + 64 * k), w1 = Load32(qb + 64 * k + 32);
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t) {
+          const __m256i c = Bcast4(act.codes[t] + 32 * b + 4 * k);
+          s[t][0] = Dpbusd(s[t][0], w0, c);
+          s[t][1] = Dpbusd(s[t][1], w1, c);
+        }
+      }
+      const __m256 dw0 = LoadHalves8(dh + 16 * b), dw1 = LoadHalves8(dh + 16 * b + 8);
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) {
+        const __m256 da = _mm256_set1_ps(act.d[t][b]);
+        acc[t][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[t][0]), da), dw0, acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[t][1]), da), dw1, acc[t][1]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      for (int h = 0; h < 2; ++h) {
+        Store8(acc[t][h], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+      }
     }
   }
 };
@@ -794,6 +845,12 @@ struct TakesWholeLines<Tile, std::void_t<decltype(Tile::kWholeLines)>> : std::bo
 
 // Tiles with a RunWhole (one token over whole lines, groups [g_begin, g_end))
 // use it for T = 1.
+// Tokens per tile: Tile::kMaxTokens where it says, else kMaxTile.
+template <typename Tile, typename = void>
+struct MaxTokens : std::integral_constant<int, kMaxTile> {};
+template <typename Tile>
+struct MaxTokens<Tile, std::void_t<decltype(Tile::kMaxTokens)>> : std::integral_constant<int, Tile::kMaxTokens> {};
+
 template <typename Tile, typename = void>
 struct HasRunWhole : std::false_type {};
 template <typename Tile>
@@ -811,23 +868,34 @@ ELLM_TARGET void RunTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
   for (int64_t g = g_begin; g < g_end; ++g) {
     for (int h = 0; h < kHalves; ++h) {
       if (ValidHalf(*a.w, g, h) == 0) continue;
-      for (int t0 = 0; t0 < a.T; t0 += kMaxTile) {
-        if (a.T - t0 >= 2) {
-          Tile::template Run<2>(a, g, h, t0);
-        } else {
-          Tile::template Run<1>(a, g, h, t0);
+      constexpr int kTokens = MaxTokens<Tile>::value;
+      static_assert(kTokens >= 1 && kTokens <= 4);
+      for (int t0 = 0; t0 < a.T; t0 += kTokens) {
+        switch (a.T - t0 < kTokens ? a.T - t0 : kTokens) {
+          case 1: Tile::template Run<1>(a, g, h, t0); break;
+          case 2: if constexpr (kTokens >= 2) Tile::template Run<2>(a, g, h, t0); break;
+          case 3: if constexpr (kTokens >= 3) Tile::template Run<3>(a, g, h, t0); break;
+          default: if constexpr (kTokens >= 4) Tile::template Run<4>(a, g, h, t0); break;
         }
       }
     }
   }
 }
 
+#if ELLM_AVX2_VNNI
+// Q8_0: half lines for one token, whole lines for more.
+ELLM_TARGET void RunQ8_0(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
+  if (a.T == 1) return RunTiles<Q32Tile<false>>(a, g_begin, g_end);
+  RunTiles<Q8_0LineTile>(a, g_begin, g_end);
+}
+#endif
+
 }  // namespace
 
 #if ELLM_AVX2_VNNI
 MatKernel Avx2VnniKernel(DType type) {
   switch (type) {
-    case DType::kQ8_0: return RunTiles<Q32Tile<false>>;
+    case DType::kQ8_0: return RunQ8_0;
     case DType::kQ4_0: return RunTiles<Q32Tile<true>>;
     case DType::kQ4_K: return RunTiles<K4Tile<false>>;
     case DType::kQ5_K: return RunTiles<K4Tile<true>>;
