@@ -265,6 +265,30 @@ TEST(Activations, QuantiserRule) {
   for (int i = 32; i < 64; ++i) EXPECT_EQ(codes[i], 0);
 }
 
+// The quantiser MatMul runs (AVX2 where the CPU has it) is the scalar rule
+// bit for bit, also with NaN, infinity, zeros and values that round to .5.
+TEST(Activations, QuantiserMatchesTheScalarRule) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (int block : {32, 256}) {
+    const int64_t cols = 4 * 256;
+    std::vector<float> x(cols);
+    for (int rep = 0; rep < 50; ++rep) {
+      for (float& v : x) v = normal(rng) * (rep % 7 == 0 ? 1e-30f : rep % 5 == 0 ? 1e30f : 1.0f);
+      x[rng() % cols] = std::nanf("");
+      if (rep % 3 == 0) x[rng() % cols] = INFINITY;
+      if (rep % 4 == 0) std::fill(x.begin() + block, x.begin() + 2 * block, 0.0f);
+      for (int i = 0; i < 8; ++i) x[rng() % cols] = (static_cast<int>(rng() % 255) - 127) / 254.0f;  // halves
+      std::vector<int8_t> a(cols), b(cols);
+      std::vector<float> da(cols / block), db(cols / block);
+      QuantizeActivationRow(x.data(), cols, block, a.data(), da.data());
+      QuantizeActivationRowScalar(x.data(), cols, block, b.data(), db.data());
+      ASSERT_EQ(a, b) << "block " << block << " rep " << rep;
+      ASSERT_EQ(std::memcmp(da.data(), db.data(), da.size() * sizeof(float)), 0) << block << " " << rep;
+    }
+  }
+}
+
 TEST(MatMul, EveryKernelMatchesTheFp64OracleAtAwkwardSizes) {
   const std::vector<Isa> isas = SupportedIsas();
   int cases = 0;
@@ -336,6 +360,36 @@ TEST(MatMul, ActivationQuantisationErrorIsBounded) {
           bound += std::fabs(w) * q8.d[t * (cols / block) + i / block] / 2;
         }
         EXPECT_LE(std::fabs(y[t * rows + r] - exact), bound + o.budget[t * rows + r]) << Name(type);
+      }
+    }
+  }
+}
+
+// A prefill step's many tokens (more than a pass of kTokenChunk, with a
+// ragged end) give, bit for bit, what the same tokens give a few at a time:
+// a token's result depends neither on the step's size nor on its place in it.
+TEST(MatMul, ManyTokensGiveWhatFewAtATimeGive) {
+  constexpr int kT = 150, kSlice = 7;
+  for (Isa isa : SupportedIsas()) {
+    for (DType type : kTypes) {
+      const int64_t cols = ColsFor(type)[1];
+      const int rows = 40;  // two groups and a partial one
+      const TestMatrix m = MakeMatrix(type, rows, cols, 11);
+      const QuantMatrix q = Repack(m);
+      const std::vector<float> x = RandomActivations(kT, cols, 12);
+      Activations all;
+      all.Set(x.data(), kT, cols);
+      std::vector<float> y_all(kT * rows, NAN), y_few(kT * rows, NAN);
+      MatMul(q, all, y_all.data(), nullptr, isa);
+      for (int t0 = 0; t0 < kT; t0 += kSlice) {
+        const int n = std::min(kSlice, kT - t0);
+        Activations few;
+        few.Set(x.data() + t0 * cols, n, cols);
+        MatMul(q, few, y_few.data() + t0 * rows, nullptr, isa);
+      }
+      for (int t = 0; t < kT; ++t) {
+        ASSERT_EQ(std::memcmp(y_all.data() + t * rows, y_few.data() + t * rows, rows * sizeof(float)), 0)
+            << KernelName(type, isa) << " token " << t;
       }
     }
   }

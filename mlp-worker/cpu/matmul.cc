@@ -373,6 +373,12 @@ void QuantMatrix::DequantizeRow(int64_t r, float* out) const {
 // --- Activations --------------------------------------------------------------
 
 void QuantizeActivationRow(const float* x, int64_t cols, int block, int8_t* codes, float* d) {
+  static const bool avx2 = CpuHas(Isa::kAvx2);
+  if (avx2) return internal::QuantizeActivationRowAvx2(x, cols, block, codes, d);
+  QuantizeActivationRowScalar(x, cols, block, codes, d);
+}
+
+void QuantizeActivationRowScalar(const float* x, int64_t cols, int block, int8_t* codes, float* d) {
   for (int64_t b = 0; b < cols / block; ++b) {
     const float* xb = x + b * block;
     int8_t* qb = codes + b * block;

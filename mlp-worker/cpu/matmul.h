@@ -160,6 +160,9 @@ class Activations {
 // kernel shares): per block, d = max|x| / 127, code = round-half-even(x / d)
 // (x * (127 / max|x|)), d = 0 and codes 0 for an all-zero block.
 void QuantizeActivationRow(const float* x, int64_t cols, int block, int8_t* codes, float* d);
+// The same rule one element at a time (QuantizeActivationRow runs an AVX2
+// form of it where the CPU has AVX2; the two agree bit for bit).
+void QuantizeActivationRowScalar(const float* x, int64_t cols, int block, int8_t* codes, float* d);
 
 // y [T, rows] (row stride `rows`) = x [T, cols] · Wᵀ with the kernel set
 // `isa` (a programmer error, fatal, when the CPU cannot run it or the shapes

@@ -36,7 +36,10 @@
 // exact and their float steps the same, so they give identical results.
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "mlp-worker/cpu/matmul_layout.h"
@@ -105,6 +108,43 @@ ELLM_TARGET_AVX void F32Exact(const KernelArgs& a, int64_t g_begin, int64_t g_en
 
 void F32ExactKernelAvx(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
   F32Exact(a, g_begin, g_end);
+}
+
+// QuantizeActivationRowScalar's rule, 8 lanes at a time: the same max |x|,
+// d and 127 / max|x|, VROUNDPS to nearest-even where nearbyint rounds in the
+// default mode, the same clamp, and NaN (x NaN in a finite block) to 0.
+// Blocks are 32 or 256 elements, whole multiples of 8.
+__attribute__((target("avx2,fma"))) void QuantizeActivationRowAvx2(const float* x, int64_t cols,
+                                                                   int block, int8_t* codes, float* d) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  for (int64_t b = 0; b < cols / block; ++b) {
+    const float* xb = x + b * block;
+    int8_t* qb = codes + b * block;
+    // max|x| as the scalar loop finds it: NaN elements never win a comparison.
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < block; i += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xb + i), abs_mask), m);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    float amax = 0;
+    for (float v : lanes) amax = std::max(amax, v);
+    if (!(amax > 0) || !std::isfinite(amax)) {
+      d[b] = 0;
+      std::memset(qb, 0, block);
+      continue;
+    }
+    d[b] = amax / 127;
+    const __m256 id = _mm256_set1_ps(127 / amax);
+    for (int i = 0; i < block; i += 8) {
+      __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i), id),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256 ordered = _mm256_cmp_ps(v, v, _CMP_ORD_Q);
+      v = _mm256_and_ps(_mm256_min_ps(_mm256_max_ps(v, lo), hi), ordered);
+      const __m256i q32 = _mm256_cvtps_epi32(v);
+      const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + i), _mm_packs_epi16(q16, q16));
+    }
+  }
 }
 #endif  // !ELLM_AVX2_VNNI
 
@@ -184,7 +224,7 @@ struct Q32Tile {
         PrefetchAhead(qb, kQuant);
         PrefetchAhead(dh + 16 * b, 32);
       }
-      if (t0 == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
+      if (t0 % kTokenChunk == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
       __m256i s0[NT], s1[NT];
       for (int t = 0; t < NT; ++t) {
         s0[t] = _mm256_set1_epi32(-kOffset * act.sum[t][b]);
@@ -298,7 +338,7 @@ struct K4Tile {
         PrefetchAhead(qb, kQuant);
         PrefetchAhead(meta, 320);
       }
-      if (t0 == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
+      if (t0 % kTokenChunk == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
       __m256i si[NT], sm[NT];
       for (int t = 0; t < NT; ++t) si[t] = sm[t] = _mm256_setzero_si256();
       for (int s = 0; s < 8; ++s) {
@@ -371,7 +411,7 @@ struct Q6Tile {
         PrefetchAhead(qb, 3072);
         PrefetchAhead(meta, 288);
       }
-      if (t0 == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
+      if (t0 % kTokenChunk == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
       __m256i si[NT], corr[NT];
       for (int t = 0; t < NT; ++t) si[t] = corr[t] = _mm256_setzero_si256();
       for (int P = 0; P < 8; ++P) {  // sub-blocks 2P and 2P + 1
@@ -519,7 +559,7 @@ struct Q4_0Tile {
         PrefetchAhead(quant + b * 256, 256);
         PrefetchAhead(dh + 16 * b, 32);
       }
-      if (t0 == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
+      if (t0 % kTokenChunk == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
       __m256i s16[NT];
       for (int t = 0; t < NT; ++t) s16[t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -639,7 +679,7 @@ struct K4Tile {
         PrefetchAhead(qb, kQuant);
         PrefetchAhead(meta, 320);
       }
-      if (t0 == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
+      if (t0 % kTokenChunk == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
       __m256i si[NT], sm[NT];
       BlockHalf<NT>(qb, meta, h, act, b, si, sm);
       for (int t = 0; t < NT; ++t) acc[t] = Finish(meta, h, si[t], sm[t], act.d[t][b], acc[t]);
@@ -752,7 +792,7 @@ struct Q6Tile {
         PrefetchAhead(qb, 3072);
         PrefetchAhead(meta, 288);
       }
-      if (t0 == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
+      if (t0 % kTokenChunk == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
       __m256i si[NT], corr[NT];
       for (int t = 0; t < NT; ++t) si[t] = corr[t] = _mm256_setzero_si256();
       for (int P = 0; P < 8; ++P) PairHalf<NT>(qb, meta, P, h, act, b, si, corr);
@@ -812,7 +852,7 @@ struct HalfTile {
     int64_t i = 0;
     for (; i + 2 <= cols; i += 2) {
       if (h == 0) PrefetchAhead(q + 16 * i, 64);
-      if (t0 == 0 && i % 64 == 0) {  // per 32 lines: the divisions cost more than a line
+      if (t0 % kTokenChunk == 0 && i % 64 == 0) {  // per 32 lines: the divisions cost more than a line
         const int64_t lines = cols / 2;
         PrefetchNextGroup(w, g, (h * lines + i / 2) / 32, (2 * lines + 31) / 32);
       }
@@ -902,17 +942,20 @@ ELLM_TARGET void RunTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
     if (a.T == 1) return Tile::RunWhole(a, g_begin, g_end);
   }
   constexpr int kHalves = TakesWholeLines<Tile>::value ? 1 : 2;
-  for (int64_t g = g_begin; g < g_end; ++g) {
-    for (int h = 0; h < kHalves; ++h) {
-      if (ValidHalf(*a.w, g, h) == 0) continue;
-      constexpr int kTokens = MaxTokens<Tile>::value;
-      static_assert(kTokens >= 1 && kTokens <= 4);
-      for (int t0 = 0; t0 < a.T; t0 += kTokens) {
-        switch (a.T - t0 < kTokens ? a.T - t0 : kTokens) {
-          case 1: Tile::template Run<1>(a, g, h, t0); break;
-          case 2: if constexpr (kTokens >= 2) Tile::template Run<2>(a, g, h, t0); break;
-          case 3: if constexpr (kTokens >= 3) Tile::template Run<3>(a, g, h, t0); break;
-          default: if constexpr (kTokens >= 4) Tile::template Run<4>(a, g, h, t0); break;
+  constexpr int kTokens = MaxTokens<Tile>::value;
+  static_assert(kTokens >= 1 && kTokens <= 4 && kTokenChunk % kTokens == 0);
+  for (int tc = 0; tc < a.T; tc += kTokenChunk) {  // matmul_layout.h
+    const int t_end = a.T - tc < kTokenChunk ? a.T : tc + kTokenChunk;
+    for (int64_t g = g_begin; g < g_end; ++g) {
+      for (int h = 0; h < kHalves; ++h) {
+        if (ValidHalf(*a.w, g, h) == 0) continue;
+        for (int t0 = tc; t0 < t_end; t0 += kTokens) {
+          switch (t_end - t0 < kTokens ? t_end - t0 : kTokens) {
+            case 1: Tile::template Run<1>(a, g, h, t0); break;
+            case 2: if constexpr (kTokens >= 2) Tile::template Run<2>(a, g, h, t0); break;
+            case 3: if constexpr (kTokens >= 3) Tile::template Run<3>(a, g, h, t0); break;
+            default: if constexpr (kTokens >= 4) Tile::template Run<4>(a, g, h, t0); break;
+          }
         }
       }
     }

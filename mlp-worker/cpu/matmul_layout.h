@@ -105,6 +105,9 @@ MatKernel Avx2Kernel(DType type);
 MatKernel Avx2VnniKernel(DType type);  // matmul_avx2_vnni.cc
 MatKernel Avx512VnniKernel(DType type);
 
+// QuantizeActivationRow on AVX2 (matmul_avx2.cc).
+void QuantizeActivationRowAvx2(const float* x, int64_t cols, int block, int8_t* codes, float* d);
+
 // The exact fp32 kernel (core Dot's order) on AVX, shared by the SIMD sets.
 void F32ExactKernelAvx(const KernelArgs& args, int64_t g_begin, int64_t g_end);
 
@@ -113,6 +116,14 @@ inline int ValidRows(const QuantMatrix& w, int64_t g) {
   const int64_t left = w.rows() - g * kGroupRows;
   return left < kGroupRows ? static_cast<int>(left) : kGroupRows;
 }
+
+// Tokens per pass over a thread's groups when a step has many (prefill): the
+// pass's activations stay in L2 while each group's weights serve them tile
+// by tile. With all 256 tokens of a step in one pass their codes (1.3 MB at
+// 5120 columns) streamed from L3 for every group. Tiles take 4 tokens (or 2)
+// and start at multiples of this, so the tiles, and the results, are those
+// of one pass.
+constexpr int kTokenChunk = 64;
 
 // Software prefetch for the kernels. With the hardware prefetcher alone they
 // ran compute and DRAM reads one after the other (AVX2 Q8_0, 1 thread, AMD
