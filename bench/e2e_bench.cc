@@ -163,11 +163,13 @@ std::string Text(int tokens, int seed) {
   return out;
 }
 
-// The ids of `text` (no BOS unless asked), from the server's tokenizer.
-absl::StatusOr<std::vector<int32_t>> TokenIds(ellm::v1::Ellm::Stub* stub, const std::string& text, bool bos) {
+// The ids of `text` from the server's tokenizer: as a text prompt would
+// start (BOS where the model wants one), or without BOS for a continuation.
+absl::StatusOr<std::vector<int32_t>> TokenIds(ellm::v1::Ellm::Stub* stub, const std::string& text,
+                                              bool prompt_start) {
   ellm::v1::TokenizeRequest req;
   req.set_text(text);
-  req.set_add_bos(bos);
+  if (!prompt_start) req.set_add_bos(false);
   ellm::v1::TokenizeResponse resp;
   grpc::ClientContext ctx;
   const grpc::Status st = stub->Tokenize(&ctx, req, &resp);
