@@ -22,6 +22,7 @@ constexpr std::string_view kSpmSpace = "\xE2\x96\x81";
 bool StartsWord(std::string_view s, size_t k) {
   return k > 0 && !(k >= kSpmSpace.size() && s.substr(k - kSpmSpace.size(), kSpmSpace.size()) == kSpmSpace);
 }
+
 // U+FFFD REPLACEMENT CHARACTER.
 constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
 // GGUF writers store "no such token" as uint32 max; some as int32 -1.

@@ -920,14 +920,14 @@ struct TakesWholeLines : std::false_type {};
 template <typename Tile>
 struct TakesWholeLines<Tile, std::void_t<decltype(Tile::kWholeLines)>> : std::bool_constant<Tile::kWholeLines> {};
 
-// Tiles with a RunWhole (one token over whole lines, groups [g_begin, g_end))
-// use it for T = 1.
 // Tokens per tile: Tile::kMaxTokens where it says, else kMaxTile.
 template <typename Tile, typename = void>
 struct MaxTokens : std::integral_constant<int, kMaxTile> {};
 template <typename Tile>
 struct MaxTokens<Tile, std::void_t<decltype(Tile::kMaxTokens)>> : std::integral_constant<int, Tile::kMaxTokens> {};
 
+// Tiles with a RunWhole (one token over whole lines, groups [g_begin, g_end))
+// use it for T = 1.
 template <typename Tile, typename = void>
 struct HasRunWhole : std::false_type {};
 template <typename Tile>
@@ -942,24 +942,16 @@ ELLM_TARGET void RunTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
     if (a.T == 1) return Tile::RunWhole(a, g_begin, g_end);
   }
   constexpr int kHalves = TakesWholeLines<Tile>::value ? 1 : 2;
-  constexpr int kTokens = MaxTokens<Tile>::value;
-  static_assert(kTokens >= 1 && kTokens <= 4 && kTokenChunk % kTokens == 0);
-  for (int tc = 0; tc < a.T; tc += kTokenChunk) {  // matmul_layout.h
-    const int t_end = a.T - tc < kTokenChunk ? a.T : tc + kTokenChunk;
+  ForEachTokenPass(a.T, [&](int t_begin, int t_end) {  // matmul_layout.h
     for (int64_t g = g_begin; g < g_end; ++g) {
       for (int h = 0; h < kHalves; ++h) {
         if (ValidHalf(*a.w, g, h) == 0) continue;
-        for (int t0 = tc; t0 < t_end; t0 += kTokens) {
-          switch (t_end - t0 < kTokens ? t_end - t0 : kTokens) {
-            case 1: Tile::template Run<1>(a, g, h, t0); break;
-            case 2: if constexpr (kTokens >= 2) Tile::template Run<2>(a, g, h, t0); break;
-            case 3: if constexpr (kTokens >= 3) Tile::template Run<3>(a, g, h, t0); break;
-            default: if constexpr (kTokens >= 4) Tile::template Run<4>(a, g, h, t0); break;
-          }
-        }
+        ForEachTile<MaxTokens<Tile>::value>(t_begin, t_end, [&](int t0, auto nt) {
+          Tile::template Run<decltype(nt)::value>(a, g, h, t0);
+        });
       }
     }
-  }
+  });
 }
 
 #if ELLM_AVX2_VNNI

@@ -37,7 +37,6 @@ namespace ellm::mlp::internal {
 namespace {
 
 constexpr int kMaxTile = 4;  // tokens per register tile
-static_assert(kTokenChunk % kMaxTile == 0);
 
 ELLM_TARGET ELLM_INLINE __m512i Bcast4(const void* p) {
   int32_t v;
@@ -174,7 +173,7 @@ struct K4Tile {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* qb = quant + b * kQuant;
       const uint8_t* meta = meta0 + b * 320;
-      if (t0 % kTokenChunk == 0) {  // the first tile of a chunk (RunTiles)
+      if (t0 % kTokenChunk == 0) {  // a pass's first tile (ForEachTile)
         PrefetchAhead(qb, kQuant);
         PrefetchAhead(meta, 320);
       }
@@ -254,7 +253,7 @@ struct Q6Tile {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* qb = quant + b * 3072;
       const uint8_t* meta = meta0 + b * 288;
-      if (t0 % kTokenChunk == 0) {  // the first tile of a chunk (RunTiles)
+      if (t0 % kTokenChunk == 0) {  // a pass's first tile (ForEachTile)
         PrefetchAhead(qb, 3072);
         PrefetchAhead(meta, 288);
       }
@@ -344,23 +343,17 @@ struct HalfTile {
 };
 
 // Groups [g_begin, g_end), tokens in tiles of kMaxTile (a group's weights are
-// read from memory once and from cache for the later tiles).
-// Tokens in chunks of kTokenChunk (matmul_layout.h).
+// read from memory once and from cache for the later tiles), in passes of
+// kTokenChunk (matmul_layout.h).
 template <typename Tile>
 ELLM_TARGET void RunTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
-  for (int tc = 0; tc < a.T; tc += kTokenChunk) {
-    const int t_end = a.T - tc < kTokenChunk ? a.T : tc + kTokenChunk;
+  ForEachTokenPass(a.T, [&](int t_begin, int t_end) {
     for (int64_t g = g_begin; g < g_end; ++g) {
-      for (int t0 = tc; t0 < t_end; t0 += kMaxTile) {
-        switch (t_end - t0 < kMaxTile ? t_end - t0 : kMaxTile) {
-          case 1: Tile::template Run<1>(a, g, t0); break;
-          case 2: Tile::template Run<2>(a, g, t0); break;
-          case 3: Tile::template Run<3>(a, g, t0); break;
-          default: Tile::template Run<4>(a, g, t0); break;
-        }
-      }
+      ForEachTile<kMaxTile>(t_begin, t_end, [&](int t0, auto nt) {
+        Tile::template Run<decltype(nt)::value>(a, g, t0);
+      });
     }
-  }
+  });
 }
 
 // Groups in pairs (Pair::Run<NT>(a, g, t0) computes groups g and g + 1), the
@@ -368,19 +361,13 @@ ELLM_TARGET void RunTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
 template <typename Pair, typename Single>
 ELLM_TARGET void RunPairTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
   const int64_t g_pairs_end = g_begin + (g_end - g_begin) / 2 * 2;
-  for (int tc = 0; tc < a.T; tc += kTokenChunk) {
-    const int t_end = a.T - tc < kTokenChunk ? a.T : tc + kTokenChunk;
+  ForEachTokenPass(a.T, [&](int t_begin, int t_end) {
     for (int64_t g = g_begin; g < g_pairs_end; g += 2) {
-      for (int t0 = tc; t0 < t_end; t0 += kMaxTile) {
-        switch (t_end - t0 < kMaxTile ? t_end - t0 : kMaxTile) {
-          case 1: Pair::template Run<1>(a, g, t0); break;
-          case 2: Pair::template Run<2>(a, g, t0); break;
-          case 3: Pair::template Run<3>(a, g, t0); break;
-          default: Pair::template Run<4>(a, g, t0); break;
-        }
-      }
+      ForEachTile<kMaxTile>(t_begin, t_end, [&](int t0, auto nt) {
+        Pair::template Run<decltype(nt)::value>(a, g, t0);
+      });
     }
-  }
+  });
   if (g_pairs_end < g_end) RunTiles<Single>(a, g_pairs_end, g_end);
 }
 

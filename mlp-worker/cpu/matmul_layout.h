@@ -41,7 +41,9 @@
 
 #include <xmmintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/dtype.h"
 #include "mlp-worker/cpu/matmul.h"
@@ -124,6 +126,28 @@ inline int ValidRows(const QuantMatrix& w, int64_t g) {
 // and start at multiples of this, so the tiles, and the results, are those
 // of one pass.
 constexpr int kTokenChunk = 64;
+
+// The kernels' token loop: passes of kTokenChunk tokens, pass(t_begin, t_end).
+template <typename Pass>
+inline void ForEachTokenPass(int T, Pass&& pass) {
+  for (int tc = 0; tc < T; tc += kTokenChunk) pass(tc, std::min(T, tc + kTokenChunk));
+}
+
+// Tiles of kTokens tokens over [t_begin, t_end) (fewer at the end): run(t0,
+// nt), nt a std::integral_constant<int, NT>. A pass's first tile starts at a
+// multiple of kTokenChunk: the tiles that fetch a group ahead do it there.
+template <int kTokens, typename Run>
+inline void ForEachTile(int t_begin, int t_end, Run&& run) {
+  static_assert(kTokens >= 1 && kTokens <= 4 && kTokenChunk % kTokens == 0);
+  for (int t0 = t_begin; t0 < t_end; t0 += kTokens) {
+    switch (std::min(t_end - t0, kTokens)) {
+      case 1: run(t0, std::integral_constant<int, 1>()); break;
+      case 2: if constexpr (kTokens >= 2) run(t0, std::integral_constant<int, 2>()); break;
+      case 3: if constexpr (kTokens >= 3) run(t0, std::integral_constant<int, 3>()); break;
+      default: if constexpr (kTokens >= 4) run(t0, std::integral_constant<int, 4>()); break;
+    }
+  }
+}
 
 // Software prefetch for the kernels. With the hardware prefetcher alone they
 // ran compute and DRAM reads one after the other (AVX2 Q8_0, 1 thread, AMD
