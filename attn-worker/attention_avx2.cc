@@ -1,6 +1,7 @@
 // AVX2 attention kernels (AVX2 + FMA + F16C; 8 lanes, so a tile of 16
 // positions is two vectors): f16 and int8 KV. The same structure as
-// attention_avx512.cc; see there.
+// attention_avx512.cc; see there. int8 takes tiles in pairs as avx512 does;
+// f16 takes one tile at a time.
 //
 // This file is compiled twice: as is (kernel "avx2": int8 products with
 // VPMADDUBSW + VPMADDWD, whose saturating int16 pair sums limit query codes
@@ -36,9 +37,9 @@ constexpr int kBlock = 8;                            // query heads per register
 constexpr int kWeightMax = ELLM_AVX2_VNNI ? 255 : 127;  // int8 weight codes
 
 struct HeadScratch {
-  float dvec[16];
-  float bvec[16];
-  float w[16];
+  float dvec[16];  // lanes of d
+  float bvec[16];  // int8: lanes of sum p_t * bias_t
+  float w[16];     // f16: the tile's 16 weights p; int8: the T tiles' 16 T u8 weight codes
   float pad[16];
 };
 static_assert(sizeof(HeadScratch) == kHeadScratchFloats * sizeof(float));
@@ -100,6 +101,13 @@ ELLM_TARGET ELLM_INLINE float HMax(__m256 x) {
   return _mm_cvtss_f32(m);
 }
 
+// The maximum of x's lanes, in every lane (no trip through a scalar register).
+ELLM_TARGET ELLM_INLINE __m256 AllMax(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_permute2f128_ps(x, x, 0x01));
+  x = _mm256_max_ps(x, _mm256_permute_ps(x, 0x4E));
+  return _mm256_max_ps(x, _mm256_permute_ps(x, 0xB1));
+}
+
 ELLM_TARGET ELLM_INLINE float HSum(__m256 x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -138,18 +146,22 @@ ELLM_TARGET ELLM_INLINE __m256 Exp2(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// Online-softmax step over the tile's 16 scores s[2] (invalid lanes -inf);
-// writes the weights to p[2] (0 in invalid lanes). The reference score m
+// Online-softmax step over V vectors of 8 scores s[V] (one tile: V = 2, a
+// pair of tiles: V = 4; invalid lanes -inf); writes the weights to p[V] (0
+// in invalid lanes) and adds them to d's 16 lanes. The reference score m
 // trails the running maximum by up to kMaxSlack and moves only when a score
 // passes it by more (as in attention_avx512.cc).
+template <int V>
 ELLM_TARGET ELLM_INLINE void SoftmaxStep(const __m256* s, const __m256* valid, float* part, int hp,
                                          HeadScratch* h, bool int8, __m256* p) {
   float& m = part[hp];
   const __m256 m_raise = _mm256_set1_ps(m + kMaxSlack);
-  const int over = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(s[0], m_raise, _CMP_GT_OQ),
-                                                   _mm256_cmp_ps(s[1], m_raise, _CMP_GT_OQ)));
-  if (over != 0) {  // rare once a sequence's leading scores have been seen
-    const float tmax = HMax(_mm256_max_ps(s[0], s[1]));
+  __m256 over_lanes = _mm256_cmp_ps(s[0], m_raise, _CMP_GT_OQ);
+  for (int x = 1; x < V; ++x) over_lanes = _mm256_or_ps(over_lanes, _mm256_cmp_ps(s[x], m_raise, _CMP_GT_OQ));
+  if (_mm256_movemask_ps(over_lanes) != 0) {  // rare once a sequence's leading scores have been seen
+    __m256 top = s[0];
+    for (int x = 1; x < V; ++x) top = _mm256_max_ps(top, s[x]);
+    const float tmax = HMax(top);
     if (m != -INFINITY) {
       const __m256 alpha = Exp2(_mm256_set1_ps(m - tmax));
       for (int i = 0; i < hp; i += 8) {
@@ -163,10 +175,13 @@ ELLM_TARGET ELLM_INLINE void SoftmaxStep(const __m256* s, const __m256* valid, f
     m = tmax;
   }
   const __m256 mv = _mm256_set1_ps(m);
-  for (int x = 0; x < 2; ++x) {
+  __m256 d[2] = {_mm256_loadu_ps(h->dvec), _mm256_loadu_ps(h->dvec + 8)};
+  for (int x = 0; x < V; ++x) {
     p[x] = _mm256_and_ps(valid[x], Exp2(_mm256_sub_ps(s[x], mv)));
-    _mm256_storeu_ps(h->dvec + 8 * x, _mm256_add_ps(_mm256_loadu_ps(h->dvec + 8 * x), p[x]));
+    d[x % 2] = _mm256_add_ps(d[x % 2], p[x]);
   }
+  _mm256_storeu_ps(h->dvec, d[0]);
+  _mm256_storeu_ps(h->dvec + 8, d[1]);
 }
 
 // The int8 products of a tile go in passes over a few heads at a time, each
@@ -179,35 +194,43 @@ ELLM_TARGET ELLM_INLINE void SoftmaxStep(const __m256* s, const __m256* valid, f
 constexpr int kPassHeads = ELLM_AVX2_VNNI ? 6 : 5;
 
 // Scores of heads [J0, J0 + N): acc[x][j] for the 8 positions of half x.
+// The sums run in locals and are written out once at the end: summed in
+// acc itself, GCC stored every accumulator to memory at every step.
 template <int G, int J0, int N>
 ELLM_TARGET ELLM_INLINE void Int8ScoresPass(const TileCtx& t, const HeadsCtx& q, __m256i (*acc)[G]) {
   const int n_dq = t.hp / 4;
+  __m256i sum[2][N];
   for (int x = 0; x < 2; ++x) {
-    for (int j = J0; j < J0 + N; ++j) acc[x][j] = _mm256_setzero_si256();
+    for (int j = 0; j < N; ++j) sum[x][j] = _mm256_setzero_si256();
   }
   for (int dq = 0; dq < n_dq; ++dq) {
     if constexpr (J0 == 0) PrefetchK(t, dq);
     const __m256i k0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.k + 64 * dq));
     const __m256i k1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.k + 64 * dq + 32));
-    for (int j = J0; j < J0 + N; ++j) {
-      const __m256i c = _mm256_set1_epi32(Load32(q.codes + j * t.hp + 4 * dq));
-      acc[0][j] = Dpbusd(acc[0][j], k0, c);
-      acc[1][j] = Dpbusd(acc[1][j], k1, c);
+    for (int j = 0; j < N; ++j) {
+      const __m256i c = _mm256_set1_epi32(Load32(q.codes + (J0 + j) * t.hp + 4 * dq));
+      sum[0][j] = Dpbusd(sum[0][j], k0, c);
+      sum[1][j] = Dpbusd(sum[1][j], k1, c);
     }
+  }
+  for (int x = 0; x < 2; ++x) {
+    for (int j = 0; j < N; ++j) acc[x][J0 + j] = sum[x][j];
   }
 }
 
-// p·V of heads [J0, J0 + N) for dims [16 dg, 16 dg + 16), added to the
-// partial outputs with each head's weight scale.
-template <int J0, int N>
-ELLM_TARGET ELLM_INLINE void Int8ValuesPass(const TileCtx& t, const HeadsCtx& q, int dg, const float* wscale) {
+// p·V of heads [J0, J0 + N) for dims [16 dg, 16 dg + 16) over the T tiles'
+// 16 T positions, added to the partial outputs with each head's weight
+// scale (int32 sums: at most 16 T x 255 x 128).
+template <int J0, int N, int T>
+ELLM_TARGET ELLM_INLINE void Int8ValuesPass(const TileCtx* t, const HeadsCtx& q, int dg, const float* wscale) {
   __m256i va[2][N];
   for (int h = 0; h < 2; ++h) {
     for (int j = 0; j < N; ++j) va[h][j] = _mm256_setzero_si256();
   }
-  for (int quad = 0; quad < 4; ++quad) {
-    if constexpr (J0 == 0) PrefetchV(t, 4 * dg + quad);
-    const uint8_t* line = t.v + 64 * (4 * dg + quad);
+  for (int quad = 0; quad < 4 * T; ++quad) {
+    const TileCtx& tx = t[quad / 4];
+    if constexpr (J0 == 0) PrefetchV(tx, 4 * dg + quad % 4);
+    const uint8_t* line = tx.v + 64 * (4 * dg + quad % 4);
     const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
     const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32));
     for (int j = 0; j < N; ++j) {
@@ -216,8 +239,11 @@ ELLM_TARGET ELLM_INLINE void Int8ValuesPass(const TileCtx& t, const HeadsCtx& q,
       va[1][j] = Dpbusd(va[1][j], w, v1);
     }
   }
+  // In locals: each store to o could otherwise alias q's fields.
+  float* const part = q.part;
+  const int pf = q.pf;
   for (int j = 0; j < N; ++j) {
-    float* o = q.part + (J0 + j) * q.pf + 16 * dg;
+    float* o = part + (J0 + j) * pf + 16 * dg;
     const __m256 scale = _mm256_set1_ps(wscale[J0 + j]);
     for (int h = 0; h < 2; ++h) {
       _mm256_storeu_ps(o + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(va[h][j]), scale, _mm256_loadu_ps(o + 8 * h)));
@@ -225,43 +251,65 @@ ELLM_TARGET ELLM_INLINE void Int8ValuesPass(const TileCtx& t, const HeadsCtx& q,
   }
 }
 
-template <int G>
-ELLM_TARGET void Int8Tile(const TileCtx& t, const HeadsCtx& q) {
+// T = 1 or 2 consecutive int8 tiles for G query heads of one token. A pair
+// shares what it can, as in attention_avx512.cc: one softmax step, one weight
+// scale per head (the maximum over 32 positions) and one int32 p·V sum
+// before the float update of o, so those fixed costs are paid once per 32
+// positions. The scores go tile by tile (a pair's 4 vectors of scores per
+// head would leave too few registers for enough heads per pass).
+template <int G, int T>
+ELLM_TARGET void Int8Tiles(const TileCtx* t, const HeadsCtx& q) {
   constexpr int kFirst = G <= kPassHeads ? G : (G + 1) / 2;  // heads of the first pass
-  const int hp = t.hp;
-  __m256i acc[2][G];
-  Int8ScoresPass<G, 0, kFirst>(t, q, acc);
-  if constexpr (kFirst < G) Int8ScoresPass<G, kFirst, G - kFirst>(t, q, acc);
-  PrefetchK(t, hp / 4);  // the tile's last line (scales come first)
-  PrefetchV(t, hp / 4);
+  const int hp = t[0].hp;
+  __m256i acc[T][2][G];
+  for (int x = 0; x < T; ++x) {
+    Int8ScoresPass<G, 0, kFirst>(t[x], q, acc[x]);
+    if constexpr (kFirst < G) Int8ScoresPass<G, kFirst, G - kFirst>(t[x], q, acc[x]);
+    PrefetchK(t[x], hp / 4);  // the tile's last line (scales come first)
+    PrefetchV(t[x], hp / 4);
+  }
   float wscale[G];
   for (int j = 0; j < G; ++j) {
     const __m256 qsum = _mm256_set1_ps(static_cast<float>(q.code_sum[j]));
     const __m256 qscale = _mm256_set1_ps(q.code_scale[j]);
-    __m256 s[2], p[2], w[2];
-    for (int x = 0; x < 2; ++x) {
-      s[x] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[x][j]), t.kscale[x], _mm256_mul_ps(t.kmin[x], qsum));
-      s[x] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(s[x], qscale), t.valid[x]);
+    __m256 s[2 * T], p[2 * T], w[2 * T], valid[2 * T];
+    for (int x = 0; x < T; ++x) {
+      for (int h = 0; h < 2; ++h) {
+        __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[x][h][j]), t[x].kscale[h],
+                                   _mm256_mul_ps(t[x].kmin[h], qsum));
+        s[2 * x + h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(v, qscale), t[x].valid[h]);
+        valid[2 * x + h] = t[x].valid[h];
+      }
     }
     HeadScratch* h = q.hs + j;
-    SoftmaxStep(s, t.valid, q.part + j * q.pf, hp, h, true, p);
-    for (int x = 0; x < 2; ++x) {
-      const __m256 b = _mm256_and_ps(t.valid[x], _mm256_mul_ps(p[x], t.vbias[x]));
-      _mm256_storeu_ps(h->bvec + 8 * x, _mm256_add_ps(_mm256_loadu_ps(h->bvec + 8 * x), b));
-      w[x] = _mm256_and_ps(t.valid[x], _mm256_mul_ps(p[x], t.vscale[x]));
+    SoftmaxStep<2 * T>(s, valid, q.part + j * q.pf, hp, h, true, p);
+    __m256 b[2] = {_mm256_loadu_ps(h->bvec), _mm256_loadu_ps(h->bvec + 8)};
+    __m256 top = _mm256_setzero_ps();
+    for (int x = 0; x < 2 * T; ++x) {
+      const TileCtx& tx = t[x / 2];
+      b[x % 2] = _mm256_add_ps(b[x % 2], _mm256_and_ps(valid[x], _mm256_mul_ps(p[x], tx.vbias[x % 2])));
+      w[x] = _mm256_and_ps(valid[x], _mm256_mul_ps(p[x], tx.vscale[x % 2]));
+      top = _mm256_max_ps(top, w[x]);
     }
-    const float wmax = HMax(_mm256_max_ps(w[0], w[1]));
-    const __m256 inv = _mm256_set1_ps(wmax > 0 ? kWeightMax / wmax : 0.0f);
-    const __m256i c0 = _mm256_cvtps_epi32(_mm256_mul_ps(w[0], inv));
-    const __m256i c1 = _mm256_cvtps_epi32(_mm256_mul_ps(w[1], inv));
-    const __m256i c16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(c0, c1), 0xD8);
-    const __m128i c8 = _mm_packus_epi16(_mm256_castsi256_si128(c16), _mm256_extracti128_si256(c16, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(h->w), c8);
-    wscale[j] = wmax * (1.0f / kWeightMax);
+    _mm256_storeu_ps(h->bvec, b[0]);
+    _mm256_storeu_ps(h->bvec + 8, b[1]);
+    // inv = kWeightMax / wmax where wmax > 0, else 0: in vectors, so the
+    // heads' chains do not each wait on a scalar compare and division.
+    const __m256 wmax = AllMax(top);
+    const __m256 inv = _mm256_and_ps(_mm256_cmp_ps(wmax, _mm256_setzero_ps(), _CMP_GT_OQ),
+                                     _mm256_div_ps(_mm256_set1_ps(kWeightMax), wmax));
+    for (int x = 0; x < T; ++x) {
+      const __m256i c0 = _mm256_cvtps_epi32(_mm256_mul_ps(w[2 * x], inv));
+      const __m256i c1 = _mm256_cvtps_epi32(_mm256_mul_ps(w[2 * x + 1], inv));
+      const __m256i c16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(c0, c1), 0xD8);
+      const __m128i c8 = _mm_packus_epi16(_mm256_castsi256_si128(c16), _mm256_extracti128_si256(c16, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(h->w) + x, c8);
+    }
+    wscale[j] = _mm256_cvtss_f32(wmax) * (1.0f / kWeightMax);
   }
   for (int dg = 0; dg < hp / 16; ++dg) {
-    Int8ValuesPass<0, kFirst>(t, q, dg, wscale);
-    if constexpr (kFirst < G) Int8ValuesPass<kFirst, G - kFirst>(t, q, dg, wscale);
+    Int8ValuesPass<0, kFirst, T>(t, q, dg, wscale);
+    if constexpr (kFirst < G) Int8ValuesPass<kFirst, G - kFirst, T>(t, q, dg, wscale);
   }
 }
 
@@ -327,7 +375,7 @@ ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
     __m256 s[2], p[2];
     for (int x = 0; x < 2; ++x) s[x] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), acc[x][j], t.valid[x]);
     HeadScratch* h = q.hs + j;
-    SoftmaxStep(s, t.valid, q.part + j * q.pf, hp, h, false, p);
+    SoftmaxStep<2>(s, t.valid, q.part + j * q.pf, hp, h, false, p);
     _mm256_storeu_ps(h->w, p[0]);
     _mm256_storeu_ps(h->w + 8, p[1]);
   }
@@ -338,28 +386,30 @@ ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
 }
 #endif
 
-template <bool kInt8, int G>
-ELLM_TARGET ELLM_INLINE void RunTile(const TileCtx& t, const HeadsCtx& q) {
+// T tiles (2: a pair; f16 always takes one) for G query heads.
+template <bool kInt8, int G, int T>
+ELLM_TARGET ELLM_INLINE void RunTiles(const TileCtx* t, const HeadsCtx& q) {
   if constexpr (kInt8) {
-    Int8Tile<G>(t, q);
+    Int8Tiles<G, T>(t, q);
   } else {
 #if !ELLM_AVX2_VNNI
-    F16Tile<G>(t, q);
+    static_assert(T == 1);
+    F16Tile<G>(t[0], q);
 #endif
   }
 }
 
-template <bool kInt8>
-ELLM_TARGET void TileForHeads(int g, const TileCtx& t, const HeadsCtx& q) {
+template <bool kInt8, int T>
+ELLM_TARGET void TilesForHeads(int g, const TileCtx* t, const HeadsCtx& q) {
   switch (g) {
-    case 1: RunTile<kInt8, 1>(t, q); break;
-    case 2: RunTile<kInt8, 2>(t, q); break;
-    case 3: RunTile<kInt8, 3>(t, q); break;
-    case 4: RunTile<kInt8, 4>(t, q); break;
-    case 5: RunTile<kInt8, 5>(t, q); break;
-    case 6: RunTile<kInt8, 6>(t, q); break;
-    case 7: RunTile<kInt8, 7>(t, q); break;
-    default: RunTile<kInt8, 8>(t, q); break;
+    case 1: RunTiles<kInt8, 1, T>(t, q); break;
+    case 2: RunTiles<kInt8, 2, T>(t, q); break;
+    case 3: RunTiles<kInt8, 3, T>(t, q); break;
+    case 4: RunTiles<kInt8, 4, T>(t, q); break;
+    case 5: RunTiles<kInt8, 5, T>(t, q); break;
+    case 6: RunTiles<kInt8, 6, T>(t, q); break;
+    case 7: RunTiles<kInt8, 7, T>(t, q); break;
+    default: RunTiles<kInt8, 8, T>(t, q); break;
   }
 }
 
@@ -371,33 +421,44 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
   const ChunkStart c = StartChunk(a);
   const int end = c.end, prefetch_end = c.prefetch_end, dist = c.prefetch_tiles;
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  TileCtx t;
-  t.hp = hp;
-  for (int pos = a.pos_begin; pos < end; pos += kTile) {
-    t.k = a.kv.KeyTile(pos);
-    t.v = t.k + a.kv.value_offset;
-    t.pk = t.pv = nullptr;
-    if (pos + dist * kTile < prefetch_end) {
-      t.pk = reinterpret_cast<const char*>(a.kv.KeyTile(pos + dist * kTile));
-      t.pv = t.pk + a.kv.value_offset;
-    }
-    if constexpr (kInt8) {
-      for (int x = 0; x < 2; ++x) {
-        t.kscale[x] = LoadHalves(t.k + 16 * x);
-        t.kmin[x] = LoadHalves(t.k + 32 + 16 * x);
-        t.vscale[x] = LoadHalves(t.v + 16 * x);
-        t.vbias[x] = _mm256_fmadd_ps(t.vscale[x], _mm256_set1_ps(128.0f), LoadHalves(t.v + 32 + 16 * x));
+  TileCtx t[2];
+  for (int pos = a.pos_begin; pos < end;) {
+    // int8: tiles in pairs while two are left (see Int8Tiles).
+    const int tiles = kInt8 && pos + kTile < end ? 2 : 1;
+    for (int x = 0; x < tiles; ++x) {
+      TileCtx& tx = t[x];
+      const int p = pos + x * kTile;
+      tx.hp = hp;
+      tx.k = a.kv.KeyTile(p);
+      tx.v = tx.k + a.kv.value_offset;
+      // As far ahead in steps as one tile is with single tiles.
+      const int ahead = p + tiles * dist * kTile;
+      tx.pk = tx.pv = nullptr;
+      if (ahead < prefetch_end) {
+        tx.pk = reinterpret_cast<const char*>(a.kv.KeyTile(ahead));
+        tx.pv = tx.pk + a.kv.value_offset;
       }
-      t.k += 64;  // codes after the scale and min line
-      t.v += 64;
+      if constexpr (kInt8) {
+        for (int h = 0; h < 2; ++h) {
+          tx.kscale[h] = LoadHalves(tx.k + 16 * h);
+          tx.kmin[h] = LoadHalves(tx.k + 32 + 16 * h);
+          tx.vscale[h] = LoadHalves(tx.v + 16 * h);
+          tx.vbias[h] = _mm256_fmadd_ps(tx.vscale[h], _mm256_set1_ps(128.0f), LoadHalves(tx.v + 32 + 16 * h));
+        }
+        tx.k += 64;  // codes after the scale and min line
+        tx.v += 64;
+      }
     }
     for (int i = 0; i < a.n_tokens; ++i) {
       const int seen = std::min(a.pos_end, a.last_pos[i] + 1) - pos;
       if (seen <= 0) continue;
-      t.nvalid = std::min(seen, kTile);
-      for (int x = 0; x < 2; ++x) {
-        t.valid[x] = _mm256_castsi256_ps(
-            _mm256_cmpgt_epi32(_mm256_set1_epi32(t.nvalid - 8 * x), iota));
+      // A token that sees only the first tile of a pair takes it alone.
+      const int mine = seen > kTile ? tiles : 1;
+      for (int x = 0; x < mine; ++x) {
+        t[x].nvalid = std::min(seen - x * kTile, kTile);
+        for (int h = 0; h < 2; ++h) {
+          t[x].valid[h] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(t[x].nvalid - 8 * h), iota));
+        }
       }
       for (int j0 = 0; j0 < a.group; j0 += kBlock) {
         const int row = a.q_row0 + i * a.q_token_stride + j0;
@@ -410,9 +471,18 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
         q.part = a.partials + static_cast<size_t>(i * a.group + j0) * pf;
         q.pf = pf;
         q.hs = scratch + i * a.group + j0;
-        TileForHeads<kInt8>(std::min(kBlock, a.group - j0), t, q);
+        const int g = std::min(kBlock, a.group - j0);
+        if (kInt8 && mine == 2) {
+          TilesForHeads<kInt8, kInt8 ? 2 : 1>(g, t, q);
+        } else {
+          TilesForHeads<kInt8, 1>(g, t, q);
+        }
       }
+      // The later tiles this token prefetched are on their way: the
+      // chunk's other tokens need not ask again.
+      for (int x = 0; x < mine; ++x) t[x].pk = t[x].pv = nullptr;
     }
+    pos += tiles * kTile;
   }
   for (int i = 0; i < a.n_tokens; ++i) {
     for (int j = 0; j < a.group; ++j) {
