@@ -150,8 +150,9 @@ ELLM_TARGET ELLM_INLINE __m256 Exp2(__m256 x) {
 // pair of tiles: V = 4; invalid lanes -inf); writes the weights to p[V] (0
 // in invalid lanes) and adds them to d's 16 lanes. The reference score m
 // trails the running maximum by up to kMaxSlack and moves only when a score
-// passes it by more (as in attention_avx512.cc).
-template <int V>
+// passes it by more (as in attention_avx512.cc). kFull: every lane is valid
+// (no masking).
+template <int V, bool kFull = false>
 ELLM_TARGET ELLM_INLINE void SoftmaxStep(const __m256* s, const __m256* valid, float* part, int hp,
                                          HeadScratch* h, bool int8, __m256* p) {
   float& m = part[hp];
@@ -177,7 +178,8 @@ ELLM_TARGET ELLM_INLINE void SoftmaxStep(const __m256* s, const __m256* valid, f
   const __m256 mv = _mm256_set1_ps(m);
   __m256 d[2] = {_mm256_loadu_ps(h->dvec), _mm256_loadu_ps(h->dvec + 8)};
   for (int x = 0; x < V; ++x) {
-    p[x] = _mm256_and_ps(valid[x], Exp2(_mm256_sub_ps(s[x], mv)));
+    p[x] = Exp2(_mm256_sub_ps(s[x], mv));
+    if constexpr (!kFull) p[x] = _mm256_and_ps(valid[x], p[x]);
     d[x % 2] = _mm256_add_ps(d[x % 2], p[x]);
   }
   _mm256_storeu_ps(h->dvec, d[0]);
@@ -256,8 +258,9 @@ ELLM_TARGET ELLM_INLINE void Int8ValuesPass(const TileCtx* t, const HeadsCtx& q,
 // scale per head (the maximum over 32 positions) and one int32 p·V sum
 // before the float update of o, so those fixed costs are paid once per 32
 // positions. The scores go tile by tile (a pair's 4 vectors of scores per
-// head would leave too few registers for enough heads per pass).
-template <int G, int T>
+// head would leave too few registers for enough heads per pass). kFull:
+// the token sees all 16 T positions, so no lane needs masking.
+template <int G, int T, bool kFull>
 ELLM_TARGET void Int8Tiles(const TileCtx* t, const HeadsCtx& q) {
   constexpr int kFirst = G <= kPassHeads ? G : (G + 1) / 2;  // heads of the first pass
   const int hp = t[0].hp;
@@ -277,18 +280,24 @@ ELLM_TARGET void Int8Tiles(const TileCtx* t, const HeadsCtx& q) {
       for (int h = 0; h < 2; ++h) {
         __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[x][h][j]), t[x].kscale[h],
                                    _mm256_mul_ps(t[x].kmin[h], qsum));
-        s[2 * x + h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(v, qscale), t[x].valid[h]);
+        v = _mm256_mul_ps(v, qscale);
+        s[2 * x + h] = kFull ? v : _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, t[x].valid[h]);
         valid[2 * x + h] = t[x].valid[h];
       }
     }
     HeadScratch* h = q.hs + j;
-    SoftmaxStep<2 * T>(s, valid, q.part + j * q.pf, hp, h, true, p);
+    SoftmaxStep<2 * T, kFull>(s, valid, q.part + j * q.pf, hp, h, true, p);
     __m256 b[2] = {_mm256_loadu_ps(h->bvec), _mm256_loadu_ps(h->bvec + 8)};
     __m256 top = _mm256_setzero_ps();
     for (int x = 0; x < 2 * T; ++x) {
       const TileCtx& tx = t[x / 2];
-      b[x % 2] = _mm256_add_ps(b[x % 2], _mm256_and_ps(valid[x], _mm256_mul_ps(p[x], tx.vbias[x % 2])));
-      w[x] = _mm256_and_ps(valid[x], _mm256_mul_ps(p[x], tx.vscale[x % 2]));
+      if constexpr (kFull) {
+        b[x % 2] = _mm256_fmadd_ps(p[x], tx.vbias[x % 2], b[x % 2]);
+        w[x] = _mm256_mul_ps(p[x], tx.vscale[x % 2]);
+      } else {  // masked: V rows past the token's last position may hold anything
+        b[x % 2] = _mm256_add_ps(b[x % 2], _mm256_and_ps(valid[x], _mm256_mul_ps(p[x], tx.vbias[x % 2])));
+        w[x] = _mm256_and_ps(valid[x], _mm256_mul_ps(p[x], tx.vscale[x % 2]));
+      }
       top = _mm256_max_ps(top, w[x]);
     }
     _mm256_storeu_ps(h->bvec, b[0]);
@@ -386,11 +395,12 @@ ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
 }
 #endif
 
-// T tiles (2: a pair; f16 always takes one) for G query heads.
-template <bool kInt8, int G, int T>
+// T tiles (2: a pair; f16 always takes one) for G query heads; kFull: see
+// Int8Tiles.
+template <bool kInt8, int G, int T, bool kFull>
 ELLM_TARGET ELLM_INLINE void RunTiles(const TileCtx* t, const HeadsCtx& q) {
   if constexpr (kInt8) {
-    Int8Tiles<G, T>(t, q);
+    Int8Tiles<G, T, kFull>(t, q);
   } else {
 #if !ELLM_AVX2_VNNI
     static_assert(T == 1);
@@ -399,17 +409,17 @@ ELLM_TARGET ELLM_INLINE void RunTiles(const TileCtx* t, const HeadsCtx& q) {
   }
 }
 
-template <bool kInt8, int T>
+template <bool kInt8, int T, bool kFull = false>
 ELLM_TARGET void TilesForHeads(int g, const TileCtx* t, const HeadsCtx& q) {
   switch (g) {
-    case 1: RunTiles<kInt8, 1, T>(t, q); break;
-    case 2: RunTiles<kInt8, 2, T>(t, q); break;
-    case 3: RunTiles<kInt8, 3, T>(t, q); break;
-    case 4: RunTiles<kInt8, 4, T>(t, q); break;
-    case 5: RunTiles<kInt8, 5, T>(t, q); break;
-    case 6: RunTiles<kInt8, 6, T>(t, q); break;
-    case 7: RunTiles<kInt8, 7, T>(t, q); break;
-    default: RunTiles<kInt8, 8, T>(t, q); break;
+    case 1: RunTiles<kInt8, 1, T, kFull>(t, q); break;
+    case 2: RunTiles<kInt8, 2, T, kFull>(t, q); break;
+    case 3: RunTiles<kInt8, 3, T, kFull>(t, q); break;
+    case 4: RunTiles<kInt8, 4, T, kFull>(t, q); break;
+    case 5: RunTiles<kInt8, 5, T, kFull>(t, q); break;
+    case 6: RunTiles<kInt8, 6, T, kFull>(t, q); break;
+    case 7: RunTiles<kInt8, 7, T, kFull>(t, q); break;
+    default: RunTiles<kInt8, 8, T, kFull>(t, q); break;
   }
 }
 
@@ -472,7 +482,9 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
         q.pf = pf;
         q.hs = scratch + i * a.group + j0;
         const int g = std::min(kBlock, a.group - j0);
-        if (kInt8 && mine == 2) {
+        if (kInt8 && mine == 2 && t[1].nvalid == kTile) {
+          TilesForHeads<kInt8, kInt8 ? 2 : 1, true>(g, t, q);
+        } else if (kInt8 && mine == 2) {
           TilesForHeads<kInt8, kInt8 ? 2 : 1>(g, t, q);
         } else {
           TilesForHeads<kInt8, 1>(g, t, q);
