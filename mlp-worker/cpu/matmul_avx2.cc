@@ -15,9 +15,10 @@
 // up to 4 per tile), and the plain-AVX2 Q4_K, Q5_K, Q6_K, F16 and BF16 tiles
 // for one token (RunWhole, decode). Pairs of groups did not help
 // those: Q4_K stayed at 0.55-0.65 of the probe and Q6_K got slower.
-// The half-line tiles prefetch (matmul_layout.h) in their first pass (h = 0)
-// and spread the next group over both passes; the second pass finds its group
-// in L2.
+// The half-line tiles prefetch (matmul_layout.h) in their first pass (h = 0);
+// the second pass finds its group in L2. (They also asked for the next group
+// over both passes, but GCC had deleted those prefetches (matmul_layout.h);
+// made to run, they cost T = 4 about 10%, so they are gone.)
 //
 // "avx2": VPMADDUBSW (u8 x s8 -> int16 pair sums, saturating) + VPMADDWD:
 //   Q8_0       u8 = code + 128 would overflow the int16 pair sums, so the
@@ -224,7 +225,6 @@ struct Q32Tile {
         PrefetchAhead(qb, kQuant);
         PrefetchAhead(dh + 16 * b, 32);
       }
-      if (t0 % kTokenChunk == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
       __m256i s0[NT], s1[NT];
       for (int t = 0; t < NT; ++t) {
         s0[t] = _mm256_set1_epi32(-kOffset * act.sum[t][b]);
@@ -338,7 +338,6 @@ struct K4Tile {
         PrefetchAhead(qb, kQuant);
         PrefetchAhead(meta, 320);
       }
-      if (t0 % kTokenChunk == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
       __m256i si[NT], sm[NT];
       for (int t = 0; t < NT; ++t) si[t] = sm[t] = _mm256_setzero_si256();
       for (int s = 0; s < 8; ++s) {
@@ -411,7 +410,6 @@ struct Q6Tile {
         PrefetchAhead(qb, 3072);
         PrefetchAhead(meta, 288);
       }
-      if (t0 % kTokenChunk == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
       __m256i si[NT], corr[NT];
       for (int t = 0; t < NT; ++t) si[t] = corr[t] = _mm256_setzero_si256();
       for (int P = 0; P < 8; ++P) {  // sub-blocks 2P and 2P + 1
@@ -559,7 +557,6 @@ struct Q4_0Tile {
         PrefetchAhead(quant + b * 256, 256);
         PrefetchAhead(dh + 16 * b, 32);
       }
-      if (t0 % kTokenChunk == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
       __m256i s16[NT];
       for (int t = 0; t < NT; ++t) s16[t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -679,7 +676,6 @@ struct K4Tile {
         PrefetchAhead(qb, kQuant);
         PrefetchAhead(meta, 320);
       }
-      if (t0 % kTokenChunk == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
       __m256i si[NT], sm[NT];
       BlockHalf<NT>(qb, meta, h, act, b, si, sm);
       for (int t = 0; t < NT; ++t) acc[t] = Finish(meta, h, si[t], sm[t], act.d[t][b], acc[t]);
@@ -704,8 +700,7 @@ struct K4Tile {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* qb = quant + b * kQuant;
       const uint8_t* meta = meta0 + b * 320;
-      PrefetchAhead(qb, kQuant);
-      PrefetchAhead(meta, 320);
+      PrefetchBlocks(w, g, b, nb, kQuant, 320);
       for (int h = 0; h < 2; ++h) {
         __m256i si, sm;
         BlockHalf<1>(qb, meta, h, act, b, &si, &sm);
@@ -792,7 +787,6 @@ struct Q6Tile {
         PrefetchAhead(qb, 3072);
         PrefetchAhead(meta, 288);
       }
-      if (t0 % kTokenChunk == 0) PrefetchNextGroup(w, g, h * nb + b, 2 * nb);
       __m256i si[NT], corr[NT];
       for (int t = 0; t < NT; ++t) si[t] = corr[t] = _mm256_setzero_si256();
       for (int P = 0; P < 8; ++P) PairHalf<NT>(qb, meta, P, h, act, b, si, corr);
@@ -818,8 +812,7 @@ struct Q6Tile {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* qb = quant + b * 3072;
       const uint8_t* meta = meta0 + b * 288;
-      PrefetchAhead(qb, 3072);
-      PrefetchAhead(meta, 288);
+      PrefetchBlocks(w, g, b, nb, 3072, 288);
       __m256i si[2], corr[2];
       for (int h = 0; h < 2; ++h) si[h] = corr[h] = _mm256_setzero_si256();
       for (int P = 0; P < 8; ++P) {
@@ -852,10 +845,6 @@ struct HalfTile {
     int64_t i = 0;
     for (; i + 2 <= cols; i += 2) {
       if (h == 0) PrefetchAhead(q + 16 * i, 64);
-      if (t0 % kTokenChunk == 0 && i % 64 == 0) {  // per 32 lines: the divisions cost more than a line
-        const int64_t lines = cols / 2;
-        PrefetchNextGroup(w, g, (h * lines + i / 2) / 32, (2 * lines + 31) / 32);
-      }
       const __m256 w0 = kBf16 ? LoadBf16x8(q + 16 * i) : LoadHalves8(q + 16 * i);
       const __m256 w1 = kBf16 ? LoadBf16x8(q + 16 * i + 16) : LoadHalves8(q + 16 * i + 16);
       for (int t = 0; t < NT; ++t) {

@@ -173,10 +173,7 @@ struct K4Tile {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* qb = quant + b * kQuant;
       const uint8_t* meta = meta0 + b * 320;
-      if (t0 % kTokenChunk == 0) {  // a pass's first tile (ForEachTile)
-        PrefetchAhead(qb, kQuant);
-        PrefetchAhead(meta, 320);
-      }
+      if (t0 % kTokenChunk == 0) PrefetchBlocks(w, g, b, nb, kQuant, 320);  // a pass's first tile (ForEachTile)
       __m512i si[NT], sm[NT];
 #pragma GCC unroll 4
       for (int t = 0; t < NT; ++t) si[t] = sm[t] = _mm512_setzero_si512();
@@ -253,10 +250,7 @@ struct Q6Tile {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* qb = quant + b * 3072;
       const uint8_t* meta = meta0 + b * 288;
-      if (t0 % kTokenChunk == 0) {  // a pass's first tile (ForEachTile)
-        PrefetchAhead(qb, 3072);
-        PrefetchAhead(meta, 288);
-      }
+      if (t0 % kTokenChunk == 0) PrefetchBlocks(w, g, b, nb, 3072, 288);  // a pass's first tile (ForEachTile)
       __m512i si[NT], corr[NT];
 #pragma GCC unroll 4
       for (int t = 0; t < NT; ++t) si[t] = corr[t] = _mm512_setzero_si512();
