@@ -175,10 +175,11 @@ ELLM_PREFETCH_INLINE void PrefetchAhead(const void* p, int bytes) {
 // kBlocksAhead's quant bytes and the metadata kAheadBytes on, continuing
 // into group g + 1 (which a thread takes next) past the end of group g.
 // PrefetchAhead from the last blocks fetched the group's own metadata, so
-// the next group's first blocks and their metadata missed in DRAM (AVX2
-// Q4_K, one token, 1 thread: median 0.59-0.62 -> 0.82 of the probe;
-// AVX-512 Q4_K, 2 threads: 0.64-0.67 -> 0.82-0.90).
-inline constexpr int64_t kBlocksAhead = 2;
+// the next group's first blocks and their metadata missed in DRAM (one
+// token, 2 threads, medians: AVX2 Q4_K 0.54-0.59 of the probe -> 0.62-0.71
+// with 2 blocks ahead, 0.75-0.81 with 4; AVX-512 Q4_K 0.64-0.67 -> 0.82-0.90
+// -> 0.91-0.94; bench/results/amd-epyc-zen5.md).
+inline constexpr int64_t kBlocksAhead = 4;
 ELLM_PREFETCH_INLINE void PrefetchBlocks(const QuantMatrix& w, int64_t g, int64_t b, int64_t nb,
                                          int quant_bytes, int meta_bytes) {
   const bool has_next = g + 1 < w.groups();
