@@ -94,19 +94,14 @@ ELLM_TARGET ELLM_INLINE __m256 LoadHalves(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-ELLM_TARGET ELLM_INLINE float HMax(__m256 x) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
 // The maximum of x's lanes, in every lane (no trip through a scalar register).
 ELLM_TARGET ELLM_INLINE __m256 AllMax(__m256 x) {
   x = _mm256_max_ps(x, _mm256_permute2f128_ps(x, x, 0x01));
   x = _mm256_max_ps(x, _mm256_permute_ps(x, 0x4E));
   return _mm256_max_ps(x, _mm256_permute_ps(x, 0xB1));
 }
+
+ELLM_TARGET ELLM_INLINE float HMax(__m256 x) { return _mm256_cvtss_f32(AllMax(x)); }
 
 ELLM_TARGET ELLM_INLINE float HSum(__m256 x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -482,12 +477,14 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
         q.pf = pf;
         q.hs = scratch + i * a.group + j0;
         const int g = std::min(kBlock, a.group - j0);
-        if (kInt8 && mine == 2 && t[1].nvalid == kTile) {
-          TilesForHeads<kInt8, kInt8 ? 2 : 1, true>(g, t, q);
-        } else if (kInt8 && mine == 2) {
-          TilesForHeads<kInt8, kInt8 ? 2 : 1>(g, t, q);
+        if constexpr (!kInt8) {
+          TilesForHeads<false, 1>(g, t, q);
+        } else if (mine == 1) {
+          TilesForHeads<true, 1>(g, t, q);
+        } else if (t[1].nvalid == kTile) {
+          TilesForHeads<true, 2, true>(g, t, q);
         } else {
-          TilesForHeads<kInt8, 1>(g, t, q);
+          TilesForHeads<true, 2>(g, t, q);
         }
       }
       // The later tiles this token prefetched are on their way: the

@@ -16,9 +16,9 @@
 // for one token (RunWhole, decode). Pairs of groups did not help
 // those: Q4_K stayed at 0.55-0.65 of the probe and Q6_K got slower.
 // The half-line tiles prefetch (matmul_layout.h) in their first pass (h = 0);
-// the second pass finds its group in L2. (They also asked for the next group
-// over both passes, but GCC had deleted those prefetches (matmul_layout.h);
-// made to run, they cost T = 4 about 10%, so they are gone.)
+// the second pass finds its group in L2. A prefetch of the next group spread
+// over both passes never ran (GCC had deleted it, see matmul_layout.h) and,
+// made to run, slowed T = 4 by about 10%; it is gone.
 //
 // "avx2": VPMADDUBSW (u8 x s8 -> int16 pair sums, saturating) + VPMADDWD:
 //   Q8_0       u8 = code + 128 would overflow the int16 pair sums, so the

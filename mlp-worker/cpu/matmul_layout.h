@@ -164,10 +164,15 @@ constexpr int kAheadBytes = 2048;
 // removed) had vanished from every kernel that called it.
 #define ELLM_PREFETCH_INLINE inline __attribute__((always_inline))
 
+// The lines of [p, p + bytes).
+ELLM_PREFETCH_INLINE void PrefetchLines(const void* p, int bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+}
+
 // The lines of [p, p + bytes), kAheadBytes on.
 ELLM_PREFETCH_INLINE void PrefetchAhead(const void* p, int bytes) {
-  const char* c = static_cast<const char*>(p) + kAheadBytes;
-  for (int o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+  PrefetchLines(static_cast<const char*>(p) + kAheadBytes, bytes);
 }
 
 // For the k-quant kernels, whose group holds its nb blocks of quant_bytes
@@ -185,14 +190,14 @@ ELLM_PREFETCH_INLINE void PrefetchBlocks(const QuantMatrix& w, int64_t g, int64_
   const bool has_next = g + 1 < w.groups();
   const int64_t bq = b + kBlocksAhead, bm = b + (kAheadBytes + meta_bytes - 1) / meta_bytes;
   if (bq < nb) {
-    PrefetchAhead(w.group(g) + bq * quant_bytes - kAheadBytes, quant_bytes);
+    PrefetchLines(w.group(g) + bq * quant_bytes, quant_bytes);
   } else if (has_next) {
-    PrefetchAhead(w.group(g + 1) + (bq - nb) * quant_bytes - kAheadBytes, quant_bytes);
+    PrefetchLines(w.group(g + 1) + (bq - nb) * quant_bytes, quant_bytes);
   }
   if (bm < nb) {
-    PrefetchAhead(w.group(g) + nb * quant_bytes + bm * meta_bytes - kAheadBytes, meta_bytes);
+    PrefetchLines(w.group(g) + nb * quant_bytes + bm * meta_bytes, meta_bytes);
   } else if (has_next) {
-    PrefetchAhead(w.group(g + 1) + nb * quant_bytes + (bm - nb) * meta_bytes - kAheadBytes, meta_bytes);
+    PrefetchLines(w.group(g + 1) + nb * quant_bytes + (bm - nb) * meta_bytes, meta_bytes);
   }
 }
 
