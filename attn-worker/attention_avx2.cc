@@ -318,25 +318,57 @@ ELLM_TARGET void Int8Tiles(const TileCtx* t, const HeadsCtx& q) {
 }
 
 #if !ELLM_AVX2_VNNI
-// f16 goes in passes over heads as int8 does: 2N independent FMA chains (the
-// two halves of the tile for q·K, two blocks of 8 dims for p·V) hide the
-// FMA latency, which one half or one position at a time with G > 4 heads
-// (G chains) did not.
+// f16 goes in passes over heads as int8 does. A pass of N heads keeps 2N S
+// independent FMA chains: the two halves of the tile for q·K (two blocks of 8
+// dims for p·V), times S sums that take every S-th dim of q·K (every S-th
+// position of p·V). With the FMA latency, two FMA units need about 12 chains
+// to stay busy, and 16 ymm registers hold 12 besides the operands: passes of
+// 4 or more heads take S = 1, fewer heads split the sums. G = 7 (qwen2.5-0.5b
+// and -7b) went from passes of 4 + 3 heads (8 + 6 chains) to 5 + 2 with S = 3
+// (10 + 12): `ellm-bench attention --dtypes=f16 --kernel=avx2 --positions=16K
+// --threads=all` on Zen 5, 19.5-19.9 -> 21.4-22.3 GB/s (0.68-0.70 -> 0.74-0.79
+// of the FMA roof); the shapes with 4 and 5 heads per pass did not move.
 constexpr int kF16PassHeads = 6;
+constexpr int F16Split(int n) { return n >= 4 ? 1 : n == 3 ? 2 : n == 2 ? 3 : 4; }
 
+// q·K of heads [J0, J0 + N): acc[x][j] for the 8 positions of half x, summed
+// in locals (see Int8ScoresPass). The loop takes U dims a step (S, or 2 with
+// S = 1 so that each step starts a K line and prefetches it without a test).
 template <int G, int J0, int N>
 ELLM_TARGET ELLM_INLINE void F16ScoresPass(const TileCtx& t, const HeadsCtx& q, __m256 (*acc)[G]) {
+  constexpr int S = F16Split(N), U = S == 1 ? 2 : S;
   const int hp = t.hp;
-  for (int x = 0; x < 2; ++x) {
-    for (int j = J0; j < J0 + N; ++j) acc[x][j] = _mm256_setzero_ps();
+  __m256 sum[S][2][N];
+  for (int s = 0; s < S; ++s) {
+    for (int x = 0; x < 2; ++x) {
+      for (int j = 0; j < N; ++j) sum[s][x][j] = _mm256_setzero_ps();
+    }
   }
-  for (int d = 0; d < hp; ++d) {
-    if (J0 == 0 && d % 2 == 0) PrefetchK(t, d / 2);  // hp / 2 lines per tile; V's go with p·V
+  const auto dim = [&](int d, int s) ELLM_TARGET __attribute__((always_inline)) {
+    // hp / 2 K lines per tile, one per even dim (V's go with p·V).
+    if constexpr (J0 == 0 && U % 2 != 0) {
+      if (d % 2 == 0) PrefetchK(t, d / 2);
+    }
     const __m256 k0 = LoadHalves(t.k + 32 * d), k1 = LoadHalves(t.k + 32 * d + 16);
-    for (int j = J0; j < J0 + N; ++j) {
-      const __m256 c = _mm256_set1_ps(q.scaled[j * hp + d]);
-      acc[0][j] = _mm256_fmadd_ps(k0, c, acc[0][j]);
-      acc[1][j] = _mm256_fmadd_ps(k1, c, acc[1][j]);
+    for (int j = 0; j < N; ++j) {
+      const __m256 c = _mm256_set1_ps(q.scaled[(J0 + j) * hp + d]);
+      sum[s][0][j] = _mm256_fmadd_ps(k0, c, sum[s][0][j]);
+      sum[s][1][j] = _mm256_fmadd_ps(k1, c, sum[s][1][j]);
+    }
+  };
+  int d = 0;
+  for (; d + U <= hp; d += U) {
+    if constexpr (J0 == 0 && U % 2 == 0) {
+      for (int l = 0; l < U / 2; ++l) PrefetchK(t, d / 2 + l);
+    }
+    for (int u = 0; u < U; ++u) dim(d + u, u % S);
+  }
+  for (; d < hp; ++d) dim(d, 0);  // hp % 3 dims with S = 3
+  for (int x = 0; x < 2; ++x) {
+    for (int j = 0; j < N; ++j) {
+      __m256 a = sum[0][x][j];
+      for (int s = 1; s < S; ++s) a = _mm256_add_ps(a, sum[s][x][j]);
+      acc[x][J0 + j] = a;
     }
   }
 }
@@ -345,32 +377,49 @@ ELLM_TARGET ELLM_INLINE void F16ScoresPass(const TileCtx& t, const HeadsCtx& q, 
 // 8 dims: each weight broadcast serves both.
 template <int J0, int N>
 ELLM_TARGET ELLM_INLINE void F16ValuesPass(const TileCtx& t, const HeadsCtx& q, int dg) {
+  constexpr int S = F16Split(N);
   const int hp = t.hp;
-  __m256 va[2][N];
-  for (int b = 0; b < 2; ++b) {
-    for (int j = 0; j < N; ++j) va[b][j] = _mm256_setzero_ps();
+  __m256 va[S][2][N];
+  for (int s = 0; s < S; ++s) {
+    for (int b = 0; b < 2; ++b) {
+      for (int j = 0; j < N; ++j) va[s][b][j] = _mm256_setzero_ps();
+    }
   }
   if constexpr (J0 == 0) {
     for (int l = 8 * dg; l < 8 * dg + 8; ++l) PrefetchV(t, l);  // hp / 2 lines over hp / 16 groups
   }
   const uint8_t* vcol = t.v + 32 * dg;
-  for (int r = 0; r < t.nvalid; ++r) {
+  const auto row = [&](int r, int s) ELLM_TARGET __attribute__((always_inline)) {
     const __m256 v0 = LoadHalves(vcol + 2 * r * hp), v1 = LoadHalves(vcol + 2 * r * hp + 16);
     for (int j = 0; j < N; ++j) {
       const __m256 w = _mm256_set1_ps(q.hs[J0 + j].w[r]);
-      va[0][j] = _mm256_fmadd_ps(v0, w, va[0][j]);
-      va[1][j] = _mm256_fmadd_ps(v1, w, va[1][j]);
+      va[s][0][j] = _mm256_fmadd_ps(v0, w, va[s][0][j]);
+      va[s][1][j] = _mm256_fmadd_ps(v1, w, va[s][1][j]);
     }
+  };
+  int r = 0;
+  for (; r + S <= t.nvalid; r += S) {
+    for (int s = 0; s < S; ++s) row(r + s, s);
   }
+  for (; r < t.nvalid; ++r) row(r, 0);
   for (int j = 0; j < N; ++j) {
     float* o = q.part + (J0 + j) * q.pf + 16 * dg;
-    for (int b = 0; b < 2; ++b) _mm256_storeu_ps(o + 8 * b, _mm256_add_ps(_mm256_loadu_ps(o + 8 * b), va[b][j]));
+    for (int b = 0; b < 2; ++b) {
+      __m256 a = va[0][b][j];
+      for (int s = 1; s < S; ++s) a = _mm256_add_ps(a, va[s][b][j]);
+      _mm256_storeu_ps(o + 8 * b, _mm256_add_ps(_mm256_loadu_ps(o + 8 * b), a));
+    }
   }
 }
 
+// Heads of the first pass: all of them up to kF16PassHeads, else 5 (G = 7:
+// 5 + 2, G = 8: 5 + 3, each pass near 12 chains).
+template <int G>
+constexpr int kF16First = G <= kF16PassHeads ? G : 5;
+
 template <int G>
 ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
-  constexpr int kFirst = G <= kF16PassHeads ? G : (G + 1) / 2;
+  constexpr int kFirst = kF16First<G>;
   const int hp = t.hp;
   __m256 acc[2][G];
   F16ScoresPass<G, 0, kFirst>(t, q, acc);

@@ -56,7 +56,7 @@ namespace ellm::attn {
 namespace {
 
 const int kPositions[] = {1, 3, 17, 129, 4097};
-const int kGqa[] = {1, 2, 5, 6, 7, 8};  // every way the kernels split a group into passes
+const int kGqa[] = {1, 2, 3, 5, 6, 7, 8};  // every way the kernels split a group into passes
 
 std::vector<float> Normal(size_t n, std::mt19937& gen, float scale = 1.0f) {
   std::normal_distribution<float> dist(0.0f, scale);
