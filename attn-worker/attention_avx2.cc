@@ -190,28 +190,58 @@ ELLM_TARGET ELLM_INLINE void SoftmaxStep(const __m256* s, const __m256* valid, f
 // VPMADDUBSW pair) its temporaries fit the 16 ymm registers.
 constexpr int kPassHeads = ELLM_AVX2_VNNI ? 6 : 5;
 
+// A pass of N < 4 heads has too few chains (2N) for the latency of VPDPBUSD
+// or FMA: it splits each sum in S, the s-th taking every S-th step of the
+// loop (dims of q·K, positions of p·V), for 2N S <= 12 chains, as many as
+// the registers hold besides the operands. (VPMADDUBSW's chain is a 1-cycle
+// add: the plain avx2 int8 passes need no split.) avx2-vnni from cache
+// (`--positions=1K --threads=1 --footprint-mb=8`, shapes NAME:Q/KV/128):
+// G = 1 36-38 -> 42 GB/s, G = 3 22-24 -> 25; qwen2.5-0.5b (4 + 3 heads) did
+// not move: its cost is the per-score work (softmax, weight codes), with
+// head dim 64 as large as the dot products.
+constexpr int ChainSplit(int n) { return n >= 4 ? 1 : n == 3 ? 2 : n == 2 ? 3 : 4; }
+constexpr int Int8Split(int n) { return ELLM_AVX2_VNNI ? ChainSplit(n) : 1; }
+
+// Heads of the first pass when a group needs two: half of them (int8; with
+// VNNI, G = 7 as 5 + 2 or G = 8 as 5 + 3 were no faster). f16 takes 5 first
+// (see F16Tile).
+template <int G>
+constexpr int kFirstPass = G <= kPassHeads ? G : (G + 1) / 2;
+
 // Scores of heads [J0, J0 + N): acc[x][j] for the 8 positions of half x.
 // The sums run in locals and are written out once at the end: summed in
 // acc itself, GCC stored every accumulator to memory at every step.
 template <int G, int J0, int N>
 ELLM_TARGET ELLM_INLINE void Int8ScoresPass(const TileCtx& t, const HeadsCtx& q, __m256i (*acc)[G]) {
+  constexpr int S = Int8Split(N);
   const int n_dq = t.hp / 4;
-  __m256i sum[2][N];
-  for (int x = 0; x < 2; ++x) {
-    for (int j = 0; j < N; ++j) sum[x][j] = _mm256_setzero_si256();
+  __m256i sum[S][2][N];
+  for (int s = 0; s < S; ++s) {
+    for (int x = 0; x < 2; ++x) {
+      for (int j = 0; j < N; ++j) sum[s][x][j] = _mm256_setzero_si256();
+    }
   }
-  for (int dq = 0; dq < n_dq; ++dq) {
+  const auto step = [&](int dq, int s) ELLM_TARGET __attribute__((always_inline)) {
     if constexpr (J0 == 0) PrefetchK(t, dq);
     const __m256i k0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.k + 64 * dq));
     const __m256i k1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.k + 64 * dq + 32));
     for (int j = 0; j < N; ++j) {
       const __m256i c = _mm256_set1_epi32(Load32(q.codes + (J0 + j) * t.hp + 4 * dq));
-      sum[0][j] = Dpbusd(sum[0][j], k0, c);
-      sum[1][j] = Dpbusd(sum[1][j], k1, c);
+      sum[s][0][j] = Dpbusd(sum[s][0][j], k0, c);
+      sum[s][1][j] = Dpbusd(sum[s][1][j], k1, c);
     }
+  };
+  int dq = 0;
+  for (; dq + S <= n_dq; dq += S) {
+    for (int s = 0; s < S; ++s) step(dq + s, s);
   }
+  for (; dq < n_dq; ++dq) step(dq, 0);
   for (int x = 0; x < 2; ++x) {
-    for (int j = 0; j < N; ++j) acc[x][J0 + j] = sum[x][j];
+    for (int j = 0; j < N; ++j) {
+      __m256i a = sum[0][x][j];
+      for (int s = 1; s < S; ++s) a = _mm256_add_epi32(a, sum[s][x][j]);
+      acc[x][J0 + j] = a;
+    }
   }
 }
 
@@ -220,11 +250,14 @@ ELLM_TARGET ELLM_INLINE void Int8ScoresPass(const TileCtx& t, const HeadsCtx& q,
 // scale (int32 sums: at most 16 T x 255 x 128).
 template <int J0, int N, int T>
 ELLM_TARGET ELLM_INLINE void Int8ValuesPass(const TileCtx* t, const HeadsCtx& q, int dg, const float* wscale) {
-  __m256i va[2][N];
-  for (int h = 0; h < 2; ++h) {
-    for (int j = 0; j < N; ++j) va[h][j] = _mm256_setzero_si256();
+  constexpr int S = Int8Split(N);
+  __m256i va[S][2][N];
+  for (int s = 0; s < S; ++s) {
+    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < N; ++j) va[s][h][j] = _mm256_setzero_si256();
+    }
   }
-  for (int quad = 0; quad < 4 * T; ++quad) {
+  const auto step = [&](int quad, int s) ELLM_TARGET __attribute__((always_inline)) {
     const TileCtx& tx = t[quad / 4];
     if constexpr (J0 == 0) PrefetchV(tx, 4 * dg + quad % 4);
     const uint8_t* line = tx.v + 64 * (4 * dg + quad % 4);
@@ -232,8 +265,19 @@ ELLM_TARGET ELLM_INLINE void Int8ValuesPass(const TileCtx* t, const HeadsCtx& q,
     const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32));
     for (int j = 0; j < N; ++j) {
       const __m256i w = _mm256_set1_epi32(Load32(reinterpret_cast<const uint8_t*>(q.hs[J0 + j].w) + 4 * quad));
-      va[0][j] = Dpbusd(va[0][j], w, v0);
-      va[1][j] = Dpbusd(va[1][j], w, v1);
+      va[s][0][j] = Dpbusd(va[s][0][j], w, v0);
+      va[s][1][j] = Dpbusd(va[s][1][j], w, v1);
+    }
+  };
+  constexpr int kQuads = 4 * T;
+  constexpr int kWhole = kQuads - kQuads % S;
+  for (int quad = 0; quad < kWhole; quad += S) {
+    for (int s = 0; s < S; ++s) step(quad + s, s);
+  }
+  for (int quad = kWhole; quad < kQuads; ++quad) step(quad, 0);
+  for (int j = 0; j < N; ++j) {
+    for (int h = 0; h < 2; ++h) {
+      for (int s = 1; s < S; ++s) va[0][h][j] = _mm256_add_epi32(va[0][h][j], va[s][h][j]);
     }
   }
   // In locals: each store to o could otherwise alias q's fields.
@@ -243,7 +287,7 @@ ELLM_TARGET ELLM_INLINE void Int8ValuesPass(const TileCtx* t, const HeadsCtx& q,
     float* o = part + (J0 + j) * pf + 16 * dg;
     const __m256 scale = _mm256_set1_ps(wscale[J0 + j]);
     for (int h = 0; h < 2; ++h) {
-      _mm256_storeu_ps(o + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(va[h][j]), scale, _mm256_loadu_ps(o + 8 * h)));
+      _mm256_storeu_ps(o + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(va[0][h][j]), scale, _mm256_loadu_ps(o + 8 * h)));
     }
   }
 }
@@ -257,7 +301,7 @@ ELLM_TARGET ELLM_INLINE void Int8ValuesPass(const TileCtx* t, const HeadsCtx& q,
 // the token sees all 16 T positions, so no lane needs masking.
 template <int G, int T, bool kFull>
 ELLM_TARGET void Int8Tiles(const TileCtx* t, const HeadsCtx& q) {
-  constexpr int kFirst = G <= kPassHeads ? G : (G + 1) / 2;  // heads of the first pass
+  constexpr int kFirst = kFirstPass<G>;
   const int hp = t[0].hp;
   __m256i acc[T][2][G];
   for (int x = 0; x < T; ++x) {
@@ -318,25 +362,21 @@ ELLM_TARGET void Int8Tiles(const TileCtx* t, const HeadsCtx& q) {
 }
 
 #if !ELLM_AVX2_VNNI
-// f16 goes in passes over heads as int8 does. A pass of N heads keeps 2N S
-// independent FMA chains: the two halves of the tile for q·K (two blocks of 8
-// dims for p·V), times S sums that take every S-th dim of q·K (every S-th
-// position of p·V). With the FMA latency, two FMA units need about 12 chains
-// to stay busy, and 16 ymm registers hold 12 besides the operands: passes of
-// 4 or more heads take S = 1, fewer heads split the sums. G = 7 (qwen2.5-0.5b
-// and -7b) went from passes of 4 + 3 heads (8 + 6 chains) to 5 + 2 with S = 3
-// (10 + 12): `ellm-bench attention --dtypes=f16 --kernel=avx2 --positions=16K
-// --threads=all` on Zen 5, 19.5-19.9 -> 21.4-22.3 GB/s (0.68-0.70 -> 0.74-0.79
-// of the FMA roof); the shapes with 4 and 5 heads per pass did not move.
-constexpr int kF16PassHeads = 6;
-constexpr int F16Split(int n) { return n >= 4 ? 1 : n == 3 ? 2 : n == 2 ? 3 : 4; }
+// f16 goes in passes over heads as int8 does, with ChainSplit: a pass of N
+// heads keeps 2N S FMA chains, and 5 heads go first where a group needs two
+// passes. G = 7 (qwen2.5-0.5b and -7b) went from passes of 4 + 3 heads with
+// S = 1 (8 + 6 chains) to 5 + 2 with S = 3 (10 + 12): `ellm-bench attention
+// --dtypes=f16 --kernel=avx2 --positions=16K --threads=all` on Zen 5,
+// 19.5-19.9 -> 21.4-22.3 GB/s (0.68-0.70 -> 0.74-0.79 of the FMA roof); the
+// shapes of 4 and 5 heads did not move. From cache (`--positions=1K
+// --threads=1 --footprint-mb=8`), G = 8 (5 + 3): 9.0-9.4 -> 10.5-10.8 GB/s.
 
 // q·K of heads [J0, J0 + N): acc[x][j] for the 8 positions of half x, summed
 // in locals (see Int8ScoresPass). The loop takes U dims a step (S, or 2 with
 // S = 1 so that each step starts a K line and prefetches it without a test).
 template <int G, int J0, int N>
 ELLM_TARGET ELLM_INLINE void F16ScoresPass(const TileCtx& t, const HeadsCtx& q, __m256 (*acc)[G]) {
-  constexpr int S = F16Split(N), U = S == 1 ? 2 : S;
+  constexpr int S = ChainSplit(N), U = S == 1 ? 2 : S;
   const int hp = t.hp;
   __m256 sum[S][2][N];
   for (int s = 0; s < S; ++s) {
@@ -377,7 +417,7 @@ ELLM_TARGET ELLM_INLINE void F16ScoresPass(const TileCtx& t, const HeadsCtx& q, 
 // 8 dims: each weight broadcast serves both.
 template <int J0, int N>
 ELLM_TARGET ELLM_INLINE void F16ValuesPass(const TileCtx& t, const HeadsCtx& q, int dg) {
-  constexpr int S = F16Split(N);
+  constexpr int S = ChainSplit(N);
   const int hp = t.hp;
   __m256 va[S][2][N];
   for (int s = 0; s < S; ++s) {
@@ -412,14 +452,9 @@ ELLM_TARGET ELLM_INLINE void F16ValuesPass(const TileCtx& t, const HeadsCtx& q, 
   }
 }
 
-// Heads of the first pass: all of them up to kF16PassHeads, else 5 (G = 7:
-// 5 + 2, G = 8: 5 + 3, each pass near 12 chains).
-template <int G>
-constexpr int kF16First = G <= kF16PassHeads ? G : 5;
-
 template <int G>
 ELLM_TARGET void F16Tile(const TileCtx& t, const HeadsCtx& q) {
-  constexpr int kFirst = kF16First<G>;
+  constexpr int kFirst = G <= 6 ? G : 5;
   const int hp = t.hp;
   __m256 acc[2][G];
   F16ScoresPass<G, 0, kFirst>(t, q, acc);
