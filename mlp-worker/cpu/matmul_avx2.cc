@@ -10,11 +10,16 @@
 //
 // The layout is the AVX-512 one (matmul_layout.h): each 64-byte line holds 16
 // rows; these kernels take it as two halves of 8 rows (bytes 0..31 and
-// 32..63), one half at a time, except Q8_0's, which takes whole lines (for
-// one token, of two groups side by side; in avx2-vnni for two or more tokens,
-// up to 4 per tile), and the plain-AVX2 Q4_K, Q5_K, Q6_K, F16 and BF16 tiles
-// for one token (RunWhole, decode). Pairs of groups did not help
-// those: Q4_K stayed at 0.55-0.65 of the probe and Q6_K got slower.
+// 32..63), one half at a time, except Q8_0's, which takes whole lines (up to
+// 2 tokens per tile in avx2, 4 in avx2-vnni), and the one-token (decode)
+// tiles of Q8_0 (two groups side by side), Q4_K, Q5_K, Q6_K, F16 and BF16
+// (RunWhole). The two sets differ only in their int8 products (Q8Half,
+// Q4_0Tile, K4Sums, Q6Sums); the tiles around them are shared, so avx2-vnni
+// has the one-token tiles too. Before, its half-line tiles read one token's
+// weights slower than plain avx2 did; ratio to the probe, 2 threads (Zen 5,
+// forced; bench/results/amd-epyc-zen5.md): Q8_0 0.45-0.66 -> 0.71-0.88, Q4_K
+// 0.54-0.65 -> 0.57-0.83, Q6_K 0.52-0.55 -> 0.61-0.81. Pairs of groups did not help
+// Q4_K and Q6_K: Q4_K stayed at 0.55-0.65 of the probe and Q6_K got slower.
 // The half-line tiles prefetch (matmul_layout.h) in their first pass (h = 0);
 // the second pass finds its group in L2. A prefetch of the next group spread
 // over both passes never ran (GCC had deleted it, see matmul_layout.h) and,
@@ -196,403 +201,202 @@ inline int ValidHalf(const QuantMatrix& w, int64_t g, int h) {
 
 #if ELLM_AVX2_VNNI
 
-// --- AVX-VNNI int8 tiles ------------------------------------------------------
+// --- AVX-VNNI int8 products -------------------------------------------------------
 // The AVX-512 kernels' arithmetic on 8 rows at a time (see matmul_avx512.cc for
-// the bounds); the float steps are those of the "avx2" tiles below.
+// the bounds); the float steps are those of the "avx2" set.
 
 ELLM_TARGET ELLM_INLINE __m256i Dpbusd(__m256i acc, __m256i u8, __m256i s8) {
   return _mm256_dpbusd_avx_epi32(acc, u8, s8);
 }
 
-// Q8_0 (kQ4 = false) and Q4_0 (kQ4 = true).
-template <bool kQ4>
-struct Q32Tile {
+// One 32-byte half line of Q8_0 codes (4 codes of 8 rows), stored as
+// u8 = code + 128: Dot adds its products with a token's 4 broadcast codes.
+// The sums start at kQ8Start * (the block's activation code sum).
+struct Q8Half {
+  static constexpr int32_t kQ8Start = -128;
+  __m256i u8;
+  ELLM_TARGET ELLM_INLINE explicit Q8Half(const uint8_t* p) : u8(Load32(p)) {}
+  ELLM_TARGET ELLM_INLINE __m256i Dot(__m256i s, __m256i c) const { return Dpbusd(s, u8, c); }
+};
+
+// Q4_0: block b's integer sums for the 8 rows of half h (quant: the half's
+// first line) and NT tokens, the -8 offset included.
+struct Q4_0Sums {
   template <int NT>
-  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
-    constexpr int kQuant = kQ4 ? 256 : 512;
-    constexpr int32_t kOffset = kQ4 ? 8 : 128;
-    const QuantMatrix& w = *a.w;
-    const int64_t nb = w.cols() / 32;
-    const uint8_t* quant = w.group(g) + 32 * h;
-    const uint16_t* dh = reinterpret_cast<const uint16_t*>(w.group(g) + nb * kQuant) + 8 * h;
-    const TileActs<NT> act(a, t0, 32);
+  ELLM_TARGET ELLM_INLINE static void Block(const uint8_t* quant, const TileActs<NT>& act, int64_t b,
+                                            __m256i* s) {
     const __m256i low = _mm256_set1_epi8(0x0F);
-    __m256 acc[NT];
-    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* qb = quant + b * kQuant;
-      if (h == 0) {
-        PrefetchAhead(qb, kQuant);
-        PrefetchAhead(dh + 16 * b, 32);
-      }
-      __m256i s0[NT], s1[NT];
-      for (int t = 0; t < NT; ++t) {
-        s0[t] = _mm256_set1_epi32(-kOffset * act.sum[t][b]);
-        s1[t] = _mm256_setzero_si256();
-      }
+    __m256i s0[NT], s1[NT];
+    for (int t = 0; t < NT; ++t) {
+      s0[t] = _mm256_set1_epi32(-8 * act.sum[t][b]);
+      s1[t] = _mm256_setzero_si256();
+    }
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        __m256i w0, w1;
-        int o0, o1;  // activation offsets of the two lines
-        if constexpr (kQ4) {
-          const __m256i v = Load32(qb + 64 * i);
-          w0 = _mm256_and_si256(v, low);
-          w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          o0 = 4 * i;
-          o1 = 16 + 4 * i;
-        } else {
-          w0 = Load32(qb + 128 * i);
-          w1 = Load32(qb + 128 * i + 64);
-          o0 = 8 * i;
-          o1 = 8 * i + 4;
-        }
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = Load32(quant + b * 256 + 64 * i);
+      const __m256i w0 = _mm256_and_si256(v, low);
+      const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
 #pragma GCC unroll 2
-        for (int t = 0; t < NT; ++t) {
-          const int8_t* c = act.codes[t] + 32 * b;
-          s0[t] = Dpbusd(s0[t], w0, Bcast4(c + o0));
-          s1[t] = Dpbusd(s1[t], w1, Bcast4(c + o1));
-        }
-      }
-      const __m256 dw = LoadHalves8(dh + 16 * b);
       for (int t = 0; t < NT; ++t) {
-        const __m256i s = _mm256_add_epi32(s0[t], s1[t]);
-        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(act.d[t][b])),
-                                 dw, acc[t]);
+        const int8_t* c = act.codes[t] + 32 * b;
+        s0[t] = Dpbusd(s0[t], w0, Bcast4(c + 4 * i));
+        s1[t] = Dpbusd(s1[t], w1, Bcast4(c + 16 + 4 * i));
       }
     }
-    for (int t = 0; t < NT; ++t) {
-      Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
-    }
+    for (int t = 0; t < NT; ++t) s[t] = _mm256_add_epi32(s0[t], s1[t]);
   }
 };
 
-// Q8_0 for several tokens (prefill) on whole lines: each line's two halves
-// (rows 0-7, 8-15) serve every token of the tile, so a VPDPBUSD costs
-// 1/2 + 1/NT loads (0.75 for 4 tokens) where the half-line tile's cost
-// 1 + 1/NT for two tokens at most (1.5). Prefill of 1024 tokens on the bench model (ellm-bench
-// prefill --matmul-isa avx2-vnni, AMD EPYC Zen 5, 2 threads): matrix work at
-// 0.35-0.39 -> 0.50-0.52 of the VPDPBUSD peak, 348-383 -> 508 tokens/s.
-struct Q8_0LineTile {
-  static constexpr bool kWholeLines = true;
-  static constexpr int kMaxTokens = 4;
-  template <int NT>
-  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int /*h*/, int t0) {
-    const QuantMatrix& w = *a.w;
-    const int64_t nb = w.cols() / 32;
-    const uint8_t* quant = w.group(g);
-    const uint16_t* dh = reinterpret_cast<const uint16_t*>(quant + nb * 512);
-    const TileActs<NT> act(a, t0, 32);
-    __m256 acc[NT][2];
-    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* qb = quant + b * 512;
-      PrefetchAhead(qb, 512);
-      PrefetchAhead(dh + 16 * b, 32);
-      __m256i s[NT][2];
-      for (int t = 0; t < NT; ++t) s[t][0] = s[t][1] = _mm256_set1_epi32(-128 * act.sum[t][b]);
-#pragma GCC unroll 8
-      for (int k = 0; k < 8; ++k) {
-        const __m256i w0 = Load32(qb + 64 * k), w1 = Load32(qb + 64 * k + 32);
-#pragma GCC unroll 4
-        for (int t = 0; t < NT; ++t) {
-          const __m256i c = Bcast4(act.codes[t] + 32 * b + 4 * k);
-          s[t][0] = Dpbusd(s[t][0], w0, c);
-          s[t][1] = Dpbusd(s[t][1], w1, c);
-        }
-      }
-      const __m256 dw0 = LoadHalves8(dh + 16 * b), dw1 = LoadHalves8(dh + 16 * b + 8);
-#pragma GCC unroll 4
-      for (int t = 0; t < NT; ++t) {
-        const __m256 da = _mm256_set1_ps(act.d[t][b]);
-        acc[t][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[t][0]), da), dw0, acc[t][0]);
-        acc[t][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[t][1]), da), dw1, acc[t][1]);
-      }
-    }
-    for (int t = 0; t < NT; ++t) {
-      for (int h = 0; h < 2; ++h) {
-        Store8(acc[t][h], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
-      }
-    }
-  }
-};
-
-// Q4_K (kQ5 = false) and Q5_K.
+// Q4_K (kQ5 = false) and Q5_K: block b's integer sums for the 8 rows of half
+// h and NT tokens: si, the sub-block dots times their scales (VPMULLD), and
+// sm, the activation sums times the mins. qb and meta are the block's (qb
+// without the half's offset).
 template <bool kQ5>
-struct K4Tile {
+struct K4Sums {
+  static constexpr int kQuant = kQ5 ? 2560 : 2048;
   template <int NT>
-  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
-    constexpr int kQuant = kQ5 ? 2560 : 2048;
-    const QuantMatrix& w = *a.w;
-    const int64_t nb = w.cols() / 256;
-    const uint8_t* quant = w.group(g) + 32 * h;
-    const uint8_t* meta0 = w.group(g) + nb * kQuant;
-    const TileActs<NT> act(a, t0, 256);
+  ELLM_TARGET ELLM_INLINE static void BlockHalf(const uint8_t* qb, const uint8_t* meta, int h,
+                                                const TileActs<NT>& act, int64_t b, __m256i* si,
+                                                __m256i* sm) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i bit4 = _mm256_set1_epi8(0x10);
-    __m256 acc[NT];
-    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* qb = quant + b * kQuant;
-      const uint8_t* meta = meta0 + b * 320;
-      if (h == 0) {
-        PrefetchAhead(qb, kQuant);
-        PrefetchAhead(meta, 320);
-      }
-      __m256i si[NT], sm[NT];
-      for (int t = 0; t < NT; ++t) si[t] = sm[t] = _mm256_setzero_si256();
-      for (int s = 0; s < 8; ++s) {
-        // The sub-block scales of this half's 8 rows, int32.
-        const __m256i sc = _mm256_cvtepu8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s + 8 * h)));
-        __m256i hb = _mm256_setzero_si256();
-        if constexpr (kQ5) hb = Load32(qb + 2048 + 64 * s);
-        __m256i s0[NT], s1[NT];
-        for (int t = 0; t < NT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
+    qb += 32 * h;
+    for (int t = 0; t < NT; ++t) si[t] = sm[t] = _mm256_setzero_si256();
+    for (int s = 0; s < 8; ++s) {
+      // The sub-block scales of this half's 8 rows, int32.
+      const __m256i sc = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s + 8 * h)));
+      __m256i hb = _mm256_setzero_si256();
+      if constexpr (kQ5) hb = Load32(qb + 2048 + 64 * s);
+      __m256i s0[NT], s1[NT];
+      for (int t = 0; t < NT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) {
-          const __m256i v = Load32(qb + 256 * s + 64 * i);
-          __m256i w0 = _mm256_and_si256(v, low);
-          __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          if constexpr (kQ5) {
-            w0 = _mm256_or_si256(
-                w0, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - i)), bit4));
-            w1 = _mm256_or_si256(
-                w1, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(i)), bit4));
-          }
+      for (int i = 0; i < 4; ++i) {
+        const __m256i v = Load32(qb + 256 * s + 64 * i);
+        __m256i w0 = _mm256_and_si256(v, low);
+        __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if constexpr (kQ5) {
+          w0 = _mm256_or_si256(
+              w0, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - i)), bit4));
+          w1 = _mm256_or_si256(
+              w1, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(i)), bit4));
+        }
 #pragma GCC unroll 2
-          for (int t = 0; t < NT; ++t) {
-            const int8_t* c = act.codes[t] + 256 * b + 32 * s;
-            s0[t] = Dpbusd(s0[t], w0, Bcast4(c + 4 * i));
-            s1[t] = Dpbusd(s1[t], w1, Bcast4(c + 16 + 4 * i));
-          }
-        }
         for (int t = 0; t < NT; ++t) {
-          si[t] = _mm256_add_epi32(si[t], _mm256_mullo_epi32(_mm256_add_epi32(s0[t], s1[t]), sc));
+          const int8_t* c = act.codes[t] + 256 * b + 32 * s;
+          s0[t] = Dpbusd(s0[t], w0, Bcast4(c + 4 * i));
+          s1[t] = Dpbusd(s1[t], w1, Bcast4(c + 16 + 4 * i));
         }
       }
-#pragma GCC unroll 4
-      for (int p = 0; p < 4; ++p) {
-        const __m256i mp = _mm256_cvtepu8_epi16(Load16(meta + 192 + 32 * p + 16 * h));
-        for (int t = 0; t < NT; ++t) {
-          sm[t] = _mm256_dpwssd_avx_epi32(sm[t], mp, Bcast4(act.sum32[t] + 8 * b + 2 * p));
-        }
-      }
-      const __m256 d = LoadHalves8(meta + 16 * h);
-      const __m256 dmin = LoadHalves8(meta + 32 + 16 * h);
       for (int t = 0; t < NT; ++t) {
-        const __m256 f = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(si[t]),
-                                         _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(sm[t])));
-        acc[t] = _mm256_fmadd_ps(f, _mm256_set1_ps(act.d[t][b]), acc[t]);
+        si[t] = _mm256_add_epi32(si[t], _mm256_mullo_epi32(_mm256_add_epi32(s0[t], s1[t]), sc));
       }
     }
-    for (int t = 0; t < NT; ++t) {
-      Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m256i mp = _mm256_cvtepu8_epi16(Load16(meta + 192 + 32 * p + 16 * h));
+      for (int t = 0; t < NT; ++t) {
+        sm[t] = _mm256_dpwssd_avx_epi32(sm[t], mp, Bcast4(act.sum32[t] + 8 * b + 2 * p));
+      }
     }
   }
 };
 
-struct Q6Tile {
+// Q6_K: sub-blocks 2P and 2P + 1 of block b, for the 8 rows of half h and NT
+// tokens, added to si (the dots times their scales) and corr (the activation
+// sums times the scales: the -32 offset). qb and meta are the block's.
+struct Q6Sums {
   template <int NT>
-  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
-    const QuantMatrix& w = *a.w;
-    const int64_t nb = w.cols() / 256;
-    const uint8_t* quant = w.group(g) + 32 * h;
-    const uint8_t* meta0 = w.group(g) + nb * 3072;
-    const TileActs<NT> act(a, t0, 256);
+  ELLM_TARGET ELLM_INLINE static void PairHalf(const uint8_t* qb, const uint8_t* meta, int P, int h,
+                                               const TileActs<NT>& act, int64_t b, __m256i* si,
+                                               __m256i* corr) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i two = _mm256_set1_epi8(0x30);
-    __m256 acc[NT];
-    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* qb = quant + b * 3072;
-      const uint8_t* meta = meta0 + b * 288;
-      if (h == 0) {
-        PrefetchAhead(qb, 3072);
-        PrefetchAhead(meta, 288);
-      }
-      __m256i si[NT], corr[NT];
-      for (int t = 0; t < NT; ++t) si[t] = corr[t] = _mm256_setzero_si256();
-      for (int P = 0; P < 8; ++P) {  // sub-blocks 2P and 2P + 1
-        // Per row the int16 pair (sc[2P], sc[2P + 1]), and each as an int32.
-        const __m256i scp = _mm256_cvtepi8_epi16(Load16(meta + 32 + 32 * P + 16 * h));
-        const __m256i sce = _mm256_srai_epi32(_mm256_slli_epi32(scp, 16), 16);
-        const __m256i sco = _mm256_srai_epi32(scp, 16);
-        const __m128i shift = _mm_cvtsi32_si128(P % 2 ? 0 : 4);
-        __m256i s0[NT], s1[NT];
-        for (int t = 0; t < NT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
+    qb += 32 * h;
+    // Per row the int16 pair (sc[2P], sc[2P + 1]), and each as an int32.
+    const __m256i scp = _mm256_cvtepi8_epi16(Load16(meta + 32 + 32 * P + 16 * h));
+    const __m256i sce = _mm256_srai_epi32(_mm256_slli_epi32(scp, 16), 16);
+    const __m256i sco = _mm256_srai_epi32(scp, 16);
+    const __m128i shift = _mm_cvtsi32_si128(P % 2 ? 0 : 4);
+    __m256i s0[NT], s1[NT];
+    for (int t = 0; t < NT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; ++k) {
-          const __m256i v = Load32(qb + 256 * P + 64 * k);
-          const __m256i hbits = _mm256_sll_epi16(Load32(qb + 2048 + 256 * (P / 2) + 64 * k), shift);
-          const __m256i we =
-              _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hbits, two));
-          const __m256i wo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                             _mm256_and_si256(_mm256_srli_epi16(hbits, 2), two));
+    for (int k = 0; k < 4; ++k) {
+      const __m256i v = Load32(qb + 256 * P + 64 * k);
+      const __m256i hbits = _mm256_sll_epi16(Load32(qb + 2048 + 256 * (P / 2) + 64 * k), shift);
+      const __m256i we = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hbits, two));
+      const __m256i wo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                         _mm256_and_si256(_mm256_srli_epi16(hbits, 2), two));
 #pragma GCC unroll 2
-          for (int t = 0; t < NT; ++t) {
-            const int8_t* c = act.codes[t] + 256 * b + 32 * P;
-            s0[t] = Dpbusd(s0[t], we, Bcast4(c + 4 * k));
-            s1[t] = Dpbusd(s1[t], wo, Bcast4(c + 16 + 4 * k));
-          }
-        }
-        for (int t = 0; t < NT; ++t) {
-          si[t] = _mm256_add_epi32(si[t], _mm256_add_epi32(_mm256_mullo_epi32(s0[t], sce),
-                                                           _mm256_mullo_epi32(s1[t], sco)));
-          corr[t] = _mm256_dpwssd_avx_epi32(corr[t], scp, Bcast4(act.sum16[t] + 16 * b + 2 * P));
-        }
-      }
-      const __m256 d = LoadHalves8(meta + 16 * h);
       for (int t = 0; t < NT; ++t) {
-        const __m256i total = _mm256_sub_epi32(si[t], _mm256_slli_epi32(corr[t], 5));
-        acc[t] = _mm256_fmadd_ps(
-            _mm256_mul_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(act.d[t][b])), d, acc[t]);
+        const int8_t* c = act.codes[t] + 256 * b + 32 * P;
+        s0[t] = Dpbusd(s0[t], we, Bcast4(c + 4 * k));
+        s1[t] = Dpbusd(s1[t], wo, Bcast4(c + 16 + 4 * k));
       }
     }
     for (int t = 0; t < NT; ++t) {
-      Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+      si[t] = _mm256_add_epi32(si[t], _mm256_add_epi32(_mm256_mullo_epi32(s0[t], sce),
+                                                       _mm256_mullo_epi32(s1[t], sco)));
+      corr[t] = _mm256_dpwssd_avx_epi32(corr[t], scp, Bcast4(act.sum16[t] + 16 * b + 2 * P));
     }
   }
 };
 
 #else  // !ELLM_AVX2_VNNI
 
-// --- AVX2 int8 tiles (VPMADDUBSW + VPMADDWD) ------------------------------------
+// --- AVX2 int8 products (VPMADDUBSW + VPMADDWD) -------------------------------------
 
-// Q8_0 takes whole 64-byte lines (both halves of 8 rows): each activation
-// broadcast serves 16 rows, and each line is read once. (Half a line per
-// pass, the group streamed twice, ran at 0.58 of the read probe.)
-struct Q8_0Tile {
-  static constexpr bool kWholeLines = true;
-  template <int NT>
-  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int /*h*/, int t0) {
-    Lines<NT, 1>(a, g, t0);
-  }
-
-  // One token (T = 1, decode): groups in pairs, their lines interleaved. Two
-  // streams of lines keep more DRAM reads in flight than one: one group at a
-  // time ran at 0.63-0.83 of the read probe, pairs at 0.84-1.03 (the AVX-512
-  // kernel reads groups in pairs too). Two tokens of a pair would spill.
-  ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
-    int64_t g = g_begin;
-    for (; g + 1 < g_end; g += 2) Lines<1, 2>(a, g, 0);
-    if (g < g_end) Lines<1, 1>(a, g, 0);
-  }
-
-  // Groups g .. g + kG - 1, NT tokens.
-  template <int NT, int kG>
-  ELLM_TARGET static void Lines(const KernelArgs& a, int64_t g, int t0) {
-    const QuantMatrix& w = *a.w;
-    const int64_t nb = w.cols() / 32;
-    const uint8_t* quant[kG];
-    const uint16_t* dh[kG];
-    for (int i = 0; i < kG; ++i) {
-      quant[i] = w.group(g + i);
-      dh[i] = reinterpret_cast<const uint16_t*>(quant[i] + nb * 512);
-    }
-    const TileActs<NT> act(a, t0, 32);
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[kG][NT][2];
-    for (int i = 0; i < kG; ++i) {
-      for (int t = 0; t < NT; ++t) acc[i][t][0] = acc[i][t][1] = _mm256_setzero_ps();
-    }
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256i s[kG][NT][2];
-      for (int i = 0; i < kG; ++i) {
-        for (int t = 0; t < NT; ++t) s[i][t][0] = s[i][t][1] = _mm256_setzero_si256();
-        PrefetchAhead(quant[i] + b * 512, 512);
-        PrefetchAhead(dh[i] + 16 * b, 32);
-      }
-#pragma GCC unroll 8
-      for (int k = 0; k < 8; ++k) {
-#pragma GCC unroll 2
-        for (int i = 0; i < kG; ++i) {
-          const uint8_t* line = quant[i] + b * 512 + 64 * k;
-          const __m256i ws0 = _mm256_xor_si256(Load32(line), flip);
-          const __m256i ws1 = _mm256_xor_si256(Load32(line + 32), flip);
-          const __m256i aw0 = _mm256_sign_epi8(ws0, ws0);
-          const __m256i aw1 = _mm256_sign_epi8(ws1, ws1);
-#pragma GCC unroll 2
-          for (int t = 0; t < NT; ++t) {
-            const __m256i c = Bcast4(act.codes[t] + 32 * b + 4 * k);
-            s[i][t][0] = _mm256_add_epi32(s[i][t][0], _mm256_madd_epi16(_mm256_maddubs_epi16(aw0, _mm256_sign_epi8(c, ws0)), ones));
-            s[i][t][1] = _mm256_add_epi32(s[i][t][1], _mm256_madd_epi16(_mm256_maddubs_epi16(aw1, _mm256_sign_epi8(c, ws1)), ones));
-          }
-        }
-      }
-#pragma GCC unroll 2
-      for (int i = 0; i < kG; ++i) {
-        const __m256 dw0 = LoadHalves8(dh[i] + 16 * b), dw1 = LoadHalves8(dh[i] + 16 * b + 8);
-        for (int t = 0; t < NT; ++t) {
-          const __m256 da = _mm256_set1_ps(act.d[t][b]);
-          acc[i][t][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[i][t][0]), da), dw0, acc[i][t][0]);
-          acc[i][t][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[i][t][1]), da), dw1, acc[i][t][1]);
-        }
-      }
-    }
-    for (int i = 0; i < kG; ++i) {
-      for (int t = 0; t < NT; ++t) {
-        for (int h = 0; h < 2; ++h) {
-          Store8(acc[i][t][h], a.y + (t0 + t) * a.ldy + (g + i) * kGroupRows + 8 * h, ValidHalf(w, g + i, h));
-        }
-      }
-    }
+// One 32-byte half line of Q8_0 codes (see the VNNI Q8Half): the signed code
+// is restored (xor 0x80) and multiplied as |code| x (activation *
+// sign(code)), so the int16 pair sums cannot saturate. The sums start at 0.
+struct Q8Half {
+  static constexpr int32_t kQ8Start = 0;
+  __m256i ws, aw;
+  ELLM_TARGET ELLM_INLINE explicit Q8Half(const uint8_t* p)
+      : ws(_mm256_xor_si256(Load32(p), _mm256_set1_epi8(static_cast<char>(0x80)))),
+        aw(_mm256_sign_epi8(ws, ws)) {}
+  ELLM_TARGET ELLM_INLINE __m256i Dot(__m256i s, __m256i c) const {
+    return _mm256_add_epi32(
+        s, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(c, ws)), _mm256_set1_epi16(1)));
   }
 };
 
-struct Q4_0Tile {
+// Q4_0: block b's integer sums for the 8 rows of half h (quant: the half's
+// first line) and NT tokens, the -8 offset included.
+struct Q4_0Sums {
   template <int NT>
-  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
-    const QuantMatrix& w = *a.w;
-    const int64_t nb = w.cols() / 32;
-    const uint8_t* quant = w.group(g) + 32 * h;
-    const uint16_t* dh = reinterpret_cast<const uint16_t*>(w.group(g) + nb * 256) + 8 * h;
-    const TileActs<NT> act(a, t0, 32);
+  ELLM_TARGET ELLM_INLINE static void Block(const uint8_t* quant, const TileActs<NT>& act, int64_t b,
+                                            __m256i* s) {
     const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[NT];
-    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      if (h == 0) {
-        PrefetchAhead(quant + b * 256, 256);
-        PrefetchAhead(dh + 16 * b, 32);
-      }
-      __m256i s16[NT];
-      for (int t = 0; t < NT; ++t) s16[t] = _mm256_setzero_si256();
+    __m256i s16[NT];
+    for (int t = 0; t < NT; ++t) s16[t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        const __m256i v = Load32(quant + b * 256 + 64 * i);
-        const __m256i w0 = _mm256_and_si256(v, low);
-        const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = Load32(quant + b * 256 + 64 * i);
+      const __m256i w0 = _mm256_and_si256(v, low);
+      const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
 #pragma GCC unroll 2
-        for (int t = 0; t < NT; ++t) {
-          const int8_t* c = act.codes[t] + 32 * b;
-          s16[t] = _mm256_add_epi16(
-              s16[t], _mm256_add_epi16(_mm256_maddubs_epi16(w0, Bcast4(c + 4 * i)),
-                                       _mm256_maddubs_epi16(w1, Bcast4(c + 16 + 4 * i))));
-        }
-      }
-      const __m256 dw = LoadHalves8(dh + 16 * b);
       for (int t = 0; t < NT; ++t) {
-        const __m256i s =
-            _mm256_sub_epi32(_mm256_madd_epi16(s16[t], ones), _mm256_set1_epi32(8 * act.sum[t][b]));
-        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(act.d[t][b])),
-                                 dw, acc[t]);
+        const int8_t* c = act.codes[t] + 32 * b;
+        s16[t] = _mm256_add_epi16(
+            s16[t], _mm256_add_epi16(_mm256_maddubs_epi16(w0, Bcast4(c + 4 * i)),
+                                     _mm256_maddubs_epi16(w1, Bcast4(c + 16 + 4 * i))));
       }
     }
     for (int t = 0; t < NT; ++t) {
-      Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+      s[t] = _mm256_sub_epi32(_mm256_madd_epi16(s16[t], _mm256_set1_epi16(1)),
+                              _mm256_set1_epi32(8 * act.sum[t][b]));
     }
   }
 };
 
+// Q4_K (kQ5 = false) and Q5_K: block b's integer sums for the 8 rows of half
+// h and NT tokens: si, the sub-block dots times their scales, and sm, the
+// activation sums times the mins. qb and meta are the block's (qb without the
+// half's offset).
 template <bool kQ5>
-struct K4Tile {
+struct K4Sums {
   static constexpr int kQuant = kQ5 ? 2560 : 2048;
-
-  // Block b's integer sums for the 8 rows of half h and NT tokens: si, the
-  // sub-block dots times their scales, and sm, the activation sums times the
-  // mins. qb and meta are the block's (qb without the half's offset).
   template <int NT>
   ELLM_TARGET ELLM_INLINE static void BlockHalf(const uint8_t* qb, const uint8_t* meta, int h,
                                                 const TileActs<NT>& act, int64_t b, __m256i* si,
@@ -648,74 +452,12 @@ struct K4Tile {
       }
     }
   }
-
-  // acc += (d * si - dmin * sm) * d_act for half h.
-  ELLM_TARGET ELLM_INLINE static __m256 Finish(const uint8_t* meta, int h, __m256i si, __m256i sm,
-                                               float d_act, __m256 acc) {
-    const __m256 d = LoadHalves8(meta + 16 * h);
-    const __m256 dmin = LoadHalves8(meta + 32 + 16 * h);
-    const __m256 f =
-        _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(si), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(sm)));
-    return _mm256_fmadd_ps(f, _mm256_set1_ps(d_act), acc);
-  }
-
-  // Half h of each line, NT tokens: two passes per group (h = 0, 1).
-  template <int NT>
-  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
-    const QuantMatrix& w = *a.w;
-    const int64_t nb = w.cols() / 256;
-    const uint8_t* quant = w.group(g);
-    const uint8_t* meta0 = quant + nb * kQuant;
-    const TileActs<NT> act(a, t0, 256);
-    __m256 acc[NT];
-    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* qb = quant + b * kQuant;
-      const uint8_t* meta = meta0 + b * 320;
-      if (h == 0) {
-        PrefetchAhead(qb, kQuant);
-        PrefetchAhead(meta, 320);
-      }
-      __m256i si[NT], sm[NT];
-      BlockHalf<NT>(qb, meta, h, act, b, si, sm);
-      for (int t = 0; t < NT; ++t) acc[t] = Finish(meta, h, si[t], sm[t], act.d[t][b], acc[t]);
-    }
-    for (int t = 0; t < NT; ++t) {
-      Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
-    }
-  }
-
-  // One token (T = 1, decode): both halves of each block in turn, so the
-  // group is read in one pass. The arithmetic per half is Run's.
-  ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
-    for (int64_t g = g_begin; g < g_end; ++g) Whole(a, g);
-  }
-  ELLM_TARGET static void Whole(const KernelArgs& a, int64_t g) {
-    const QuantMatrix& w = *a.w;
-    const int64_t nb = w.cols() / 256;
-    const uint8_t* quant = w.group(g);
-    const uint8_t* meta0 = quant + nb * kQuant;
-    const TileActs<1> act(a, 0, 256);
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* qb = quant + b * kQuant;
-      const uint8_t* meta = meta0 + b * 320;
-      PrefetchBlocks(w, g, b, nb, kQuant, 320);
-      for (int h = 0; h < 2; ++h) {
-        __m256i si, sm;
-        BlockHalf<1>(qb, meta, h, act, b, &si, &sm);
-        acc[h] = Finish(meta, h, si, sm, act.d[0][b], acc[h]);
-      }
-    }
-    for (int h = 0; h < 2; ++h) Store8(acc[h], a.y + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
-  }
 };
 
-struct Q6Tile {
-  // Sub-blocks 2P and 2P + 1 of block b, for the 8 rows of half h and NT
-  // tokens, added to si (the dots times their scales) and corr (the
-  // activation sums times the scales: the -32 offset). qb and meta are the
-  // block's.
+// Q6_K: sub-blocks 2P and 2P + 1 of block b, for the 8 rows of half h and NT
+// tokens, added to si (the dots times their scales) and corr (the activation
+// sums times the scales: the -32 offset). qb and meta are the block's.
+struct Q6Sums {
   template <int NT>
   ELLM_TARGET ELLM_INLINE static void PairHalf(const uint8_t* qb, const uint8_t* meta, int P, int h,
                                                const TileActs<NT>& act, int64_t b, __m256i* si,
@@ -761,7 +503,198 @@ struct Q6Tile {
       }
     }
   }
+};
 
+#endif  // ELLM_AVX2_VNNI
+
+// --- int8 tiles, on either set's products -------------------------------------------
+
+// Q8_0 takes whole 64-byte lines (both halves of 8 rows): each activation
+// broadcast serves 16 rows, and each line is read once. (Half a line per
+// pass, the group streamed twice, ran at 0.58 of the read probe on avx2.)
+// For several tokens (prefill) a line's two halves serve every token of the
+// tile, so a VPDPBUSD costs 1/2 + 1/NT loads (0.75 for 4 tokens) where a
+// half-line tile's cost 1 + 1/NT for two tokens at most (1.5): prefill of
+// 1024 tokens on the bench model (ellm-bench prefill --matmul-isa avx2-vnni,
+// AMD EPYC Zen 5, 2 threads), matrix work at 0.35-0.39 -> 0.50-0.52 of the
+// VPDPBUSD peak, 348-383 -> 508 tokens/s. VPMADDUBSW's temporaries leave
+// registers for 2 tokens.
+struct Q8_0Tile {
+  static constexpr bool kWholeLines = true;
+  static constexpr int kMaxTokens = ELLM_AVX2_VNNI ? 4 : kMaxTile;
+  template <int NT>
+  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int /*h*/, int t0) {
+    Lines<NT, 1>(a, g, t0);
+  }
+
+  // One token (T = 1, decode): groups in pairs, their lines interleaved. Two
+  // streams of lines keep more DRAM reads in flight than one: one group at a
+  // time ran at 0.63-0.83 of the read probe, pairs at 0.84-1.03 (avx2; the
+  // AVX-512 kernel reads groups in pairs too). Two tokens of a pair would spill.
+  ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
+    int64_t g = g_begin;
+    for (; g + 1 < g_end; g += 2) Lines<1, 2>(a, g, 0);
+    if (g < g_end) Lines<1, 1>(a, g, 0);
+  }
+
+  // Groups g .. g + kG - 1, NT tokens.
+  template <int NT, int kG>
+  ELLM_TARGET static void Lines(const KernelArgs& a, int64_t g, int t0) {
+    const QuantMatrix& w = *a.w;
+    const int64_t nb = w.cols() / 32;
+    const uint8_t* quant[kG];
+    const uint16_t* dh[kG];
+    for (int i = 0; i < kG; ++i) {
+      quant[i] = w.group(g + i);
+      dh[i] = reinterpret_cast<const uint16_t*>(quant[i] + nb * 512);
+    }
+    const TileActs<NT> act(a, t0, 32);
+    __m256 acc[kG][NT][2];
+    for (int i = 0; i < kG; ++i) {
+      for (int t = 0; t < NT; ++t) acc[i][t][0] = acc[i][t][1] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i s[kG][NT][2];
+      for (int i = 0; i < kG; ++i) {
+        for (int t = 0; t < NT; ++t) {
+          s[i][t][0] = s[i][t][1] = _mm256_set1_epi32(Q8Half::kQ8Start * act.sum[t][b]);
+        }
+        PrefetchAhead(quant[i] + b * 512, 512);
+        PrefetchAhead(dh[i] + 16 * b, 32);
+      }
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {
+#pragma GCC unroll 2
+        for (int i = 0; i < kG; ++i) {
+          const uint8_t* line = quant[i] + b * 512 + 64 * k;
+          const Q8Half w0(line), w1(line + 32);
+#pragma GCC unroll 4
+          for (int t = 0; t < NT; ++t) {
+            const __m256i c = Bcast4(act.codes[t] + 32 * b + 4 * k);
+            s[i][t][0] = w0.Dot(s[i][t][0], c);
+            s[i][t][1] = w1.Dot(s[i][t][1], c);
+          }
+        }
+      }
+#pragma GCC unroll 2
+      for (int i = 0; i < kG; ++i) {
+        const __m256 dw0 = LoadHalves8(dh[i] + 16 * b), dw1 = LoadHalves8(dh[i] + 16 * b + 8);
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t) {
+          const __m256 da = _mm256_set1_ps(act.d[t][b]);
+          acc[i][t][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[i][t][0]), da), dw0, acc[i][t][0]);
+          acc[i][t][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[i][t][1]), da), dw1, acc[i][t][1]);
+        }
+      }
+    }
+    for (int i = 0; i < kG; ++i) {
+      for (int t = 0; t < NT; ++t) {
+        for (int h = 0; h < 2; ++h) {
+          Store8(acc[i][t][h], a.y + (t0 + t) * a.ldy + (g + i) * kGroupRows + 8 * h, ValidHalf(w, g + i, h));
+        }
+      }
+    }
+  }
+};
+
+// Q4_0: half lines, NT tokens.
+struct Q4_0Tile {
+  template <int NT>
+  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
+    const QuantMatrix& w = *a.w;
+    const int64_t nb = w.cols() / 32;
+    const uint8_t* quant = w.group(g) + 32 * h;
+    const uint16_t* dh = reinterpret_cast<const uint16_t*>(w.group(g) + nb * 256) + 8 * h;
+    const TileActs<NT> act(a, t0, 32);
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      if (h == 0) {
+        PrefetchAhead(quant + b * 256, 256);
+        PrefetchAhead(dh + 16 * b, 32);
+      }
+      __m256i s[NT];
+      Q4_0Sums::Block<NT>(quant, act, b, s);
+      const __m256 dw = LoadHalves8(dh + 16 * b);
+      for (int t = 0; t < NT; ++t) {
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[t]), _mm256_set1_ps(act.d[t][b])),
+                                 dw, acc[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+    }
+  }
+};
+
+template <bool kQ5>
+struct K4Tile {
+  using Sums = K4Sums<kQ5>;
+  static constexpr int kQuant = Sums::kQuant;
+
+  // acc += (d * si - dmin * sm) * d_act for half h.
+  ELLM_TARGET ELLM_INLINE static __m256 Finish(const uint8_t* meta, int h, __m256i si, __m256i sm,
+                                               float d_act, __m256 acc) {
+    const __m256 d = LoadHalves8(meta + 16 * h);
+    const __m256 dmin = LoadHalves8(meta + 32 + 16 * h);
+    const __m256 f =
+        _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(si), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(sm)));
+    return _mm256_fmadd_ps(f, _mm256_set1_ps(d_act), acc);
+  }
+
+  // Half h of each line, NT tokens: two passes per group (h = 0, 1).
+  template <int NT>
+  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
+    const QuantMatrix& w = *a.w;
+    const int64_t nb = w.cols() / 256;
+    const uint8_t* quant = w.group(g);
+    const uint8_t* meta0 = quant + nb * kQuant;
+    const TileActs<NT> act(a, t0, 256);
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* qb = quant + b * kQuant;
+      const uint8_t* meta = meta0 + b * 320;
+      if (h == 0) {
+        PrefetchAhead(qb, kQuant);
+        PrefetchAhead(meta, 320);
+      }
+      __m256i si[NT], sm[NT];
+      Sums::template BlockHalf<NT>(qb, meta, h, act, b, si, sm);
+      for (int t = 0; t < NT; ++t) acc[t] = Finish(meta, h, si[t], sm[t], act.d[t][b], acc[t]);
+    }
+    for (int t = 0; t < NT; ++t) {
+      Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+    }
+  }
+
+  // One token (T = 1, decode): both halves of each block in turn, so the
+  // group is read in one pass. The arithmetic per half is Run's.
+  ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
+    for (int64_t g = g_begin; g < g_end; ++g) Whole(a, g);
+  }
+  ELLM_TARGET static void Whole(const KernelArgs& a, int64_t g) {
+    const QuantMatrix& w = *a.w;
+    const int64_t nb = w.cols() / 256;
+    const uint8_t* quant = w.group(g);
+    const uint8_t* meta0 = quant + nb * kQuant;
+    const TileActs<1> act(a, 0, 256);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* qb = quant + b * kQuant;
+      const uint8_t* meta = meta0 + b * 320;
+      PrefetchBlocks(w, g, b, nb, kQuant, 320);
+      for (int h = 0; h < 2; ++h) {
+        __m256i si, sm;
+        Sums::template BlockHalf<1>(qb, meta, h, act, b, &si, &sm);
+        acc[h] = Finish(meta, h, si, sm, act.d[0][b], acc[h]);
+      }
+    }
+    for (int h = 0; h < 2; ++h) Store8(acc[h], a.y + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+  }
+};
+
+struct Q6Tile {
   // acc += (si - 32 corr) * d_act * d for half h.
   ELLM_TARGET ELLM_INLINE static __m256 Finish(const uint8_t* meta, int h, __m256i si, __m256i corr,
                                                float d_act, __m256 acc) {
@@ -789,7 +722,7 @@ struct Q6Tile {
       }
       __m256i si[NT], corr[NT];
       for (int t = 0; t < NT; ++t) si[t] = corr[t] = _mm256_setzero_si256();
-      for (int P = 0; P < 8; ++P) PairHalf<NT>(qb, meta, P, h, act, b, si, corr);
+      for (int P = 0; P < 8; ++P) Q6Sums::PairHalf<NT>(qb, meta, P, h, act, b, si, corr);
       for (int t = 0; t < NT; ++t) acc[t] = Finish(meta, h, si[t], corr[t], act.d[t][b], acc[t]);
     }
     for (int t = 0; t < NT; ++t) {
@@ -816,15 +749,13 @@ struct Q6Tile {
       __m256i si[2], corr[2];
       for (int h = 0; h < 2; ++h) si[h] = corr[h] = _mm256_setzero_si256();
       for (int P = 0; P < 8; ++P) {
-        for (int h = 0; h < 2; ++h) PairHalf<1>(qb, meta, P, h, act, b, &si[h], &corr[h]);
+        for (int h = 0; h < 2; ++h) Q6Sums::PairHalf<1>(qb, meta, P, h, act, b, &si[h], &corr[h]);
       }
       for (int h = 0; h < 2; ++h) acc[h] = Finish(meta, h, si[h], corr[h], act.d[0][b], acc[h]);
     }
     for (int h = 0; h < 2; ++h) Store8(acc[h], a.y + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
   }
 };
-
-#endif  // ELLM_AVX2_VNNI
 
 // --- fp32 activations (F16, BF16): built once -----------------------------------
 
@@ -943,21 +874,13 @@ ELLM_TARGET void RunTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
   });
 }
 
-#if ELLM_AVX2_VNNI
-// Q8_0: half lines for one token, whole lines for more.
-ELLM_TARGET void RunQ8_0(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
-  if (a.T == 1) return RunTiles<Q32Tile<false>>(a, g_begin, g_end);
-  RunTiles<Q8_0LineTile>(a, g_begin, g_end);
-}
-#endif
-
 }  // namespace
 
 #if ELLM_AVX2_VNNI
 MatKernel Avx2VnniKernel(DType type) {
   switch (type) {
-    case DType::kQ8_0: return RunQ8_0;
-    case DType::kQ4_0: return RunTiles<Q32Tile<true>>;
+    case DType::kQ8_0: return RunTiles<Q8_0Tile>;
+    case DType::kQ4_0: return RunTiles<Q4_0Tile>;
     case DType::kQ4_K: return RunTiles<K4Tile<false>>;
     case DType::kQ5_K: return RunTiles<K4Tile<true>>;
     case DType::kQ6_K: return RunTiles<Q6Tile>;
