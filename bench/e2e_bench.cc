@@ -282,8 +282,11 @@ int E2eMain(int argc, char** argv) {
       "the default; rows are labelled fill=synthetic), then decodes --tokens tokens and reports\n"
       "the median interval. Prints one key=value line per context on stdout:\n"
       "  context= kv_dtype= fill= ms_per_token= tokens_per_s= bound_ms= ratio= kv_mb= weight_mb=\n"
-      "  probe_gb_per_s=\n"
-      "(ratio = ms_per_token / bound_ms; 1.0 is the machine's limit), and one prefill line.\n\n"
+      "  probe_gb_per_s= probe_before= probe_after=\n"
+      "(ratio = ms_per_token / bound_ms; 1.0 is the machine's limit), and one prefill line.\n"
+      "The probe is a streaming read on all cores in this process, run before the first context\n"
+      "and again after each; a row's bound uses the mean of the probes before and after it\n"
+      "(probe_gb_per_s), so a machine whose bandwidth drifts shows it in the two.\n\n"
       "Usage: ellm-bench e2e --model FILE.gguf [--context 4096,16384,32768,65536] [--tokens 16]");
   args.Flag("model", "", "GGUF model (required; the same file a --server runs)");
   args.Flag("context", "4096,16384,32768,65536", "context lengths to measure, comma-separated");
@@ -360,14 +363,18 @@ int E2eMain(int argc, char** argv) {
   // The probe: all cores this process may use, same process, before the runs.
   auto topology = DiscoverTopology();
   const int cores = topology.ok() ? topology->TotalCores() : 1;
-  double probe_gb_per_s = 0;
-  {
+  // Measured again after each context (the system idle between requests):
+  // a shared machine's bandwidth can move by half from one minute to the
+  // next, so each row's bound uses the mean of the probes either side of it.
+  const auto measure_probe = [cores]() {
     std::fprintf(stderr, "[e2e] read-bandwidth probe on %d threads...\n", cores);
     ThreadPool pool(cores);
     ReadProbe probe(int64_t{1} << 30);
-    probe_gb_per_s = probe.Measure(pool);
-    std::fprintf(stderr, "[e2e] probe: %.1f GB/s\n", probe_gb_per_s);
-  }
+    const double gb_per_s = probe.Measure(pool);
+    std::fprintf(stderr, "[e2e] probe: %.1f GB/s\n", gb_per_s);
+    return gb_per_s;
+  };
+  double probe_gb_per_s = measure_probe();
 
   absl::StatusOr<int> turns = args.GetInt("turns");
   absl::StatusOr<int> turn_tokens = args.GetInt("turn-tokens");
@@ -461,14 +468,19 @@ int E2eMain(int argc, char** argv) {
     for (size_t i = 1; i < t.arrivals.size(); ++i) intervals.push_back(t.arrivals[i] - t.arrivals[i - 1]);
     const double ms = Median(intervals) * 1e3;
     const double kv_bytes = kv_bytes_per_position * context;
-    const double bound_ms = (kv_bytes + weight_bytes) / (probe_gb_per_s * 1e9) * 1e3;
+    const double probe_before = probe_gb_per_s;
+    const double probe_after = measure_probe();
+    probe_gb_per_s = probe_after;  // the next row's "before"
+    const double probe_mean = (probe_before + probe_after) / 2;
+    const double bound_ms = (kv_bytes + weight_bytes) / (probe_mean * 1e9) * 1e3;
     rows.push_back({context, ms, bound_ms});
     std::printf(
         "context=%d kv_dtype=%s fill=%s prefix_cache=%s ms_per_token=%.3f tokens_per_s=%.2f bound_ms=%.3f "
-        "ratio=%.3f kv_mb=%.1f weight_mb=%.1f probe_gb_per_s=%.1f cpu=\"%s\"\n",
+        "ratio=%.3f kv_mb=%.1f weight_mb=%.1f probe_gb_per_s=%.1f probe_before=%.1f probe_after=%.1f "
+        "cpu=\"%s\"\n",
         context, args.Get("kv-dtype").c_str(), fill.c_str(), args.GetBool("no-prefix-cache") ? "off" : "on", ms,
         ms > 0 ? 1e3 / ms : 0, bound_ms, bound_ms > 0 ? ms / bound_ms : 0, kv_bytes / 1048576.0,
-        weight_bytes / 1048576.0, probe_gb_per_s, CpuModelName().c_str());
+        weight_bytes / 1048576.0, probe_mean, probe_before, probe_after, CpuModelName().c_str());
     std::fflush(stdout);
   }
 
