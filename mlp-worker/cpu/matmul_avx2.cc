@@ -11,9 +11,9 @@
 // The layout is the AVX-512 one (matmul_layout.h): each 64-byte line holds 16
 // rows; these kernels take it as two halves of 8 rows (bytes 0..31 and
 // 32..63), one half at a time, except Q8_0's, which takes whole lines (up to
-// 2 tokens per tile in avx2, 4 in avx2-vnni), and the one-token (decode)
-// tiles of Q8_0 (two groups side by side), Q4_K, Q5_K, Q6_K, F16 and BF16
-// (RunWhole). The two sets differ only in their int8 products (Q8Half,
+// 2 tokens per tile in avx2, 4 in avx2-vnni), and the decode tiles
+// (RunWhole): one token of Q8_0 (two groups side by side), Q6_K, F16 and
+// BF16, and up to 4 tokens of Q4_K and Q5_K. The two sets differ only in their int8 products (Q8Half,
 // Q4_0Tile, K4Sums, Q6Sums); the tiles around them are shared, so avx2-vnni
 // has the one-token tiles too. Before, its half-line tiles read one token's
 // weights slower than plain avx2 did; ratio to the probe, 2 threads (Zen 5,
@@ -685,7 +685,8 @@ struct K4Tile {
   // Up to kWholeTokens tokens (decode): both halves of each block in turn, so
   // the group is read in one pass (once per tile of tokens, then from L2).
   // The arithmetic per half is Run's. avx2-vnni, T = 4 from DRAM, 2 threads:
-  // medians 0.40 -> 0.47 of the probe against two passes.
+  // 0.39-0.46 -> 0.52-0.54 of the probe against the half-line tiles' two
+  // passes (plain avx2 0.28-0.29 -> 0.26-0.41).
   ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
     for (int64_t g = g_begin; g < g_end; ++g) {
       ForEachTile<kMaxTokens>(0, a.T, [&](int t0, auto nt) { Whole<decltype(nt)::value>(a, g, t0); });
@@ -883,9 +884,10 @@ struct WholeTokens : std::integral_constant<int, 1> {};
 template <typename Tile>
 struct WholeTokens<Tile, std::void_t<decltype(Tile::kWholeTokens)>> : std::integral_constant<int, Tile::kWholeTokens> {};
 
-// One token on whole lines (RunWhole) where the tile has it, else per group
-// token pairs over each half line that has rows, or over whole lines (h = 0
-// covers both halves) for the tiles that take them.
+// Decode steps on whole lines (RunWhole, up to WholeTokens tokens) where the
+// tile has it, else per group tiles of tokens over each half line that has
+// rows, or over whole lines (h = 0 covers both halves) for the tiles that
+// take them.
 template <typename Tile>
 ELLM_TARGET void RunTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
   if constexpr (HasRunWhole<Tile>::value) {
