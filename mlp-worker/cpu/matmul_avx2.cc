@@ -199,6 +199,41 @@ inline int ValidHalf(const QuantMatrix& w, int64_t g, int h) {
   return v < 0 ? 0 : v;
 }
 
+// The weight codes both sets multiply, unpacked from a 32-byte half line
+// (8 rows x 32 bytes) as u8 lanes.
+
+// Q4_0, Q4_K, Q5_K: the low nibbles (w0: columns 4i..4i+3 of the sub-block)
+// and high nibbles (w1: columns 16 + 4i..) of `line`, line i of its
+// sub-block; Q5_K adds the fifth bits from hb (the sub-block's high-bit line).
+template <bool kQ5>
+ELLM_TARGET ELLM_INLINE void NibbleCodes(const uint8_t* line, __m256i hb, int i, __m256i* w0,
+                                         __m256i* w1) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i v = Load32(line);
+  *w0 = _mm256_and_si256(v, low);
+  *w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  if constexpr (kQ5) {
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    *w0 = _mm256_or_si256(*w0, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - i)), bit4));
+    *w1 = _mm256_or_si256(*w1, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(i)), bit4));
+  }
+}
+
+// Q6_K: line k of sub-blocks 2P (we) and 2P + 1 (wo), 6-bit codes 0..63 from
+// the low-bit lines and the high-bit line (qb: the block's, with the half's
+// offset). Sub-block 2P's high bits are bits 2u, 2u + 1 of qh with u = 2 (P %
+// 2), shifted to bits 4, 5 (and 2P + 1's, bits 6, 7, to 4, 5 after >> 2).
+ELLM_TARGET ELLM_INLINE void Q6Codes(const uint8_t* qb, int P, int k, __m256i* we, __m256i* wo) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i two = _mm256_set1_epi8(0x30);
+  const __m256i v = Load32(qb + 256 * P + 64 * k);
+  const __m256i hbits =
+      _mm256_sll_epi16(Load32(qb + 2048 + 256 * (P / 2) + 64 * k), _mm_cvtsi32_si128(P % 2 ? 0 : 4));
+  *we = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hbits, two));
+  *wo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                        _mm256_and_si256(_mm256_srli_epi16(hbits, 2), two));
+}
+
 #if ELLM_AVX2_VNNI
 
 // --- AVX-VNNI int8 products -------------------------------------------------------
@@ -225,7 +260,6 @@ struct Q4_0Sums {
   template <int NT>
   ELLM_TARGET ELLM_INLINE static void Block(const uint8_t* quant, const TileActs<NT>& act, int64_t b,
                                             __m256i* s) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
     __m256i s0[NT], s1[NT];
     for (int t = 0; t < NT; ++t) {
       s0[t] = _mm256_set1_epi32(-8 * act.sum[t][b]);
@@ -233,9 +267,8 @@ struct Q4_0Sums {
     }
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      const __m256i v = Load32(quant + b * 256 + 64 * i);
-      const __m256i w0 = _mm256_and_si256(v, low);
-      const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      __m256i w0, w1;
+      NibbleCodes<false>(quant + b * 256 + 64 * i, _mm256_setzero_si256(), i, &w0, &w1);
 #pragma GCC unroll 2
       for (int t = 0; t < NT; ++t) {
         const int8_t* c = act.codes[t] + 32 * b;
@@ -258,8 +291,6 @@ struct K4Sums {
   ELLM_TARGET ELLM_INLINE static void BlockHalf(const uint8_t* qb, const uint8_t* meta, int h,
                                                 const TileActs<NT>& act, int64_t b, __m256i* si,
                                                 __m256i* sm) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i bit4 = _mm256_set1_epi8(0x10);
     qb += 32 * h;
     for (int t = 0; t < NT; ++t) si[t] = sm[t] = _mm256_setzero_si256();
     for (int s = 0; s < 8; ++s) {
@@ -275,15 +306,8 @@ struct K4Sums {
       for (int t = 0; t < NT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
-        const __m256i v = Load32(qb + 256 * s + 64 * i);
-        __m256i w0 = _mm256_and_si256(v, low);
-        __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        if constexpr (kQ5) {
-          w0 = _mm256_or_si256(
-              w0, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - i)), bit4));
-          w1 = _mm256_or_si256(
-              w1, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(i)), bit4));
-        }
+        __m256i w0, w1;
+        NibbleCodes<kQ5>(qb + 256 * s + 64 * i, hb, i, &w0, &w1);
 #pragma GCC unroll 4
         for (int t = 0; t < NT; ++t) {
           const int8_t* c = act.codes[t] + 256 * b + 32 * s;
@@ -318,23 +342,17 @@ struct Q6Sums {
   ELLM_TARGET ELLM_INLINE static void PairHalf(const uint8_t* qb, const uint8_t* meta, int P, int h,
                                                const TileActs<NT>& act, int64_t b, __m256i* si,
                                                __m256i* corr) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i two = _mm256_set1_epi8(0x30);
     qb += 32 * h;
     // Per row the int16 pair (sc[2P], sc[2P + 1]), and each as an int32.
     const __m256i scp = _mm256_cvtepi8_epi16(Load16(meta + 32 + 32 * P + 16 * h));
     const __m256i sce = _mm256_srai_epi32(_mm256_slli_epi32(scp, 16), 16);
     const __m256i sco = _mm256_srai_epi32(scp, 16);
-    const __m128i shift = _mm_cvtsi32_si128(P % 2 ? 0 : 4);
     __m256i s0[NT], s1[NT];
     for (int t = 0; t < NT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
-      const __m256i v = Load32(qb + 256 * P + 64 * k);
-      const __m256i hbits = _mm256_sll_epi16(Load32(qb + 2048 + 256 * (P / 2) + 64 * k), shift);
-      const __m256i we = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hbits, two));
-      const __m256i wo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                         _mm256_and_si256(_mm256_srli_epi16(hbits, 2), two));
+      __m256i we, wo;
+      Q6Codes(qb, P, k, &we, &wo);
 #pragma GCC unroll 2
       for (int t = 0; t < NT; ++t) {
         const int8_t* c = act.codes[t] + 256 * b + 32 * P;
@@ -375,14 +393,12 @@ struct Q4_0Sums {
   template <int NT>
   ELLM_TARGET ELLM_INLINE static void Block(const uint8_t* quant, const TileActs<NT>& act, int64_t b,
                                             __m256i* s) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
     __m256i s16[NT];
     for (int t = 0; t < NT; ++t) s16[t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      const __m256i v = Load32(quant + b * 256 + 64 * i);
-      const __m256i w0 = _mm256_and_si256(v, low);
-      const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      __m256i w0, w1;
+      NibbleCodes<false>(quant + b * 256 + 64 * i, _mm256_setzero_si256(), i, &w0, &w1);
 #pragma GCC unroll 2
       for (int t = 0; t < NT; ++t) {
         const int8_t* c = act.codes[t] + 32 * b;
@@ -409,8 +425,6 @@ struct K4Sums {
   ELLM_TARGET ELLM_INLINE static void BlockHalf(const uint8_t* qb, const uint8_t* meta, int h,
                                                 const TileActs<NT>& act, int64_t b, __m256i* si,
                                                 __m256i* sm) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i bit4 = _mm256_set1_epi8(0x10);
     qb += 32 * h;
     for (int t = 0; t < NT; ++t) si[t] = sm[t] = _mm256_setzero_si256();
     for (int s = 0; s < 8; ++s) {
@@ -424,15 +438,8 @@ struct K4Sums {
       for (int t = 0; t < NT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
-        const __m256i v = Load32(qb + 256 * s + 64 * i);
-        __m256i w0 = _mm256_and_si256(v, low);
-        __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        if constexpr (kQ5) {
-          w0 = _mm256_or_si256(
-              w0, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - i)), bit4));
-          w1 = _mm256_or_si256(
-              w1, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(i)), bit4));
-        }
+        __m256i w0, w1;
+        NibbleCodes<kQ5>(qb + 256 * s + 64 * i, hb, i, &w0, &w1);
 #pragma GCC unroll 2
         for (int t = 0; t < NT; ++t) {
           const int8_t* c = act.codes[t] + 256 * b + 32 * s;
@@ -470,8 +477,6 @@ struct Q6Sums {
   ELLM_TARGET ELLM_INLINE static void PairHalf(const uint8_t* qb, const uint8_t* meta, int P, int h,
                                                const TileActs<NT>& act, int64_t b, __m256i* si,
                                                __m256i* corr) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i two = _mm256_set1_epi8(0x30);
     // Per dword (sc_even, sc_odd) -> (sc_even, sc_even) / (sc_odd, sc_odd).
     const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1,
                                           0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
@@ -482,18 +487,10 @@ struct Q6Sums {
       const __m256i scp = _mm256_cvtepi8_epi16(Load16(meta + 32 + 32 * P + 16 * h));
       const __m256i sce = _mm256_shuffle_epi8(scp, even);
       const __m256i sco = _mm256_shuffle_epi8(scp, odd);
-      const __m128i shift = _mm_cvtsi32_si128(P % 2 ? 0 : 4);
 #pragma GCC unroll 2
       for (int kp = 0; kp < 4; kp += 2) {  // lines kp, kp + 1: one int16 sum each
         __m256i we[2], wo[2];
-        for (int u = 0; u < 2; ++u) {
-          const int k = kp + u;
-          const __m256i v = Load32(qb + 256 * P + 64 * k);
-          const __m256i hbits = _mm256_sll_epi16(Load32(qb + 2048 + 256 * (P / 2) + 64 * k), shift);
-          we[u] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hbits, two));
-          wo[u] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                  _mm256_and_si256(_mm256_srli_epi16(hbits, 2), two));
-        }
+        for (int u = 0; u < 2; ++u) Q6Codes(qb, P, kp + u, &we[u], &wo[u]);
 #pragma GCC unroll 2
         for (int t = 0; t < NT; ++t) {
           const int8_t* c = act.codes[t] + 256 * b + 32 * P;
