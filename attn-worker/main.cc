@@ -149,7 +149,7 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
  public:
   ControlService(const AttnWorkerConfig& config, CallSecret secret, KvCache* cache, std::mutex* cache_mu,
                  KvStore* store, const AttentionShard* shard, double probe_bytes_per_second,
-                 std::atomic<int64_t>* steps)
+                 std::atomic<int64_t>* steps, std::atomic<int64_t>* busy_ns)
       : config_(config),
         secret_(std::move(secret)),
         cache_(cache),
@@ -158,7 +158,8 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
         shard_(shard),
         kernel_(shard->kernel_name()),
         probe_bytes_per_second_(probe_bytes_per_second),
-        steps_(steps) {}
+        steps_(steps),
+        busy_ns_(busy_ns) {}
 
   grpc::Status GetInfo(grpc::ServerContext* ctx, const ellm::v1::GetInfoRequest*,
                        ellm::v1::WorkerInfo* info) override {
@@ -181,6 +182,7 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
     info->set_kernel(kernel_);
     info->set_threads(config_.threads);
     info->set_steps(steps_->load());
+    info->set_busy_seconds(static_cast<double>(busy_ns_->load()) * 1e-9);
     info->set_max_batch(config_.max_batch);
     info->set_max_step_tokens(config_.max_step_tokens);
     return grpc::Status::OK;
@@ -282,6 +284,7 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
   std::string kernel_;
   double probe_bytes_per_second_;
   std::atomic<int64_t>* steps_;
+  std::atomic<int64_t>* busy_ns_;
 };
 
 absl::Status Run(const AttnWorkerConfig& config) {
@@ -356,7 +359,7 @@ absl::Status Run(const AttnWorkerConfig& config) {
   }
 
   std::mutex cache_mu;
-  std::atomic<int64_t> steps{0};
+  std::atomic<int64_t> steps{0}, busy_ns{0};
   ASSIGN_OR_RETURN(CallSecret secret,
                    CallSecret::FromFile(CallSecret::Kind::kControl, config.control_secret_file));
   double probe_bytes_per_second = 0;
@@ -366,7 +369,7 @@ absl::Status Run(const AttnWorkerConfig& config) {
     LogInfo("read bandwidth of this node (probe, %d threads): %.1f GB/s", pool.size(), probe_bytes_per_second / 1e9);
   }
   ControlService control(config, std::move(secret), cache.get(), &cache_mu, store.get(), &shard,
-                         probe_bytes_per_second, &steps);
+                         probe_bytes_per_second, &steps, &busy_ns);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials());
@@ -382,6 +385,7 @@ absl::Status Run(const AttnWorkerConfig& config) {
   serve.stop = [] { return StopRequested(); };
   serve.cache_mu = &cache_mu;
   serve.steps = &steps;
+  serve.busy_ns = &busy_ns;
   ServeChannel(*channel, shard, serve);
   LogInfo("stopping");
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

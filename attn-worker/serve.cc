@@ -1,5 +1,6 @@
 #include "attn-worker/serve.h"
 
+#include "absl/time/clock.h"
 #include "core/log.h"
 #include "shm/messages.h"
 
@@ -36,8 +37,10 @@ void ServeChannel(shm::Channel& channel, AttentionShard& shard, const ServeOptio
         {
           std::unique_lock<std::mutex> lock;
           if (options.cache_mu != nullptr) lock = std::unique_lock<std::mutex>(*options.cache_mu);
+          const absl::Time begin = absl::Now();
           status = shard.Process(header.layer, header.n_seqs, header.n_tokens, *request,
                                  reinterpret_cast<float*>(*slot));
+          if (options.busy_ns != nullptr) *options.busy_ns += absl::ToInt64Nanoseconds(absl::Now() - begin);
         }
         if (status.ok()) {
           shm::FrameHeader reply;

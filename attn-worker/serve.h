@@ -22,6 +22,8 @@ struct ServeOptions {
   std::mutex* cache_mu = nullptr;
   // Counts steps served (one per layer-0 frame); may be null.
   std::atomic<int64_t>* steps = nullptr;
+  // Adds the nanoseconds spent in the shard's Process; may be null.
+  std::atomic<int64_t>* busy_ns = nullptr;
 };
 
 // Serves `channel` (created by this side: requests in, replies out) until

@@ -123,7 +123,27 @@ struct Timing {
   double ttft_ms() const { return arrivals.empty() ? 0 : (arrivals[0] - start) * 1e3; }
 };
 
-Timing Run(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRequest& req) {
+// The workers' busy seconds (ModelInfo) at a moment.
+struct Busy {
+  bool ok = false;
+  double at = 0, mlp = 0, attn = 0;
+};
+
+Busy ReadBusy(ellm::v1::Ellm::Stub* stub) {
+  Busy b;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  ellm::v1::ModelInfo info;
+  b.ok = stub->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info).ok();
+  b.at = Seconds();
+  b.mlp = info.mlp_busy_seconds();
+  b.attn = info.attn_busy_seconds();
+  return b;
+}
+
+// `busy` (when given): the workers' busy seconds read when the first token
+// arrives (decoding has begun) and again when the stream ends.
+Timing Run(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRequest& req, Busy* busy = nullptr) {
   Timing t;
   grpc::ClientContext ctx;
   t.start = Seconds();
@@ -131,6 +151,7 @@ Timing Run(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRequest& req) {
   ellm::v1::GenerateResponse resp;
   while (reader->Read(&resp)) {
     const double now = Seconds();
+    if (busy != nullptr && t.arrivals.empty() && resp.token_ids_size() > 0) busy[0] = ReadBusy(stub);
     for (int i = 0; i < resp.token_ids_size(); ++i) t.arrivals.push_back(now);
     t.ids.insert(t.ids.end(), resp.token_ids().begin(), resp.token_ids().end());
     t.text += resp.text();
@@ -139,6 +160,7 @@ Timing Run(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRequest& req) {
       t.cached_tokens = resp.finish().cached_tokens();
     }
   }
+  if (busy != nullptr) busy[1] = ReadBusy(stub);
   t.status = reader->Finish();
   return t;
 }
@@ -281,9 +303,16 @@ int E2eMain(int argc, char** argv) {
       "or by writing random K/V straight into the attention workers' caches (--fill synthetic,\n"
       "the default; rows are labelled fill=synthetic), then decodes --tokens tokens and reports\n"
       "the median interval. Prints one key=value line per context on stdout:\n"
-      "  context= kv_dtype= fill= ms_per_token= tokens_per_s= bound_ms= ratio= kv_mb= weight_mb=\n"
-      "  probe_gb_per_s= probe_before= probe_after=\n"
+      "  context= kv_dtype= fill= ms_per_token= tokens_per_s= bound_ms= ratio= mlp_ms= mlp_bound_ms=\n"
+      "  attention_ms= attention_bound_ms= other_ms= kv_mb= weight_mb= probe_gb_per_s= probe_before=\n"
+      "  probe_after=\n"
       "(ratio = ms_per_token / bound_ms; 1.0 is the machine's limit), and one prefill line.\n"
+      "The phases split ms_per_token by the workers' busy seconds (GetModelInfo) over the decoding:\n"
+      "mlp_ms the mlp-worker's matrix work, attention_ms the busiest attn-worker's attention,\n"
+      "other_ms the rest (hand-offs between the processes, waking threads, the coordinator); each\n"
+      "beside its part of the bound (weights / probe, KV / probe). The busy seconds are read when\n"
+      "the first token arrives and when the stream ends, each read up to a layer's work behind:\n"
+      "the split is good to a few percent from --tokens 64 on.\n"
       "The probe is a streaming read on all cores in this process, run before the first context\n"
       "and again after each; a row's bound uses the mean of the probes before and after it\n"
       "(probe_gb_per_s), so a machine whose bandwidth drifts shows it in the two.\n\n"
@@ -459,7 +488,8 @@ int E2eMain(int argc, char** argv) {
       while (static_cast<int>(text.size()) < context * 3) text += " the little dog ran to the park";
       req.set_prompt(text);
     }
-    Timing t = Run(stub.get(), req);
+    Busy busy[2];
+    Timing t = Run(stub.get(), req, busy);
     if (!t.status.ok()) {
       std::fprintf(stderr, "ellm-bench e2e: context %d: %s\n", context, t.status.error_message().c_str());
       return 1;
@@ -474,12 +504,27 @@ int E2eMain(int argc, char** argv) {
     const double probe_mean = (probe_before + probe_after) / 2;
     const double bound_ms = (kv_bytes + weight_bytes) / (probe_mean * 1e9) * 1e3;
     rows.push_back({context, ms, bound_ms});
+    // Where a token's time goes: each worker's share of the decoding stretch's
+    // wall time (busy seconds, first token to the end), times ms_per_token;
+    // the rest is hand-offs, waits and the coordinator. Next to each, its
+    // part of the bound.
+    std::string phases;
+    const double wall = busy[1].at - busy[0].at;
+    if (busy[0].ok && busy[1].ok && wall > 0) {
+      const double mlp_ms = (busy[1].mlp - busy[0].mlp) / wall * ms;
+      const double attn_ms = (busy[1].attn - busy[0].attn) / wall * ms;
+      char text[200];
+      std::snprintf(text, sizeof(text),
+                    "mlp_ms=%.3f mlp_bound_ms=%.3f attention_ms=%.3f attention_bound_ms=%.3f other_ms=%.3f ", mlp_ms,
+                    weight_bytes / (probe_mean * 1e6), attn_ms, kv_bytes / (probe_mean * 1e6), ms - mlp_ms - attn_ms);
+      phases = text;
+    }
     std::printf(
         "context=%d kv_dtype=%s fill=%s prefix_cache=%s ms_per_token=%.3f tokens_per_s=%.2f bound_ms=%.3f "
-        "ratio=%.3f kv_mb=%.1f weight_mb=%.1f probe_gb_per_s=%.1f probe_before=%.1f probe_after=%.1f "
+        "ratio=%.3f %skv_mb=%.1f weight_mb=%.1f probe_gb_per_s=%.1f probe_before=%.1f probe_after=%.1f "
         "cpu=\"%s\"\n",
         context, args.Get("kv-dtype").c_str(), fill.c_str(), args.GetBool("no-prefix-cache") ? "off" : "on", ms,
-        ms > 0 ? 1e3 / ms : 0, bound_ms, bound_ms > 0 ? ms / bound_ms : 0, kv_bytes / 1048576.0,
+        ms > 0 ? 1e3 / ms : 0, bound_ms, bound_ms > 0 ? ms / bound_ms : 0, phases.c_str(), kv_bytes / 1048576.0,
         weight_bytes / 1048576.0, probe_mean, probe_before, probe_after, CpuModelName().c_str());
     std::fflush(stdout);
   }

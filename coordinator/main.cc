@@ -170,6 +170,7 @@ std::vector<Metrics::WorkerSample> WorkerSamples(WorkerLink& link) {
     w.blocks_free = info.kv_blocks_free();
     w.blocks_cached = info.kv_blocks_cached();
     w.weight_read_bytes = info.weight_read_bytes();
+    w.busy_seconds = info.busy_seconds();
     out.push_back(std::move(w));
   }
   return out;
@@ -249,6 +250,7 @@ absl::Status Run(const CoordinatorConfig& config) {
   ServiceOptions service_options;
   service_options.model_path = config.model_path;
   service_options.default_max_tokens = config.default_max_tokens;
+  service_options.worker_info = [&workers] { return workers->link()->PollInfo(); };
   ellm::v1::ModelInfo& info = service_options.model_info;
   info.set_model_path(config.model_path);
   info.set_architecture(model.arch);

@@ -165,6 +165,13 @@ std::string Metrics::Render(const SchedulerStats& st, const std::vector<WorkerSa
       if (!w.attention) sample(absl::StrCat("ellm_weight_read_bytes_per_second{worker=\"", w.name, "\"}"), rates[i++]);
     }
   }
+  if (!workers.empty()) {
+    head("ellm_worker_busy_seconds_total", "counter",
+         "Seconds each worker spent computing (the mlp-worker less its waits for attention).");
+    for (const WorkerSample& w : workers) {
+      sample(absl::StrCat("ellm_worker_busy_seconds_total{worker=\"", w.name, "\"}"), w.busy_seconds);
+    }
+  }
   last_render_ = now;
   return out;
 }

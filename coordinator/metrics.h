@@ -36,6 +36,7 @@ class Metrics {
     double probe_bytes_per_second = 0;
     int64_t blocks_total = 0, blocks_free = 0, blocks_cached = 0;
     int64_t weight_read_bytes = 0;  // mlp: weight bytes read so far
+    double busy_seconds = 0;        // WorkerInfo.busy_seconds
   };
   // The text exposition (format 0.0.4) of everything, rates taken over the
   // time since the previous Render.

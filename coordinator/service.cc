@@ -1,5 +1,6 @@
 #include "coordinator/service.h"
 
+#include <algorithm>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -223,6 +224,15 @@ grpc::Status EllmService::GetModelInfo(grpc::ServerContext* context, const ellm:
   response->set_waiting(st.waiting);
   response->set_kv_store_blocks(st.stored_blocks);
   response->set_kv_store_loaded(st.stored_loaded);
+  if (options_.worker_info) {
+    for (const ellm::v1::WorkerInfo& w : options_.worker_info()) {
+      if (w.role() == ellm::v1::WORKER_ROLE_ATTN) {
+        response->set_attn_busy_seconds(std::max(response->attn_busy_seconds(), w.busy_seconds()));
+      } else {
+        response->set_mlp_busy_seconds(w.busy_seconds());
+      }
+    }
+  }
   return grpc::Status::OK;
 }
 

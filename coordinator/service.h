@@ -3,7 +3,9 @@
 // Generate's protobuf types meet the scheduler.
 #pragma once
 
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "coordinator/chat_template.h"
 #include "coordinator/scheduler.h"
@@ -21,6 +23,9 @@ struct ServiceOptions {
   ChatTemplate chat;               // from tokenizer.chat_template
   // Checked on every public call (none: every call passes).
   CallSecret api_key = CallSecret::None(CallSecret::Kind::kApiKey);
+  // The workers' current WorkerInfo, for GetModelInfo's busy seconds (unset:
+  // none reported).
+  std::function<std::vector<ellm::v1::WorkerInfo>()> worker_info;
 };
 
 class EllmService final : public ellm::v1::Ellm::Service {

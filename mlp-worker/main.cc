@@ -147,12 +147,13 @@ absl::StatusOr<MlpWorkerConfig> ConfigFromFlags(const Args& args) {
 class ControlService final : public ellm::v1::WorkerControl::Service {
  public:
   ControlService(const MlpWorkerConfig& config, CallSecret secret, std::string backend,
-                 int64_t weight_bytes_per_step, std::atomic<int64_t>* steps)
+                 int64_t weight_bytes_per_step, std::atomic<int64_t>* steps, std::atomic<int64_t>* busy_ns)
       : config_(config),
         secret_(std::move(secret)),
         backend_(std::move(backend)),
         weight_bytes_per_step_(weight_bytes_per_step),
-        steps_(steps) {}
+        steps_(steps),
+        busy_ns_(busy_ns) {}
   grpc::Status GetInfo(grpc::ServerContext* ctx, const ellm::v1::GetInfoRequest*,
                        ellm::v1::WorkerInfo* info) override {
     if (grpc::Status denied = secret_.Check(ctx, "GetInfo"); !denied.ok()) return denied;
@@ -163,6 +164,7 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
     info->set_kernel(backend_);
     info->set_threads(config_.threads);
     info->set_steps(steps_->load());
+    info->set_busy_seconds(static_cast<double>(busy_ns_->load()) * 1e-9);
     info->set_max_batch(config_.max_batch);
     info->set_max_step_tokens(config_.max_step_tokens);
     info->set_numa_node(-1);
@@ -182,6 +184,7 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
   std::string backend_;
   int64_t weight_bytes_per_step_;
   std::atomic<int64_t>* steps_;
+  std::atomic<int64_t>* busy_ns_;
 };
 
 int64_t WeightFileBytes(const GgufFile& file) {
@@ -284,10 +287,11 @@ absl::Status Run(const MlpWorkerConfig& config) {
       sizeof(shm::FrameHeader) + std::max<uint64_t>(config.max_batch * sizeof(shm::SampledSeq), 4096);
   ASSIGN_OR_RETURN(auto coord, shm::Channel::Create(config.channel, 4, plan_bytes, result_bytes));
 
-  std::atomic<int64_t> steps{0};
+  std::atomic<int64_t> steps{0}, busy_ns{0};
   ASSIGN_OR_RETURN(CallSecret secret,
                    CallSecret::FromFile(CallSecret::Kind::kControl, config.control_secret_file));
-  ControlService control(config, std::move(secret), backend->name(), WeightBytesPerStep(*file), &steps);
+  ControlService control(config, std::move(secret), backend->name(), WeightBytesPerStep(*file), &steps,
+                         &busy_ns);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials());
@@ -300,6 +304,7 @@ absl::Status Run(const MlpWorkerConfig& config) {
   ServeOptions serve;
   serve.stop = [] { return StopRequested(); };
   serve.steps = &steps;
+  runner->busy_ns = &busy_ns;
   ServeChannel(*coord, *runner, model, serve);
   LogInfo("stopping");
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

@@ -91,7 +91,9 @@ absl::Status StepRunner::RunLayer(uint64_t step, int layer, const std::vector<sh
                                   uint32_t T) {
   RETURN_IF_ERROR(backend_->StageQkv(layer));
   RETURN_IF_ERROR(SendQkv(step, layer, slices, T));
+  AddBusy();
   absl::Status st = GatherAttn(step, layer, T);
+  busy_since_ = absl::Now();
   // The backend has read the reply slots when this returns; they are released after.
   if (st.ok()) st = backend_->CompleteLayerFromShards(layer, io_.data(), static_cast<int>(io_.size()));
   for (size_t i = 0; i < shards_.size(); ++i) {
@@ -174,8 +176,22 @@ absl::Status StepRunner::GatherAttn(uint64_t step, int layer, uint32_t T) {
   return first_error;
 }
 
+void StepRunner::AddBusy() {
+  const absl::Time now = absl::Now();
+  if (busy_ns != nullptr) *busy_ns += absl::ToInt64Nanoseconds(now - busy_since_);
+  busy_since_ = now;
+}
+
 absl::StatusOr<std::vector<shm::SampledSeq>> StepRunner::Run(uint64_t step,
                                                             const shm::StepPlan& plan) {
+  busy_since_ = absl::Now();
+  absl::StatusOr<std::vector<shm::SampledSeq>> out = RunStep(step, plan);
+  AddBusy();
+  return out;
+}
+
+absl::StatusOr<std::vector<shm::SampledSeq>> StepRunner::RunStep(uint64_t step,
+                                                                const shm::StepPlan& plan) {
   const int T = static_cast<int>(plan.tokens.size());
   if (T == 0 || T > max_tokens_) {
     return absl::InvalidArgumentError(absl::StrCat("step of ", T, " tokens (max ", max_tokens_, ")"));

@@ -4,6 +4,7 @@
 // asked for a token.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -41,9 +42,17 @@ class StepRunner {
 
   absl::Duration shard_timeout = absl::Seconds(120);
 
+  // When set, Run adds the nanoseconds it spends computing, its waits for
+  // the shards' answers left out, as it goes (before each wait and at its
+  // end), so a reader sees at most one layer's work missing.
+  std::atomic<int64_t>* busy_ns = nullptr;
+
  private:
   StepRunner(const ModelConfig& config, MlpBackend* backend, std::vector<ShardLink> shards,
              int max_step_tokens);
+  absl::StatusOr<std::vector<shm::SampledSeq>> RunStep(uint64_t step, const shm::StepPlan& plan);
+  // Adds the time since busy_since_ to busy_ns and restarts it.
+  void AddBusy();
   // One layer: SendQkv, then GatherAttn, then the backend finishes the layer
   // from the reply slots, which are released after.
   absl::Status RunLayer(uint64_t step, int layer, const std::vector<shm::SeqSlice>& slices,
@@ -76,6 +85,7 @@ class StepRunner {
   std::vector<uint8_t*> slots_;
   std::vector<bool> held_;
   std::vector<float> logits_;
+  absl::Time busy_since_;  // start of the computing stretch not yet added to busy_ns
 };
 
 }  // namespace ellm::mlp

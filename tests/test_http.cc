@@ -433,6 +433,7 @@ TEST(Http, ADisconnectCancelsAndConcurrentStreamsMatchTheirSoloRuns) {
 }
 
 TEST(Http, MetricsCountWhatHappenedAndReflectionListsTheApi) {
+  const auto launched = std::chrono::steady_clock::now();
   EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl"});
   ASSERT_TRUE(system.ready()) << system.Log();
   const int port = system.http_port();
@@ -464,6 +465,31 @@ TEST(Http, MetricsCountWhatHappenedAndReflectionListsTheApi) {
     EXPECT_GE(samples["ellm_kv_read_bandwidth_ratio" + w], 0);
   }
   EXPECT_GT(samples["ellm_weight_read_bytes_total{worker=\"mlp\"}"], 0);
+  // Busy seconds: every worker computed, for less time than it has existed;
+  // GetModelInfo gives the mlp-worker's and the busiest attn-worker's, and
+  // both grow with the next request.
+  const double alive = std::chrono::duration<double>(std::chrono::steady_clock::now() - launched).count();
+  double attn_busy = 0;
+  for (const char* w : {"attn-0", "attn-1", "mlp"}) {
+    const double busy = samples[absl::StrCat("ellm_worker_busy_seconds_total{worker=\"", w, "\"}")];
+    EXPECT_GT(busy, 0) << w;
+    EXPECT_LT(busy, alive) << w;
+    if (w[0] == 'a') attn_busy = std::max(attn_busy, busy);
+  }
+  ellm::v1::ModelInfo before, after;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(system.stub()->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &before).ok());
+  }
+  EXPECT_GE(before.attn_busy_seconds(), attn_busy);
+  EXPECT_GE(before.mlp_busy_seconds(), samples["ellm_worker_busy_seconds_total{worker=\"mlp\"}"]);
+  ASSERT_EQ(Post(port, "/v1/completions", Completion("Once upon a time", 20, false)).status, 200);
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(system.stub()->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &after).ok());
+  }
+  EXPECT_GT(after.attn_busy_seconds(), before.attn_busy_seconds());
+  EXPECT_GT(after.mlp_busy_seconds(), before.mlp_busy_seconds());
   if (std::system("command -v promtool >/dev/null 2>&1") == 0) {
     const std::string path = MakeTempDir("metrics") + "/m.txt";
     std::ofstream(path) << m.body;
