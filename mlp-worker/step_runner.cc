@@ -91,7 +91,6 @@ absl::Status StepRunner::RunLayer(uint64_t step, int layer, const std::vector<sh
                                   uint32_t T) {
   RETURN_IF_ERROR(backend_->StageQkv(layer));
   RETURN_IF_ERROR(SendQkv(step, layer, slices, T));
-  AddBusy();
   absl::Status st = GatherAttn(step, layer, T);
   busy_since_ = absl::Now();
   // The backend has read the reply slots when this returns; they are released after.
@@ -126,6 +125,9 @@ absl::Status StepRunner::SendQkv(uint64_t step, int layer, const std::vector<shm
     slots_[taken++] = p;
   }
   if (st.ok()) st = backend_->WriteQkvShards(io_.data(), static_cast<int>(io_.size()));
+  // Busy until here: once the frames are committed the shards' threads may
+  // take this thread's core until they answer, and that is their time.
+  AddBusy();
   for (size_t i = 0; i < taken; ++i) {
     const ShardLink& link = shards_[i];
     shm::Ring& ring = link.channel->requests();
