@@ -7,7 +7,6 @@
 #include "core/cpu_features.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -563,35 +562,15 @@ void MatMul(const QuantMatrix& w, Activations& x, float* y, ThreadPool* pool, Is
     kernel(args, 0, groups);
     return;
   }
-  // Each thread takes its own contiguous share of the groups a chunk at a
-  // time, then helps with the others' unclaimed chunks: a thread the machine
-  // slows (another process's turn on its core, a shared VM) no longer holds
-  // the product up by its whole share, and a thread's chunks stay one stream
-  // unless it steals. Each group is still one kernel call's, so results do
-  // not change.
-  constexpr int kMaxThreads = 64, kChunksPerThread = 8;
-  const int threads = pool->size();
-  if (threads > kMaxThreads) {
-    pool->ParallelFor(groups, [&](int64_t begin, int64_t end, int) { kernel(args, begin, end); });
-    return;
-  }
-  struct alignas(64) Share {
-    std::atomic<int64_t> next{0};
-    int64_t end = 0;
-  };
-  Share shares[kMaxThreads];
-  for (int t = 0; t < threads; ++t) {
-    shares[t].next.store(groups * t / threads, std::memory_order_relaxed);
-    shares[t].end = groups * (t + 1) / threads;
-  }
-  const int64_t chunk = std::max<int64_t>(1, groups / (threads * kChunksPerThread));
-  pool->ParallelFor(threads, [&](int64_t mine, int64_t, int) {
-    for (int k = 0; k < threads; ++k) {
-      Share& s = shares[(mine + k) % threads];
-      for (int64_t g; (g = s.next.fetch_add(chunk, std::memory_order_relaxed)) < s.end;) {
-        kernel(args, g, std::min(s.end, g + chunk));
-      }
-    }
+  // Chunks of groups as ParallelItems: each thread runs its own range of
+  // chunks, then takes the others' last chunks, so a thread the machine slows
+  // (another process's turn on its core, a shared VM) no longer holds the
+  // product up by its whole share. Each group is still one kernel call's, so
+  // results do not change.
+  constexpr int kChunksPerThread = 8;
+  const int64_t chunk = std::max<int64_t>(1, groups / (pool->size() * kChunksPerThread));
+  ParallelItems(pool, (groups + chunk - 1) / chunk, false, [&](int64_t i, int) {
+    kernel(args, i * chunk, std::min(groups, (i + 1) * chunk));
   });
 }
 
