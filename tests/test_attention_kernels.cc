@@ -33,6 +33,7 @@
 #include "attn-worker/attention_kernels.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -811,6 +812,39 @@ TEST(AttentionShardKernels, NamesTheKernelAndChoosesChunks) {
   EXPECT_EQ(i8.shard->chunk_positions(), 512);  // 264 bytes per position: 512 x 264 >= 128 KiB
   EXPECT_EQ(AutoChunkPositions(KvFormat::Make(KvDType::kF16, 128)), 256);
   EXPECT_EQ(AutoChunkPositions(KvFormat::Make(KvDType::kInt8, 64)), 1024);
+}
+
+// Not a test: the speed of the kernels on prefill items, 16 tokens of one
+// KV head with G = 5 query heads (the qwen2.5-14b shape) over 4K positions
+// that fit in L2, every token seeing every position (most of a long
+// prefill's work), one thread, in G multiply-adds/s: the best of 30 passes,
+// so that a shared VM's stalls do not count. For before/after runs of a
+// kernel change; `ellm-bench prefill` gives the whole prefill against the
+// dot-product instruction's measured peak. Run with
+// --gtest_also_run_disabled_tests --gtest_filter='*PrefillItem*'.
+TEST(AttentionKernelsBench, DISABLED_PrefillItem) {
+  std::mt19937 gen(11);
+  const int positions = 4096, tokens = 16, group = 5;
+  for (KvDType dtype : {KvDType::kInt8, KvDType::kF16}) {
+    for (int hd : {128, 64}) {
+      PagedKv kv(dtype, hd, positions, 32, gen);
+      const std::vector<float> q = Normal(static_cast<size_t>(tokens) * group * hd, gen);
+      const std::vector<int32_t> last(tokens, positions - 1);
+      for (const AttentionKernel* k : AvailableKernels()) {
+        if (k->name == "reference") continue;
+        double best = 1e30;
+        for (int rep = 0; rep < 30; ++rep) {
+          const auto t0 = std::chrono::steady_clock::now();
+          const std::vector<float> out = RunChunks(*k, kv.view(), q.data(), tokens, group, last, 1024);
+          best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+          ASSERT_TRUE(std::isfinite(out[0]));
+        }
+        const double macs = 2.0 * tokens * group * positions * hd;
+        std::printf("prefill item: kernel=%s dtype=%s hd=%d gmacs=%.1f\n", std::string(k->name).c_str(),
+                    std::string(KvDTypeName(dtype)).c_str(), hd, macs / best / 1e9);
+      }
+    }
+  }
 }
 
 }  // namespace
