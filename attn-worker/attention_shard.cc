@@ -134,12 +134,14 @@ absl::Status AttentionShard::Process(uint32_t layer, uint32_t n_seqs, uint32_t n
   for (uint32_t s = 0; s < n_seqs; ++s) {
     const shm::SeqSlice& slice = req.slices[s];
     const int n = static_cast<int>(slice.n_tokens);
-    for (int tg = 0; tg < n; tg += kMaxChunkTokens) {
-      const int nt = std::min(kMaxChunkTokens, n - tg);
-      const int token0 = slice_token0_[s] + tg;
-      const int chunks = last_pos_[token0 + nt - 1] / chunk_ + 1;
-      kv_bytes += (last_pos_[token0 + nt - 1] + 1.0) * kvh * cache_->format().BytesPerPosition();
-      for (int h = 0; h < kvh; ++h) {
+    // KV head outermost: a thread's consecutive items of a prefill are the
+    // head's token groups, which read the same K and V (from L2 when they fit).
+    for (int h = 0; h < kvh; ++h) {
+      for (int tg = 0; tg < n; tg += kMaxChunkTokens) {
+        const int nt = std::min(kMaxChunkTokens, n - tg);
+        const int token0 = slice_token0_[s] + tg;
+        const int chunks = last_pos_[token0 + nt - 1] / chunk_ + 1;
+        if (h == 0) kv_bytes += (last_pos_[token0 + nt - 1] + 1.0) * kvh * cache_->format().BytesPerPosition();
         const int64_t need = static_cast<int64_t>(chunks) * nt * group;
         if (n <= kMaxChunkTokens && slots + need <= budget_slots) {
           const int merge = static_cast<int>(merges_.size());
