@@ -36,6 +36,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -816,15 +817,18 @@ TEST(AttentionShardKernels, NamesTheKernelAndChoosesChunks) {
 
 // Not a test: the speed of the kernels on prefill items, 16 tokens of one
 // KV head with G = 5 query heads (the qwen2.5-14b shape) over 4K positions
-// that fit in L2, every token seeing every position (most of a long
-// prefill's work), one thread, in G multiply-adds/s: the best of 30 passes,
-// so that a shared VM's stalls do not count. For before/after runs of a
-// kernel change; `ellm-bench prefill` gives the whole prefill against the
-// dot-product instruction's measured peak. Run with
+// (ELLM_BENCH_POSITIONS=N for another length; at 4K the K and V fit in L2),
+// every token seeing every position (most of a long prefill's work), one
+// thread, in G multiply-adds/s: the best of 30 passes, so that a shared VM's
+// stalls do not count. For before/after runs of a kernel change;
+// `ellm-bench prefill` gives the whole prefill against the dot-product
+// instruction's measured peak. Run with
 // --gtest_also_run_disabled_tests --gtest_filter='*PrefillItem*'.
 TEST(AttentionKernelsBench, DISABLED_PrefillItem) {
   std::mt19937 gen(11);
-  const int positions = 4096, tokens = 16, group = 5;
+  const int tokens = 16, group = 5;
+  const char* env = std::getenv("ELLM_BENCH_POSITIONS");
+  const int positions = env != nullptr ? std::atoi(env) : 4096;
   for (KvDType dtype : {KvDType::kInt8, KvDType::kF16}) {
     for (int hd : {128, 64}) {
       PagedKv kv(dtype, hd, positions, 32, gen);
@@ -840,8 +844,8 @@ TEST(AttentionKernelsBench, DISABLED_PrefillItem) {
           ASSERT_TRUE(std::isfinite(out[0]));
         }
         const double macs = 2.0 * tokens * group * positions * hd;
-        std::printf("prefill item: kernel=%s dtype=%s hd=%d gmacs=%.1f\n", std::string(k->name).c_str(),
-                    std::string(KvDTypeName(dtype)).c_str(), hd, macs / best / 1e9);
+        std::printf("prefill item: kernel=%s dtype=%s hd=%d positions=%d gmacs=%.1f\n", std::string(k->name).c_str(),
+                    std::string(KvDTypeName(dtype)).c_str(), hd, positions, macs / best / 1e9);
       }
     }
   }
