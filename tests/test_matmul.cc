@@ -835,12 +835,14 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
   const char* ws_env = std::getenv("ELLM_BENCH_WORKING_SET_KB");
   const int64_t kN = n_env != nullptr ? std::max(32LL, std::atoll(n_env)) / 32 * 32 : 5120;
   const size_t kWorkingSet = ws_env != nullptr ? std::max(1LL, std::atoll(ws_env)) * size_t{1024} : size_t{1} << 30;
+  // The probe runs again right before every row, on the row's threads: this
+  // VM's bandwidth moves by a third within minutes, so each row's ratio is
+  // to the probe of its own moment.
   std::vector<uint64_t> probe(kWorkingSet / 8, 1);
   for (int threads : {1, 2}) {
     ThreadPool pool(threads);
     std::printf("read probe, %d thread(s): %.1f GB/s\n", threads, ReadBandwidth(probe, pool));
   }
-  probe = {};
   const char* types_env = std::getenv("ELLM_BENCH_TYPES");
   for (DType type : {DType::kQ8_0, DType::kQ4_K, DType::kQ6_K, DType::kF16}) {
     if (types_env != nullptr &&
@@ -878,6 +880,7 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
         for (Isa isa : isas) {
           Activations act;
           act.Set(x.data(), T, kN);
+          const double probe_gbs = ReadBandwidth(probe, pool);
           MatMul(ms[0], act, y.data(), &pool, isa);  // converts the activations
           double best = 0;
           for (int rep = 0; rep < 2; ++rep) {
@@ -887,9 +890,10 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
             best = std::max(best, copies * static_cast<double>(one->bytes()) / s / 1e9);
           }
           std::printf(
-              "%-22s %d thread(s), T=%2d: %.1f GB/s of weights (%.2f ms per %lldx%lld matmul)\n",
+              "%-22s %d thread(s), T=%2d: %.1f GB/s of weights (%.2f ms per %lldx%lld matmul), "
+              "probe %.1f GB/s just before: ratio %.2f\n",
               KernelName(type, isa).c_str(), threads, T, best, one->bytes() / best / 1e6,
-              static_cast<long long>(kN), static_cast<long long>(kN));
+              static_cast<long long>(kN), static_cast<long long>(kN), probe_gbs, best / probe_gbs);
         }
       }
     }
