@@ -336,8 +336,8 @@ struct K4Sums {
   // Both halves of block b at once, for Whole: each broadcast of a token's
   // activation codes serves the lines of both halves. The sums are BlockHalf's
   // (integers: the order does not matter). On Zen 5 a VPBROADCASTD per
-  // VPDPBUSD costs about 28% of VPDPBUSD's rate, one per two about 17%.
-  static constexpr bool kBoth = true;
+  // VPDPBUSD costs about 28% of VPDPBUSD's rate, one per two about 17% (a
+  // scratch loop on zmm registers, not kept).
   template <int NT>
   ELLM_TARGET ELLM_INLINE static void BlockBoth(const uint8_t* qb, const uint8_t* meta, const TileActs<NT>& act,
                                                 int64_t b, __m256i (*si)[NT], __m256i (*sm)[NT]) {
@@ -479,7 +479,6 @@ struct Q4_0Sums {
 // half's offset).
 template <bool kQ5>
 struct K4Sums {
-  static constexpr bool kBoth = false;
   static constexpr int kQuant = kQ5 ? 2560 : 2048;
   template <int NT>
   ELLM_TARGET ELLM_INLINE static void BlockHalf(const uint8_t* qb, const uint8_t* meta, int h,
@@ -524,6 +523,67 @@ struct K4Sums {
       const __m256i mp = _mm256_cvtepu8_epi16(Load16(meta + 192 + 32 * p + 16 * h));
       for (int t = 0; t < NT; ++t) {
         sm[t] = _mm256_add_epi32(sm[t], _mm256_madd_epi16(mp, Bcast4(act.sum32[t] + 8 * b + 2 * p)));
+      }
+    }
+  }
+
+  // Both halves of block b at once, for Whole: each broadcast of a token's
+  // activation codes serves both halves' lines. The sums are BlockHalf's,
+  // added in the same order.
+  template <int NT>
+  ELLM_TARGET ELLM_INLINE static void BlockBoth(const uint8_t* qb, const uint8_t* meta, const TileActs<NT>& act,
+                                                int64_t b, __m256i (*si)[NT], __m256i (*sm)[NT]) {
+    for (int h = 0; h < 2; ++h) {
+      for (int t = 0; t < NT; ++t) si[h][t] = sm[h][t] = _mm256_setzero_si256();
+    }
+    for (int s = 0; s < 8; ++s) {
+      __m256i hb[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      if constexpr (kQ5) {
+        for (int h = 0; h < 2; ++h) hb[h] = Load32(qb + 32 * h + 2048 + 64 * s);
+      }
+      __m256i s0[2][NT], s1[2][NT];
+      for (int h = 0; h < 2; ++h) {
+        for (int t = 0; t < NT; ++t) s0[h][t] = s1[h][t] = _mm256_setzero_si256();
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        __m256i w[2][2];
+        for (int h = 0; h < 2; ++h) NibbleCodes<kQ5>(qb + 32 * h + 256 * s + 64 * i, hb[h], i, &w[h][0], &w[h][1]);
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* c = act.codes[t] + 256 * b + 32 * s;
+          const __m256i c0 = Bcast4(c + 4 * i), c1 = Bcast4(c + 16 + 4 * i);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i p0 = _mm256_maddubs_epi16(w[h][0], c0);
+            const __m256i p1 = _mm256_maddubs_epi16(w[h][1], c1);
+            if constexpr (kQ5) {
+              s0[h][t] = _mm256_add_epi16(s0[h][t], p0);
+              s1[h][t] = _mm256_add_epi16(s1[h][t], p1);
+            } else {
+              s0[h][t] = _mm256_add_epi16(s0[h][t], _mm256_add_epi16(p0, p1));
+            }
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        __m256i sc = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s + 8 * h)));
+        sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+        for (int t = 0; t < NT; ++t) {
+          __m256i d = _mm256_madd_epi16(s0[h][t], sc);
+          if constexpr (kQ5) d = _mm256_add_epi32(d, _mm256_madd_epi16(s1[h][t], sc));
+          si[h][t] = _mm256_add_epi32(si[h][t], d);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      for (int t = 0; t < NT; ++t) {
+        const __m256i a = Bcast4(act.sum32[t] + 8 * b + 2 * p);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i mp = _mm256_cvtepu8_epi16(Load16(meta + 192 + 32 * p + 16 * h));
+          sm[h][t] = _mm256_add_epi32(sm[h][t], _mm256_madd_epi16(mp, a));
+        }
       }
     }
   }
@@ -739,11 +799,14 @@ struct K4Tile {
     }
   }
 
-  // Up to kWholeTokens tokens (decode): both halves of each block in turn, so
-  // the group is read in one pass (once per tile of tokens, then from L2).
-  // The arithmetic per half is Run's. avx2-vnni, T = 4 from DRAM, 2 threads:
-  // 0.39-0.46 -> 0.52-0.54 of the probe against the half-line tiles' two
-  // passes (plain avx2 0.28-0.29 -> 0.26-0.41).
+  // Up to kWholeTokens tokens (decode): both halves of each block at once
+  // (K4Sums::BlockBoth), so the group is read in one pass (once per tile of
+  // tokens, then from L2) and each activation broadcast serves both halves.
+  // The integer sums per half are Run's. avx2-vnni, T = 4 from DRAM, 2
+  // threads: 0.39-0.46 -> 0.52-0.54 of the probe against the half-line
+  // tiles' two passes (plain avx2 0.28-0.29 -> 0.26-0.41); sharing the
+  // broadcasts, from cache, 1 thread: plain avx2 T = 1 33-36 -> 36-44 GB/s,
+  // avx2-vnni 40-55 -> 53-70.
   ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
     for (int64_t g = g_begin; g < g_end; ++g) {
       ForEachTile<kMaxTokens>(0, a.T, [&](int t0, auto nt) { Whole<decltype(nt)::value>(a, g, t0); });
@@ -764,18 +827,10 @@ struct K4Tile {
       const uint8_t* qb = quant + b * kQuant;
       const uint8_t* meta = meta0 + b * 320;
       PrefetchBlocks(w, g, b, nb, kQuant, 320);
-      if constexpr (Sums::kBoth) {
-        __m256i si[2][NT], sm[2][NT];
-        Sums::template BlockBoth<NT>(qb, meta, act, b, si, sm);
-        for (int h = 0; h < 2; ++h) {
-          for (int t = 0; t < NT; ++t) acc[h][t] = Finish(meta, h, si[h][t], sm[h][t], act.d[t][b], acc[h][t]);
-        }
-      } else {
-        for (int h = 0; h < 2; ++h) {
-          __m256i si[NT], sm[NT];
-          Sums::template BlockHalf<NT>(qb, meta, h, act, b, si, sm);
-          for (int t = 0; t < NT; ++t) acc[h][t] = Finish(meta, h, si[t], sm[t], act.d[t][b], acc[h][t]);
-        }
+      __m256i si[2][NT], sm[2][NT];
+      Sums::template BlockBoth<NT>(qb, meta, act, b, si, sm);
+      for (int h = 0; h < 2; ++h) {
+        for (int t = 0; t < NT; ++t) acc[h][t] = Finish(meta, h, si[h][t], sm[h][t], act.d[t][b], acc[h][t]);
       }
     }
     for (int h = 0; h < 2; ++h) {
