@@ -141,7 +141,7 @@ absl::Status AttentionShard::Process(uint32_t layer, uint32_t n_seqs, uint32_t n
         const int nt = std::min(kMaxChunkTokens, n - tg);
         const int token0 = slice_token0_[s] + tg;
         const int chunks = last_pos_[token0 + nt - 1] / chunk_ + 1;
-        if (h == 0) kv_bytes += (last_pos_[token0 + nt - 1] + 1.0) * kvh * cache_->format().BytesPerPosition();
+        kv_bytes += (last_pos_[token0 + nt - 1] + 1.0) * cache_->format().BytesPerPosition();
         const int64_t need = static_cast<int64_t>(chunks) * nt * group;
         if (n <= kMaxChunkTokens && slots + need <= budget_slots) {
           const int merge = static_cast<int>(merges_.size());
