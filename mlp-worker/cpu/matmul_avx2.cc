@@ -280,103 +280,59 @@ struct Q4_0Sums {
   }
 };
 
-// Q4_K (kQ5 = false) and Q5_K: block b's integer sums for the 8 rows of half
-// h and NT tokens: si, the sub-block dots times their scales (VPMULLD), and
-// sm, the activation sums times the mins. qb and meta are the block's (qb
-// without the half's offset).
+// Q4_K (kQ5 = false) and Q5_K: block b's integer sums for the 8 rows of
+// halves [h0, h0 + kHalves) and NT tokens: si[hh], the sub-block dots times
+// their scales (VPMULLD), and sm[hh], the activation sums times the mins. qb
+// and meta are the block's (qb without a half's offset). Whole takes both
+// halves at once, so that each broadcast of a token's codes serves both
+// halves' lines: on Zen 5 a VPBROADCASTD per VPDPBUSD costs about 28% of
+// VPDPBUSD's rate, one per two about 17% (`ellm-bench peak`).
 template <bool kQ5>
 struct K4Sums {
   static constexpr int kQuant = kQ5 ? 2560 : 2048;
-  template <int NT>
-  ELLM_TARGET ELLM_INLINE static void BlockHalf(const uint8_t* qb, const uint8_t* meta, int h,
-                                                const TileActs<NT>& act, int64_t b, __m256i* si,
-                                                __m256i* sm) {
-    qb += 32 * h;
-    for (int t = 0; t < NT; ++t) si[t] = sm[t] = _mm256_setzero_si256();
+  template <int NT, int kHalves>
+  ELLM_TARGET ELLM_INLINE static void Halves(const uint8_t* qb, const uint8_t* meta, int h0, const TileActs<NT>& act,
+                                             int64_t b, __m256i (*si)[NT], __m256i (*sm)[NT]) {
+    for (int hh = 0; hh < kHalves; ++hh) {
+      for (int t = 0; t < NT; ++t) si[hh][t] = sm[hh][t] = _mm256_setzero_si256();
+    }
+    // Up to 2 (half, token) sums: two sums each (4 chains); more: one (the
+    // registers hold no more, and the sums' chains are enough).
+    constexpr int kSums = kHalves * NT <= 2 ? 2 : 1;
     for (int s = 0; s < 8; ++s) {
-      // The sub-block scales of this half's 8 rows, int32.
-      const __m256i sc = _mm256_cvtepu8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s + 8 * h)));
-      __m256i hb = _mm256_setzero_si256();
-      if constexpr (kQ5) hb = Load32(qb + 2048 + 64 * s);
-      // Up to 2 tokens: two sums per token (4 chains); more: one (the
-      // registers hold no more, and the tokens' chains are enough).
-      constexpr bool kOneSum = NT > 2;
-      __m256i s0[NT], s1[NT];
-      for (int t = 0; t < NT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        __m256i w0, w1;
-        NibbleCodes<kQ5>(qb + 256 * s + 64 * i, hb, i, &w0, &w1);
-#pragma GCC unroll 4
+      __m256i hb[kHalves];
+      for (int hh = 0; hh < kHalves; ++hh) {
+        hb[hh] = kQ5 ? Load32(qb + 32 * (h0 + hh) + 2048 + 64 * s) : _mm256_setzero_si256();
+      }
+      __m256i acc[kHalves][NT][kSums];
+      for (int hh = 0; hh < kHalves; ++hh) {
         for (int t = 0; t < NT; ++t) {
-          const int8_t* c = act.codes[t] + 256 * b + 32 * s;
-          s0[t] = Dpbusd(s0[t], w0, Bcast4(c + 4 * i));
-          if constexpr (kOneSum) {
-            s0[t] = Dpbusd(s0[t], w1, Bcast4(c + 16 + 4 * i));
-          } else {
-            s1[t] = Dpbusd(s1[t], w1, Bcast4(c + 16 + 4 * i));
-          }
-        }
-      }
-      for (int t = 0; t < NT; ++t) {
-        const __m256i sum = kOneSum ? s0[t] : _mm256_add_epi32(s0[t], s1[t]);
-        si[t] = _mm256_add_epi32(si[t], _mm256_mullo_epi32(sum, sc));
-      }
-    }
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      const __m256i mp = _mm256_cvtepu8_epi16(Load16(meta + 192 + 32 * p + 16 * h));
-      for (int t = 0; t < NT; ++t) {
-        sm[t] = _mm256_dpwssd_avx_epi32(sm[t], mp, Bcast4(act.sum32[t] + 8 * b + 2 * p));
-      }
-    }
-  }
-
-  // Both halves of block b at once, for Whole: each broadcast of a token's
-  // activation codes serves the lines of both halves. The sums are BlockHalf's
-  // (integers: the order does not matter). On Zen 5 a VPBROADCASTD per
-  // VPDPBUSD costs about 28% of VPDPBUSD's rate, one per two about 17% (a
-  // scratch loop on zmm registers, not kept).
-  template <int NT>
-  ELLM_TARGET ELLM_INLINE static void BlockBoth(const uint8_t* qb, const uint8_t* meta, const TileActs<NT>& act,
-                                                int64_t b, __m256i (*si)[NT], __m256i (*sm)[NT]) {
-    for (int h = 0; h < 2; ++h) {
-      for (int t = 0; t < NT; ++t) si[h][t] = sm[h][t] = _mm256_setzero_si256();
-    }
-    for (int s = 0; s < 8; ++s) {
-      __m256i hb[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-      if constexpr (kQ5) {
-        for (int h = 0; h < 2; ++h) hb[h] = Load32(qb + 32 * h + 2048 + 64 * s);
-      }
-      // One token: two sums per half (4 chains); more: one per half and token.
-      constexpr int kSums = NT == 1 ? 2 : 1;
-      __m256i acc[2][NT][kSums];
-      for (int h = 0; h < 2; ++h) {
-        for (int t = 0; t < NT; ++t) {
-          for (int k = 0; k < kSums; ++k) acc[h][t][k] = _mm256_setzero_si256();
+          for (int k = 0; k < kSums; ++k) acc[hh][t][k] = _mm256_setzero_si256();
         }
       }
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
-        __m256i w[2][2];
-        for (int h = 0; h < 2; ++h) NibbleCodes<kQ5>(qb + 32 * h + 256 * s + 64 * i, hb[h], i, &w[h][0], &w[h][1]);
+        __m256i w[kHalves][2];
+        for (int hh = 0; hh < kHalves; ++hh) {
+          NibbleCodes<kQ5>(qb + 32 * (h0 + hh) + 256 * s + 64 * i, hb[hh], i, &w[hh][0], &w[hh][1]);
+        }
 #pragma GCC unroll 4
         for (int t = 0; t < NT; ++t) {
           const int8_t* c = act.codes[t] + 256 * b + 32 * s;
           const __m256i c0 = Bcast4(c + 4 * i), c1 = Bcast4(c + 16 + 4 * i);
-          for (int h = 0; h < 2; ++h) {
-            acc[h][t][0] = Dpbusd(acc[h][t][0], w[h][0], c0);
-            acc[h][t][kSums - 1] = Dpbusd(acc[h][t][kSums - 1], w[h][1], c1);
+          for (int hh = 0; hh < kHalves; ++hh) {
+            acc[hh][t][0] = Dpbusd(acc[hh][t][0], w[hh][0], c0);
+            acc[hh][t][kSums - 1] = Dpbusd(acc[hh][t][kSums - 1], w[hh][1], c1);
           }
         }
       }
-      for (int h = 0; h < 2; ++h) {
+      for (int hh = 0; hh < kHalves; ++hh) {
+        // The sub-block scales of this half's 8 rows, int32.
         const __m256i sc = _mm256_cvtepu8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s + 8 * h)));
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s + 8 * (h0 + hh))));
         for (int t = 0; t < NT; ++t) {
-          const __m256i sum = kSums == 2 ? _mm256_add_epi32(acc[h][t][0], acc[h][t][kSums - 1]) : acc[h][t][0];
-          si[h][t] = _mm256_add_epi32(si[h][t], _mm256_mullo_epi32(sum, sc));
+          const __m256i sum = kSums == 2 ? _mm256_add_epi32(acc[hh][t][0], acc[hh][t][1]) : acc[hh][t][0];
+          si[hh][t] = _mm256_add_epi32(si[hh][t], _mm256_mullo_epi32(sum, sc));
         }
       }
     }
@@ -384,9 +340,9 @@ struct K4Sums {
     for (int p = 0; p < 4; ++p) {
       for (int t = 0; t < NT; ++t) {
         const __m256i a = Bcast4(act.sum32[t] + 8 * b + 2 * p);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i mp = _mm256_cvtepu8_epi16(Load16(meta + 192 + 32 * p + 16 * h));
-          sm[h][t] = _mm256_dpwssd_avx_epi32(sm[h][t], mp, a);
+        for (int hh = 0; hh < kHalves; ++hh) {
+          const __m256i mp = _mm256_cvtepu8_epi16(Load16(meta + 192 + 32 * p + 16 * (h0 + hh)));
+          sm[hh][t] = _mm256_dpwssd_avx_epi32(sm[hh][t], mp, a);
         }
       }
     }
@@ -473,106 +429,60 @@ struct Q4_0Sums {
   }
 };
 
-// Q4_K (kQ5 = false) and Q5_K: block b's integer sums for the 8 rows of half
-// h and NT tokens: si, the sub-block dots times their scales, and sm, the
-// activation sums times the mins. qb and meta are the block's (qb without the
-// half's offset).
+// Q4_K (kQ5 = false) and Q5_K: block b's integer sums for the 8 rows of
+// halves [h0, h0 + kHalves) and NT tokens: si[hh], the sub-block dots times
+// their scales, and sm[hh], the activation sums times the mins. qb and meta
+// are the block's (qb without a half's offset). Whole takes both halves at
+// once, so that each broadcast of a token's codes serves both halves' lines.
 template <bool kQ5>
 struct K4Sums {
   static constexpr int kQuant = kQ5 ? 2560 : 2048;
-  template <int NT>
-  ELLM_TARGET ELLM_INLINE static void BlockHalf(const uint8_t* qb, const uint8_t* meta, int h,
-                                                const TileActs<NT>& act, int64_t b, __m256i* si,
-                                                __m256i* sm) {
-    qb += 32 * h;
-    for (int t = 0; t < NT; ++t) si[t] = sm[t] = _mm256_setzero_si256();
+  template <int NT, int kHalves>
+  ELLM_TARGET ELLM_INLINE static void Halves(const uint8_t* qb, const uint8_t* meta, int h0, const TileActs<NT>& act,
+                                             int64_t b, __m256i (*si)[NT], __m256i (*sm)[NT]) {
+    for (int hh = 0; hh < kHalves; ++hh) {
+      for (int t = 0; t < NT; ++t) si[hh][t] = sm[hh][t] = _mm256_setzero_si256();
+    }
     for (int s = 0; s < 8; ++s) {
-      // (sc, sc) int16 pairs of this half's 8 rows.
-      __m256i sc = _mm256_cvtepu8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s + 8 * h)));
-      sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
-      __m256i hb = _mm256_setzero_si256();
-      if constexpr (kQ5) hb = Load32(qb + 2048 + 64 * s);
-      __m256i s0[NT], s1[NT];
-      for (int t = 0; t < NT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
+      __m256i hb[kHalves];
+      for (int hh = 0; hh < kHalves; ++hh) {
+        hb[hh] = kQ5 ? Load32(qb + 32 * (h0 + hh) + 2048 + 64 * s) : _mm256_setzero_si256();
+      }
+      __m256i s0[kHalves][NT], s1[kHalves][NT];
+      for (int hh = 0; hh < kHalves; ++hh) {
+        for (int t = 0; t < NT; ++t) s0[hh][t] = s1[hh][t] = _mm256_setzero_si256();
+      }
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
-        __m256i w0, w1;
-        NibbleCodes<kQ5>(qb + 256 * s + 64 * i, hb, i, &w0, &w1);
-#pragma GCC unroll 2
-        for (int t = 0; t < NT; ++t) {
-          const int8_t* c = act.codes[t] + 256 * b + 32 * s;
-          const __m256i p0 = _mm256_maddubs_epi16(w0, Bcast4(c + 4 * i));
-          const __m256i p1 = _mm256_maddubs_epi16(w1, Bcast4(c + 16 + 4 * i));
-          if constexpr (kQ5) {  // lines 0..3 and 4..7 in separate int16 sums
-            s0[t] = _mm256_add_epi16(s0[t], p0);
-            s1[t] = _mm256_add_epi16(s1[t], p1);
-          } else {
-            s0[t] = _mm256_add_epi16(s0[t], _mm256_add_epi16(p0, p1));
-          }
+        __m256i w[kHalves][2];
+        for (int hh = 0; hh < kHalves; ++hh) {
+          NibbleCodes<kQ5>(qb + 32 * (h0 + hh) + 256 * s + 64 * i, hb[hh], i, &w[hh][0], &w[hh][1]);
         }
-      }
-      for (int t = 0; t < NT; ++t) {
-        __m256i d = _mm256_madd_epi16(s0[t], sc);
-        if constexpr (kQ5) d = _mm256_add_epi32(d, _mm256_madd_epi16(s1[t], sc));
-        si[t] = _mm256_add_epi32(si[t], d);
-      }
-    }
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      const __m256i mp = _mm256_cvtepu8_epi16(Load16(meta + 192 + 32 * p + 16 * h));
-      for (int t = 0; t < NT; ++t) {
-        sm[t] = _mm256_add_epi32(sm[t], _mm256_madd_epi16(mp, Bcast4(act.sum32[t] + 8 * b + 2 * p)));
-      }
-    }
-  }
-
-  // Both halves of block b at once, for Whole: each broadcast of a token's
-  // activation codes serves both halves' lines. The sums are BlockHalf's,
-  // added in the same order.
-  template <int NT>
-  ELLM_TARGET ELLM_INLINE static void BlockBoth(const uint8_t* qb, const uint8_t* meta, const TileActs<NT>& act,
-                                                int64_t b, __m256i (*si)[NT], __m256i (*sm)[NT]) {
-    for (int h = 0; h < 2; ++h) {
-      for (int t = 0; t < NT; ++t) si[h][t] = sm[h][t] = _mm256_setzero_si256();
-    }
-    for (int s = 0; s < 8; ++s) {
-      __m256i hb[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-      if constexpr (kQ5) {
-        for (int h = 0; h < 2; ++h) hb[h] = Load32(qb + 32 * h + 2048 + 64 * s);
-      }
-      __m256i s0[2][NT], s1[2][NT];
-      for (int h = 0; h < 2; ++h) {
-        for (int t = 0; t < NT; ++t) s0[h][t] = s1[h][t] = _mm256_setzero_si256();
-      }
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        __m256i w[2][2];
-        for (int h = 0; h < 2; ++h) NibbleCodes<kQ5>(qb + 32 * h + 256 * s + 64 * i, hb[h], i, &w[h][0], &w[h][1]);
 #pragma GCC unroll 2
         for (int t = 0; t < NT; ++t) {
           const int8_t* c = act.codes[t] + 256 * b + 32 * s;
           const __m256i c0 = Bcast4(c + 4 * i), c1 = Bcast4(c + 16 + 4 * i);
-          for (int h = 0; h < 2; ++h) {
-            const __m256i p0 = _mm256_maddubs_epi16(w[h][0], c0);
-            const __m256i p1 = _mm256_maddubs_epi16(w[h][1], c1);
-            if constexpr (kQ5) {
-              s0[h][t] = _mm256_add_epi16(s0[h][t], p0);
-              s1[h][t] = _mm256_add_epi16(s1[h][t], p1);
+          for (int hh = 0; hh < kHalves; ++hh) {
+            const __m256i p0 = _mm256_maddubs_epi16(w[hh][0], c0);
+            const __m256i p1 = _mm256_maddubs_epi16(w[hh][1], c1);
+            if constexpr (kQ5) {  // lines 0..3 and 4..7 in separate int16 sums
+              s0[hh][t] = _mm256_add_epi16(s0[hh][t], p0);
+              s1[hh][t] = _mm256_add_epi16(s1[hh][t], p1);
             } else {
-              s0[h][t] = _mm256_add_epi16(s0[h][t], _mm256_add_epi16(p0, p1));
+              s0[hh][t] = _mm256_add_epi16(s0[hh][t], _mm256_add_epi16(p0, p1));
             }
           }
         }
       }
-      for (int h = 0; h < 2; ++h) {
+      for (int hh = 0; hh < kHalves; ++hh) {
+        // (sc, sc) int16 pairs of this half's 8 rows.
         __m256i sc = _mm256_cvtepu8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s + 8 * h)));
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s + 8 * (h0 + hh))));
         sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
         for (int t = 0; t < NT; ++t) {
-          __m256i d = _mm256_madd_epi16(s0[h][t], sc);
-          if constexpr (kQ5) d = _mm256_add_epi32(d, _mm256_madd_epi16(s1[h][t], sc));
-          si[h][t] = _mm256_add_epi32(si[h][t], d);
+          __m256i d = _mm256_madd_epi16(s0[hh][t], sc);
+          if constexpr (kQ5) d = _mm256_add_epi32(d, _mm256_madd_epi16(s1[hh][t], sc));
+          si[hh][t] = _mm256_add_epi32(si[hh][t], d);
         }
       }
     }
@@ -580,9 +490,9 @@ struct K4Sums {
     for (int p = 0; p < 4; ++p) {
       for (int t = 0; t < NT; ++t) {
         const __m256i a = Bcast4(act.sum32[t] + 8 * b + 2 * p);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i mp = _mm256_cvtepu8_epi16(Load16(meta + 192 + 32 * p + 16 * h));
-          sm[h][t] = _mm256_add_epi32(sm[h][t], _mm256_madd_epi16(mp, a));
+        for (int hh = 0; hh < kHalves; ++hh) {
+          const __m256i mp = _mm256_cvtepu8_epi16(Load16(meta + 192 + 32 * p + 16 * (h0 + hh)));
+          sm[hh][t] = _mm256_add_epi32(sm[hh][t], _mm256_madd_epi16(mp, a));
         }
       }
     }
@@ -790,9 +700,9 @@ struct K4Tile {
         PrefetchAhead(qb, kQuant);
         PrefetchAhead(meta, 320);
       }
-      __m256i si[NT], sm[NT];
-      Sums::template BlockHalf<NT>(qb, meta, h, act, b, si, sm);
-      for (int t = 0; t < NT; ++t) acc[t] = Finish(meta, h, si[t], sm[t], act.d[t][b], acc[t]);
+      __m256i si[1][NT], sm[1][NT];
+      Sums::template Halves<NT, 1>(qb, meta, h, act, b, si, sm);
+      for (int t = 0; t < NT; ++t) acc[t] = Finish(meta, h, si[0][t], sm[0][t], act.d[t][b], acc[t]);
     }
     for (int t = 0; t < NT; ++t) {
       Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
@@ -800,7 +710,7 @@ struct K4Tile {
   }
 
   // Up to kWholeTokens tokens (decode): both halves of each block at once
-  // (K4Sums::BlockBoth), so the group is read in one pass (once per tile of
+  // (K4Sums::Halves), so the group is read in one pass (once per tile of
   // tokens, then from L2) and each activation broadcast serves both halves.
   // The integer sums per half are Run's. avx2-vnni, T = 4 from DRAM, 2
   // threads: 0.39-0.46 -> 0.52-0.54 of the probe against the half-line
@@ -828,7 +738,7 @@ struct K4Tile {
       const uint8_t* meta = meta0 + b * 320;
       PrefetchBlocks(w, g, b, nb, kQuant, 320);
       __m256i si[2][NT], sm[2][NT];
-      Sums::template BlockBoth<NT>(qb, meta, act, b, si, sm);
+      Sums::template Halves<NT, 2>(qb, meta, 0, act, b, si, sm);
       for (int h = 0; h < 2; ++h) {
         for (int t = 0; t < NT; ++t) acc[h][t] = Finish(meta, h, si[h][t], sm[h][t], act.d[t][b], acc[h][t]);
       }
