@@ -116,10 +116,9 @@ ELLM_TARGET ELLM_INLINE int32_t Load32(const void* p) {
 
 // acc += u8 x s8 products of `a` and the 4 bytes at `b4` broadcast to every
 // lane, by a separate broadcast: VPDPBUSD with an embedded broadcast runs at
-// less than half the rate on Zen 5 (a scratch loop, not kept, of 10
-// independent chains on one core: 2.5 G/s, against 4.8 with a VPBROADCASTD
-// from memory before each and 6.7 with none). Only single tiles take one
-// broadcast per VPDPBUSD; pairs share each broadcast between two tiles.
+// less than half the rate on Zen 5 (`ellm-bench peak --threads 1`, 10
+// independent chains: 2.4-2.5 G/s embedded, 4.9-5.2 with a VPBROADCASTD
+// from memory, 5.8-6.2 from registers only).
 ELLM_TARGET ELLM_INLINE __m512i DpbusdBcast(__m512i acc, __m512i a, const void* b4) {
   return _mm512_dpbusd_epi32(acc, a, _mm512_set1_epi32(Load32(b4)));
 }

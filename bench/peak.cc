@@ -1,12 +1,18 @@
 #include "bench/peak.h"
 
+#include "core/args.h"
 #include "core/cpu_features.h"
+#include "core/topology.h"
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <optional>
+#include <utility>
+#include <vector>
 
 namespace ellm::bench {
 namespace {
@@ -82,6 +88,54 @@ __attribute__((target("avx2,fma"))) int64_t RunAvx2Fma(int64_t iters) {
   return static_cast<int64_t>(_mm256_cvtss_f32(s));
 }
 
+// VPDPBUSD zmm fed by broadcast 4-byte groups, as the int8 kernels feed it:
+// 10 independent chains, two register operands k0, k1, and per iteration
+// kMode: 0 no broadcast (a register), 1 a VPBROADCASTD from memory per two
+// VPDPBUSDs, 2 one per VPDPBUSD, 3 VPDPBUSD's embedded broadcast ({1to16}).
+alignas(64) int32_t g_codes[64];
+
+template <int kMode>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) int64_t RunVnniBroadcast(int64_t iters) {
+  __m512i acc[10];
+  for (int i = 0; i < 10; ++i) acc[i] = _mm512_set1_epi32(i);
+  __m512i k0 = _mm512_set1_epi8(3), k1 = _mm512_set1_epi8(5);
+  for (int64_t n = 0; n < iters; ++n) {
+    __asm__ volatile("" : "+v"(k0), "+v"(k1));
+    const int32_t* m = g_codes + (n & 7) * 8;
+    for (int j = 0; j < 5; ++j) {
+      if constexpr (kMode == 3) {
+        __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc[2 * j]) : "v"(k0), "m"(m[j]));
+        __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc[2 * j + 1]) : "v"(k1), "m"(m[j + 1]));
+      } else {
+        __m512i c0 = kMode == 0 ? k0 : _mm512_set1_epi32(m[j]);
+        __m512i c1 = kMode == 2 ? _mm512_set1_epi32(m[j + 1]) : c0;
+        __asm__ volatile("" : "+v"(c0), "+v"(c1));
+        acc[2 * j] = _mm512_dpbusd_epi32(acc[2 * j], k0, c0);
+        acc[2 * j + 1] = _mm512_dpbusd_epi32(acc[2 * j + 1], k1, c1);
+      }
+    }
+  }
+  __m512i s = acc[0];
+  for (int i = 1; i < 10; ++i) s = _mm512_add_epi32(s, acc[i]);
+  return _mm512_reduce_add_epi32(s);
+}
+
+// The best rate of `ops_per_iter` x kIters operations per thread over three
+// runs on every thread of `pool`, in G per second.
+double BestRate(int64_t (*run)(int64_t), double ops_per_iter, ThreadPool& pool) {
+  std::atomic<int64_t> sink{0};
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {  // the best of three: a shared VM stalls now and then
+    const auto t0 = std::chrono::steady_clock::now();
+    pool.ParallelFor(pool.size(), [&](int64_t begin, int64_t end, int) {
+      for (int64_t i = begin; i < end; ++i) sink += run(kIters);
+    });
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, pool.size() * kIters * ops_per_iter / s / 1e9);
+  }
+  return sink.load() == 42 ? best + 1e-9 : best;
+}
+
 }  // namespace
 
 std::string DotUnitName(DotUnit unit) {
@@ -118,17 +172,51 @@ double PeakGmacs(DotUnit unit, ThreadPool& pool) {
     case DotUnit::kAvx512Fma: run = RunAvx512Fma, macs_per_iter = 8 * 16; break;
     case DotUnit::kAvx2Fma: run = RunAvx2Fma, macs_per_iter = 8 * 8; break;
   }
-  std::atomic<int64_t> sink{0};
-  double best = 0;
-  for (int rep = 0; rep < 3; ++rep) {  // the best of three: a shared VM stalls now and then
-    const auto t0 = std::chrono::steady_clock::now();
-    pool.ParallelFor(pool.size(), [&](int64_t begin, int64_t end, int) {
-      for (int64_t i = begin; i < end; ++i) sink += run(kIters);
-    });
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    best = std::max(best, pool.size() * kIters * macs_per_iter / s / 1e9);
+  return BestRate(run, macs_per_iter, pool);
+}
+
+std::vector<std::pair<std::string, double>> VnniBroadcastRates(ThreadPool& pool) {
+  if (!DotUnitSupported(DotUnit::kAvx512Vnni)) return {};
+  return {{"registers", BestRate(RunVnniBroadcast<0>, 10, pool)},
+          {"vpbroadcastd_per_two", BestRate(RunVnniBroadcast<1>, 10, pool)},
+          {"vpbroadcastd_per_one", BestRate(RunVnniBroadcast<2>, 10, pool)},
+          {"embedded_broadcast", BestRate(RunVnniBroadcast<3>, 10, pool)}};
+}
+
+int PeakMain(int argc, char** argv) {
+  Args args(
+      "ellm-bench peak: the measured peak of each dot-product instruction the kernels use,\n"
+      "on the given threads, and VPDPBUSD zmm's rate when its 4-byte groups come from\n"
+      "broadcasts (none, one per two, one per instruction, embedded). Prints key=value lines:\n"
+      "  unit= threads= peak_gmacs= cpu=\n"
+      "  unit=vpdpbusd-zmm threads= g_per_s_registers= g_per_s_vpbroadcastd_per_two= ... cpu=\n\n"
+      "Usage: ellm-bench peak [--threads N]");
+  args.Flag("threads", "0", "threads (0: the machine's cores)");
+  if (std::optional<int> exit = args.ParseFlagsOnly(argc + 1, argv - 1)) return *exit;
+  absl::StatusOr<int> threads_flag = args.GetInt("threads");
+  if (!threads_flag.ok() || *threads_flag < 0) {
+    std::fprintf(stderr, "ellm-bench peak: --threads must be a number >= 0\n");
+    return 2;
   }
-  return sink.load() == 42 ? best + 1e-9 : best;
+  absl::StatusOr<Topology> topology = DiscoverTopology();
+  const int threads = *threads_flag > 0 ? *threads_flag : topology.ok() ? topology->TotalCores() : 1;
+  ThreadPool pool(threads);
+  const std::string cpu = CpuModelName();
+  for (DotUnit unit : {DotUnit::kAvx512Vnni, DotUnit::kAvxVnni, DotUnit::kAvx2Madd, DotUnit::kAvx512Fma,
+                       DotUnit::kAvx2Fma}) {
+    if (!DotUnitSupported(unit)) continue;
+    std::fprintf(stderr, "[peak] %s on %d threads...\n", DotUnitName(unit).c_str(), threads);
+    std::printf("unit=%s threads=%d peak_gmacs=%.1f cpu=\"%s\"\n", DotUnitName(unit).c_str(), threads,
+                PeakGmacs(unit, pool), cpu.c_str());
+    std::fflush(stdout);
+  }
+  const std::vector<std::pair<std::string, double>> rates = VnniBroadcastRates(pool);
+  if (!rates.empty()) {
+    std::printf("unit=vpdpbusd-zmm threads=%d", threads);
+    for (const auto& [name, rate] : rates) std::printf(" g_per_s_%s=%.2f", name.c_str(), rate);
+    std::printf(" cpu=\"%s\"\n", cpu.c_str());
+  }
+  return 0;
 }
 
 DotUnit AttentionDotUnit(std::string_view kernel, KvDType dtype) {

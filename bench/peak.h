@@ -26,6 +26,10 @@ bool DotUnitSupported(DotUnit unit);
 // running independent chains; 0 when the CPU lacks it.
 double PeakGmacs(DotUnit unit, ThreadPool& pool);
 
+// `ellm-bench peak`: every supported unit's peak, and VPDPBUSD zmm's rate
+// (G instructions/s) with its 4-byte groups from broadcasts.
+int PeakMain(int argc, char** argv);
+
 // The instruction the inner loops of the attention kernel named `kernel`
 // (AttentionKernel::name, e.g. "avx2-vnni") run for `dtype`: int8 on integer
 // dot products, f16 on f32 FMAs. The reference kernel is judged as avx2.

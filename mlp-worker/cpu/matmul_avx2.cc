@@ -285,8 +285,7 @@ struct Q4_0Sums {
 // their scales (VPMULLD), and sm[hh], the activation sums times the mins. qb
 // and meta are the block's (qb without a half's offset). Whole takes both
 // halves at once, so that each broadcast of a token's codes serves both
-// halves' lines: on Zen 5 a VPBROADCASTD per VPDPBUSD costs about 28% of
-// VPDPBUSD's rate, one per two about 17% (`ellm-bench peak`).
+// halves' lines (gains in K4Tile::Whole).
 template <bool kQ5>
 struct K4Sums {
   static constexpr int kQuant = kQ5 ? 2560 : 2048;
