@@ -353,9 +353,9 @@ ELLM_TARGET void Int8Tiles(const TileCtx* t, const HeadsCtx& q) {
     const __m256 wmax = AllMax(top);
     const __m256 inv = _mm256_and_ps(_mm256_cmp_ps(wmax, _mm256_setzero_ps(), _CMP_GT_OQ),
                                      _mm256_div_ps(_mm256_set1_ps(kWeightMax), wmax));
-    // The 16 T codes as bytes in position order: the packs leave 4-byte
-    // groups of positions [4 (2 i + k), +4) at dword 4 k + i of each
-    // 128-bit lane (i < T 2, k: the lane), which VPERMD puts in order.
+    // The 16 T codes as bytes in position order: the two packs leave
+    // positions [8 i + 4 k, +4) (vector i < 2 T, 128-bit lane k) at dword
+    // 4 k + i, which VPERMD puts in order.
     __m256i c[4];
     for (int x = 0; x < 2 * T; ++x) c[x] = _mm256_cvtps_epi32(_mm256_mul_ps(w[x], inv));
     const __m256i c16a = _mm256_packus_epi32(c[0], c[1]);
