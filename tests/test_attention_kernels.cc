@@ -817,7 +817,8 @@ TEST(AttentionShardKernels, NamesTheKernelAndChoosesChunks) {
 
 // Not a test: the speed of the kernels on prefill items, 16 tokens of one
 // KV head with G = 5 query heads (the qwen2.5-14b shape) over 4K positions
-// (ELLM_BENCH_POSITIONS=N for another length; at 4K the K and V fit in L2),
+// (ELLM_BENCH_POSITIONS=N for another length; at 4K the K and V take about
+// 1 MB at hd 128 and half that at hd 64, about one core's L2),
 // every token seeing every position (most of a long prefill's work), one
 // thread, in G multiply-adds/s: the best of 30 passes, so that a shared VM's
 // stalls do not count. For before/after runs of a kernel change;
