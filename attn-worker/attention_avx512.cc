@@ -231,6 +231,7 @@ ELLM_TARGET ELLM_INLINE __m512 MaxEach(const __m512* x) {
 template <int G, int D, int T, bool kPrefetch>
 ELLM_TARGET ELLM_INLINE void VTile(const TileCtx* t, int dg, const HeadsCtx& q, const float* wscale,
                                    int pf_line = 0, int pf_end = 0) {
+  static_assert(T == 2 || !kPrefetch, "only pairs prefetch from p·V");
   __m512i va[D][G];
   for (int b = 0; b < D; ++b) {
     for (int j = 0; j < G; ++j) va[b][j] = _mm512_setzero_si512();
@@ -244,7 +245,7 @@ ELLM_TARGET ELLM_INLINE void VTile(const TileCtx* t, int dg, const HeadsCtx& q, 
   constexpr int kPfPerQuad = (5 * D + 4 * T - 1) / (4 * T);
 #pragma GCC unroll 8
   for (int quad = 0; quad < 4 * T; ++quad) {
-    if constexpr (T == 2 && kPrefetch) {
+    if constexpr (kPrefetch) {
       for (int k = 0; k < kPfPerQuad; ++k) {
         if (pf_line + quad + 4 * T * k < pf_end) PrefetchLine(t[1], pf_line + quad + 4 * T * k);
       }
@@ -257,7 +258,7 @@ ELLM_TARGET ELLM_INLINE void VTile(const TileCtx* t, int dg, const HeadsCtx& q, 
       }
     }
   }
-  if constexpr (T == 2 && kPrefetch) {
+  if constexpr (kPrefetch) {
     for (int l = pf_line + 4 * T * kPfPerQuad; l < pf_end; ++l) PrefetchLine(t[1], l);  // none so far
   }
   // In locals: each store to o could otherwise alias q's fields, and they
@@ -392,11 +393,13 @@ ELLM_TARGET void Int8Tiles(const TileCtx* t, const HeadsCtx& q) {
   // Only a chunk's first token prefetches (AttendChunk): the others run p·V
   // without the per-line tests (the prefill item bench, one thread, hd 128:
   // 267-272 -> 277-283 G multiply-adds/s).
-  if (T == 2 && t[1].pk != nullptr) {
-    ValuesOf<G, kDg, T, true>(t, q, wscale, n_dg, pf_lines, per_dg);
-  } else {
-    ValuesOf<G, kDg, T, false>(t, q, wscale, n_dg, pf_lines, per_dg);
+  if constexpr (T == 2) {
+    if (t[1].pk != nullptr) {
+      ValuesOf<G, kDg, T, true>(t, q, wscale, n_dg, pf_lines, per_dg);
+      return;
+    }
   }
+  ValuesOf<G, kDg, T, false>(t, q, wscale, n_dg, pf_lines, per_dg);
 }
 
 // o[16 db .. 16 (db + D)) of G heads += sum over the rows this token sees
