@@ -72,8 +72,10 @@ constexpr int kBlock = 8;  // query heads per register block
 struct HeadScratch {
   float dvec[16];  // lanes of d (summed at the end of the chunk)
   float bvec[16];  // int8: lanes of sum p_t * bias_t
-  float w[32];     // f16: the T tiles' 16 T weights p; int8: their 16 T u8 weight codes
+  float w[32];     // f16: the T tiles' 16 T weights p; int8: their 16 T u8 weight codes,
+                   // and the codes' scale at w[kWscaleAt]
 };
+constexpr int kWscaleAt = 16;  // after the 32 code bytes
 static_assert(sizeof(HeadScratch) == kHeadScratchFloats * sizeof(float));
 
 // What one tile gives every token and head.
@@ -127,21 +129,22 @@ ELLM_TARGET ELLM_INLINE __m512 LoadHalves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// 2^x for x <= 0: f = x - floor(x) in [0, 1) by VREDUCEPS, a degree-5
-// polynomial for 2^f (the Chebyshev fit on [0, 1] written out in powers of
-// f; relative error 1.8e-7 in float arithmetic), times 2^floor(x) by
-// VSCALEFPS (which floors its exponent operand itself). Lanes below -100 are
-// clamped there, so results stay normal floats (no denormal assists);
-// weights under 2^-100 of the maximum do not change a float sum anyway.
+// 2^x for x <= 0: f = x - floor(x) in [0, 1) by VREDUCEPS, a degree-3
+// minimax polynomial for 2^f (relative error 7.5e-5 in float arithmetic),
+// times 2^floor(x) by VSCALEFPS (which floors its exponent operand itself).
+// That is ample: int8 weight codes have steps of 1/255 of their maximum, f16
+// K and V round at 4.9e-4, and a weight's error enters o and d alike. (The
+// degree-5 fit before, 1.8e-7, cost the prefill item bench about 1%.) Lanes
+// below -100 are clamped there, so results stay normal floats (no denormal
+// assists); weights under 2^-100 of the maximum do not change a float sum
+// anyway.
 ELLM_TARGET ELLM_INLINE __m512 Exp2(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
   const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 p = _mm512_set1_ps(1.895107329e-03f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.946214803e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.586328357e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.401407659e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931546330e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999998808e-01f));
+  __m512 p = _mm512_set1_ps(7.802452147e-02f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.260671556e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.958335638e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999251962e-01f));
   return _mm512_scalef_ps(p, x);
 }
 
@@ -224,13 +227,12 @@ ELLM_TARGET ELLM_INLINE __m512 MaxEach(const __m512* x) {
   return _mm512_max_ps(v, _mm512_permute_ps(v, 0xB1));
 }
 
-// o[16 dg .. 16 (dg + D)) of G heads += wscale * sum over the T tiles' 16 T
-// positions of weight code x V code (int32 sums: at most 16 T x 255 x 128).
+// o[16 dg .. 16 (dg + D)) of G heads += the codes' scale * sum over the T
+// tiles' 16 T positions of weight code x V code (int32 sums: at most 16 T x 255 x 128).
 // Pairs also prefetch here (kPrefetch): lines [pf_line, pf_end) of the
 // second tile's later tile, spread over the steps.
 template <int G, int D, int T, bool kPrefetch>
-ELLM_TARGET ELLM_INLINE void VTile(const TileCtx* t, int dg, const HeadsCtx& q, const float* wscale,
-                                   int pf_line = 0, int pf_end = 0) {
+ELLM_TARGET ELLM_INLINE void VTile(const TileCtx* t, int dg, const HeadsCtx& q, int pf_line = 0, int pf_end = 0) {
   static_assert(T == 2 || !kPrefetch, "only pairs prefetch from p·V");
   __m512i va[D][G];
   for (int b = 0; b < D; ++b) {
@@ -268,7 +270,7 @@ ELLM_TARGET ELLM_INLINE void VTile(const TileCtx* t, int dg, const HeadsCtx& q, 
   for (int b = 0; b < D; ++b) {
     for (int j = 0; j < G; ++j) {
       float* o = part + j * pf + 16 * (dg + b);
-      _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(va[b][j]), _mm512_set1_ps(wscale[MaxLane(j)]),
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(va[b][j]), _mm512_set1_ps(q.hs[j].w[kWscaleAt]),
                                           _mm512_loadu_ps(o)));
     }
   }
@@ -276,24 +278,26 @@ ELLM_TARGET ELLM_INLINE void VTile(const TileCtx* t, int dg, const HeadsCtx& q, 
 
 // p·V of all hp / 16 dim groups, kDg at a time.
 template <int G, int kDg, int T, bool kPrefetch>
-ELLM_TARGET ELLM_INLINE void ValuesOf(const TileCtx* t, const HeadsCtx& q, const float* wscale, int n_dg,
-                                      int pf_lines, int per_dg) {
+ELLM_TARGET ELLM_INLINE void ValuesOf(const TileCtx* t, const HeadsCtx& q, int n_dg, int pf_lines, int per_dg) {
   int dg = 0;
   for (; dg + kDg <= n_dg; dg += kDg) {
-    VTile<G, kDg, T, kPrefetch>(t, dg, q, wscale, dg * per_dg, std::min(pf_lines, (dg + kDg) * per_dg));
+    VTile<G, kDg, T, kPrefetch>(t, dg, q, dg * per_dg, std::min(pf_lines, (dg + kDg) * per_dg));
   }
   for (; dg < n_dg; ++dg) {
-    VTile<G, 1, T, kPrefetch>(t, dg, q, wscale, dg * per_dg, std::min(pf_lines, (dg + 1) * per_dg));
+    VTile<G, 1, T, kPrefetch>(t, dg, q, dg * per_dg, std::min(pf_lines, (dg + 1) * per_dg));
   }
 }
 
-// T = 1 or 2 consecutive int8 tiles for G query heads of one token. A pair
-// shares its work where it can: each 4-byte query code broadcast serves both
-// tiles' K lines, one softmax step, one weight scale per head (the maximum
-// over 32 positions) and one int32 p·V sum before the float update of o, so
-// the per-tile fixed costs and their latency are paid once per 32 positions.
+// T = 1 or 2 consecutive int8 tiles for G query heads of one token, in two
+// parts: Int8Weights (the scores, the softmax step and the weight codes) and
+// Int8Values (p·V). A pair shares its work where it can: each 4-byte query
+// code broadcast serves both tiles' K lines, one softmax step, one weight
+// scale per head (the maximum over 32 positions) and one int32 p·V sum before
+// the float update of o, so the per-tile fixed costs and their latency are
+// paid once per 32 positions. AttendChunk runs an item's values after the
+// next item's weights (see there).
 template <int G, int T, bool kAmx>
-ELLM_TARGET void Int8Tiles(const TileCtx* t, const HeadsCtx& q) {
+ELLM_TARGET void Int8Weights(const TileCtx* t, const HeadsCtx& q) {
   const int hp = t[0].hp, n_dq = hp / 4;  // n_dq is a multiple of 4
   __m512i acc[T][G];
   if constexpr (kAmx) {
@@ -383,7 +387,13 @@ ELLM_TARGET void Int8Tiles(const TileCtx* t, const HeadsCtx& q) {
       const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(s[x * G + j], _mm512_set1_ps(inv[MaxLane(j)])));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q.hs[j].w) + x, _mm512_cvtepi32_epi8(codes));
     }
+    q.hs[j].w[kWscaleAt] = wscale[MaxLane(j)];
   }
+}
+
+template <int G, int T>
+ELLM_TARGET void Int8Values(const TileCtx* t, const HeadsCtx& q) {
+  const int hp = t[0].hp, n_dq = hp / 4;
   // p·V: kDg groups of 16 dims at a time, so that each head's broadcast
   // weight codes serve kDg VPDPBUSDs (V lines come from L1 as memory operands).
   constexpr int kDg = G <= 4 ? 4 : 2;
@@ -395,11 +405,11 @@ ELLM_TARGET void Int8Tiles(const TileCtx* t, const HeadsCtx& q) {
   // 267-272 -> 277-283 G multiply-adds/s).
   if constexpr (T == 2) {
     if (t[1].pk != nullptr) {
-      ValuesOf<G, kDg, T, true>(t, q, wscale, n_dg, pf_lines, per_dg);
+      ValuesOf<G, kDg, T, true>(t, q, n_dg, pf_lines, per_dg);
       return;
     }
   }
-  ValuesOf<G, kDg, T, false>(t, q, wscale, n_dg, pf_lines, per_dg);
+  ValuesOf<G, kDg, T, false>(t, q, n_dg, pf_lines, per_dg);
 }
 
 // o[16 db .. 16 (db + D)) of G heads += sum over the rows this token sees
@@ -488,27 +498,43 @@ ELLM_TARGET void F16Tiles(const TileCtx* t, const HeadsCtx& q) {
   for (; db < n_db; ++db) F16Rows<G, 1, T>(t, q, db, db * per_db, std::min(pf_lines, (db + 1) * per_db));
 }
 
-template <bool kInt8, int G, int T, bool kAmx>
+// The part of the work for T tiles (2: a pair) and g <= kBlock heads.
+enum class Part { kF16, kInt8Weights, kInt8Values, kInt8Whole };
+
+template <Part kPart, int G, int T, bool kAmx>
 ELLM_TARGET ELLM_INLINE void RunTiles(const TileCtx* t, const HeadsCtx& q) {
-  if constexpr (kInt8) {
-    Int8Tiles<G, T, kAmx>(t, q);
-  } else {
+  if constexpr (kPart == Part::kF16) {
     F16Tiles<G, T>(t, q);
+  } else if constexpr (kPart == Part::kInt8Weights) {
+    Int8Weights<G, T, kAmx>(t, q);
+  } else if constexpr (kPart == Part::kInt8Values) {
+    Int8Values<G, T>(t, q);
+  } else {
+    Int8Weights<G, T, kAmx>(t, q);
+    Int8Values<G, T>(t, q);
   }
 }
 
-// T tiles (2: a pair) for g <= kBlock heads.
-template <bool kInt8, int T, bool kAmx>
+template <Part kPart, int T, bool kAmx>
 ELLM_TARGET void TilesForHeads(int g, const TileCtx* t, const HeadsCtx& q) {
   switch (g) {
-    case 1: RunTiles<kInt8, 1, T, kAmx>(t, q); break;
-    case 2: RunTiles<kInt8, 2, T, kAmx>(t, q); break;
-    case 3: RunTiles<kInt8, 3, T, kAmx>(t, q); break;
-    case 4: RunTiles<kInt8, 4, T, kAmx>(t, q); break;
-    case 5: RunTiles<kInt8, 5, T, kAmx>(t, q); break;
-    case 6: RunTiles<kInt8, 6, T, kAmx>(t, q); break;
-    case 7: RunTiles<kInt8, 7, T, kAmx>(t, q); break;
-    default: RunTiles<kInt8, 8, T, kAmx>(t, q); break;
+    case 1: RunTiles<kPart, 1, T, kAmx>(t, q); break;
+    case 2: RunTiles<kPart, 2, T, kAmx>(t, q); break;
+    case 3: RunTiles<kPart, 3, T, kAmx>(t, q); break;
+    case 4: RunTiles<kPart, 4, T, kAmx>(t, q); break;
+    case 5: RunTiles<kPart, 5, T, kAmx>(t, q); break;
+    case 6: RunTiles<kPart, 6, T, kAmx>(t, q); break;
+    case 7: RunTiles<kPart, 7, T, kAmx>(t, q); break;
+    default: RunTiles<kPart, 8, T, kAmx>(t, q); break;
+  }
+}
+
+template <Part kPart, bool kAmx>
+ELLM_TARGET ELLM_INLINE void PartForHeads(int tiles, int g, const TileCtx* t, const HeadsCtx& q) {
+  if (tiles == 2) {
+    TilesForHeads<kPart, 2, kAmx>(g, t, q);
+  } else {
+    TilesForHeads<kPart, 1, kAmx>(g, t, q);
   }
 }
 
@@ -613,18 +639,41 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
   // amx: tile n's scores in ring slot n % kAmxRing, computed kAmxAhead
   // tiles before the step that uses it (a pair uses two).
   int scored = 0;  // tiles of the chunk whose scores have been computed
-  TileCtx t[2];
+  // int8 with several items (token, head block) a pair, as in prefill: each
+  // item's values (p·V) run after the next item's weights, which do not
+  // depend on them, so that out-of-order execution overlaps the one's
+  // VPDPBUSDs with the other's softmax step and weight codes (a chain through
+  // every head's maximum that p·V would otherwise wait on). The waiting item
+  // reads its pair's tiles from the other half of `tiles` (pairs alternate;
+  // every pair before c.end has an item, so no pair's tiles are refilled
+  // while an item of it waits), or from `first` if it prefetches there (a
+  // chunk's first token: the loop below clears the prefetch pointers after
+  // it). The arithmetic and its order per item are unchanged. The prefill
+  // item bench (one thread, hd 128 / 64): 310 / 236 -> 320 / 249 G
+  // multiply-adds/s, with Exp2's degree 3 (about 1% of it).
+  TileCtx tiles[2][2], first[2];
+  struct Waiting {
+    HeadsCtx q{};
+    const TileCtx* t = nullptr;
+    int tiles = 0, g = 0;
+  } waiting;
+  const bool pipelined = a.n_tokens * ((a.group + kBlock - 1) / kBlock) > 1;
+  const auto values = [&]() ELLM_TARGET __attribute__((always_inline)) {
+    if (waiting.t != nullptr) PartForHeads<Part::kInt8Values, kAmx>(waiting.tiles, waiting.g, waiting.t, waiting.q);
+    waiting.t = nullptr;
+  };
   for (int pos = a.pos_begin, n = 0; pos < end;) {
+    TileCtx* t = tiles[(n / 2) % 2];
     // Tiles in pairs while two are left.
-    const int tiles = pos + kTile < end ? 2 : 1;
+    const int n_tiles = pos + kTile < end ? 2 : 1;
     if constexpr (kAmx) {
-      for (; scored < n + tiles + kAmxAhead && a.pos_begin + scored * kTile < end; ++scored) {
+      for (; scored < n + n_tiles + kAmxAhead && a.pos_begin + scored * kTile < end; ++scored) {
         const int p = a.pos_begin + scored * kTile;
         AmxScores(a.kv.KeyTile(p) + 64, amx_q, amx_q_token_bytes, hp, p, a,
                   amx_scores + scored % kAmxRing * amx_slot);
       }
     }
-    for (int x = 0; x < tiles; ++x) {
+    for (int x = 0; x < n_tiles; ++x) {
       TileCtx& tx = t[x];
       const int p = pos + x * kTile;
       tx.hp = hp;
@@ -635,7 +684,7 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
         tx.v += 64;
       }
       // As far ahead in steps as one tile is in the other kernels.
-      const int ahead = p + tiles * dist * kTile;
+      const int ahead = p + n_tiles * dist * kTile;
       tx.pk = tx.pv = nullptr;
       if (ahead < prefetch_end) {
         tx.pk = reinterpret_cast<const char*>(a.kv.KeyTile(ahead));
@@ -657,7 +706,7 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
       const int seen = std::min(a.pos_end, a.last_pos[i] + 1) - pos;
       if (seen <= 0) continue;
       // A token that sees only the first tile of a pair takes it alone.
-      const int mine = seen > kTile ? tiles : 1;
+      const int mine = seen > kTile ? n_tiles : 1;
       for (int x = 0; x < mine; ++x) {
         t[x].nvalid = std::min(seen - x * kTile, kTile);
         t[x].valid = static_cast<__mmask16>((1u << t[x].nvalid) - 1);
@@ -677,19 +726,37 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
           q.scores[x] = kAmx ? amx_scores + (n + x) % kAmxRing * amx_slot + (i * a.group + j0) * 16 : nullptr;
         }
         const int g = std::min(kBlock, a.group - j0);
-        if (mine == 2) {
-          TilesForHeads<kInt8, 2, kAmx>(g, t, q);
+        if constexpr (kInt8) {
+          if (!pipelined) {  // one item a pair (decode): nothing to overlap with
+            PartForHeads<Part::kInt8Whole, kAmx>(mine, g, t, q);
+            continue;
+          }
+          // The same item's next weights would rewrite its codes (and may
+          // rescale its o): its values go first.
+          if (waiting.q.hs == q.hs) values();
+          PartForHeads<Part::kInt8Weights, kAmx>(mine, g, t, q);
+          values();
+          waiting.q = q;
+          waiting.tiles = mine;
+          waiting.g = g;
+          waiting.t = t;
+          if (mine == 2 && t[1].pk != nullptr) {
+            first[0] = t[0];
+            first[1] = t[1];
+            waiting.t = first;
+          }
         } else {
-          TilesForHeads<kInt8, 1, kAmx>(g, t, q);
+          PartForHeads<Part::kF16, kAmx>(mine, g, t, q);
         }
       }
       // The later tiles this token prefetched are on their way: the
       // chunk's other tokens need not ask again.
       for (int x = 0; x < mine; ++x) t[x].pk = t[x].pv = nullptr;
     }
-    pos += tiles * kTile;
-    n += tiles;
+    pos += n_tiles * kTile;
+    n += n_tiles;
   }
+  if constexpr (kInt8) values();
   // Fold the lane sums into d (and, for int8, the V offsets into o).
   for (int i = 0; i < a.n_tokens; ++i) {
     for (int j = 0; j < a.group; ++j) {
