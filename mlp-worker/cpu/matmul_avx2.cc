@@ -234,6 +234,20 @@ ELLM_TARGET ELLM_INLINE void Q6Codes(const uint8_t* qb, int P, int k, __m256i* w
                         _mm256_and_si256(_mm256_srli_epi16(hbits, 2), two));
 }
 
+// Q6Codes' even (sub-block 2P) or odd (2P + 1) codes alone.
+ELLM_TARGET ELLM_INLINE __m256i Q6Code(const uint8_t* qb, int P, int k, bool odd) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i two = _mm256_set1_epi8(0x30);
+  const __m256i v = Load32(qb + 256 * P + 64 * k);
+  const __m256i hbits =
+      _mm256_sll_epi16(Load32(qb + 2048 + 256 * (P / 2) + 64 * k), _mm_cvtsi32_si128(P % 2 ? 0 : 4));
+  if (odd) {
+    return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                           _mm256_and_si256(_mm256_srli_epi16(hbits, 2), two));
+  }
+  return _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hbits, two));
+}
+
 #if ELLM_AVX2_VNNI
 
 // --- AVX-VNNI int8 products -------------------------------------------------------
@@ -378,6 +392,47 @@ struct Q6Sums {
       si[t] = _mm256_add_epi32(si[t], _mm256_add_epi32(_mm256_mullo_epi32(s0[t], sce),
                                                        _mm256_mullo_epi32(s1[t], sco)));
       corr[t] = _mm256_dpwssd_avx_epi32(corr[t], scp, Bcast4(act.sum16[t] + 16 * b + 2 * P));
+    }
+  }
+
+  // PairHalf for 3 or 4 tokens: 2 NT sums, the codes and the offsets' sums
+  // would not fit the 16 registers (4 tokens spilled: from cache 10-17 ->
+  // 8-10 GB/s). So the even and odd sub-blocks go in two sweeps, each
+  // unpacking only its own codes (NT sums at a time), and the offsets' sums
+  // (corr) are left to Corr, after the block. The integer sums are PairHalf's.
+  template <int NT>
+  ELLM_TARGET ELLM_INLINE static void PairHalfSplit(const uint8_t* qb, const uint8_t* meta, int P, int h,
+                                                    const TileActs<NT>& act, int64_t b, __m256i* si) {
+    qb += 32 * h;
+    const __m256i scp = _mm256_cvtepi8_epi16(Load16(meta + 32 + 32 * P + 16 * h));
+#pragma GCC unroll 2
+    for (int odd = 0; odd < 2; ++odd) {
+      __m256i s[NT];
+      for (int t = 0; t < NT; ++t) s[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        const __m256i w = Q6Code(qb, P, k, odd != 0);
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t) {
+          s[t] = Dpbusd(s[t], w, Bcast4(act.codes[t] + 256 * b + 32 * P + 16 * odd + 4 * k));
+        }
+      }
+      // Per row sc[2P] (even) or sc[2P + 1] (odd) as an int32.
+      const __m256i sc = odd ? _mm256_srai_epi32(scp, 16) : _mm256_srai_epi32(_mm256_slli_epi32(scp, 16), 16);
+      for (int t = 0; t < NT; ++t) si[t] = _mm256_add_epi32(si[t], _mm256_mullo_epi32(s[t], sc));
+    }
+  }
+
+  // PairHalf's corr over the block's 8 sub-block pairs, for half h.
+  template <int NT>
+  ELLM_TARGET ELLM_INLINE static void Corr(const uint8_t* meta, int h, const TileActs<NT>& act, int64_t b,
+                                           __m256i* corr) {
+#pragma GCC unroll 8
+    for (int P = 0; P < 8; ++P) {
+      const __m256i scp = _mm256_cvtepi8_epi16(Load16(meta + 32 + 32 * P + 16 * h));
+      for (int t = 0; t < NT; ++t) {
+        corr[t] = _mm256_dpwssd_avx_epi32(corr[t], scp, Bcast4(act.sum16[t] + 16 * b + 2 * P));
+      }
     }
   }
 };
@@ -751,6 +806,7 @@ struct K4Tile {
 };
 
 struct Q6Tile {
+  static constexpr int kMaxTokens = ELLM_AVX2_VNNI ? 4 : kMaxTile;
   // acc += (si - 32 corr) * d_act * d for half h.
   ELLM_TARGET ELLM_INLINE static __m256 Finish(const uint8_t* meta, int h, __m256i si, __m256i corr,
                                                float d_act, __m256 acc) {
@@ -778,7 +834,16 @@ struct Q6Tile {
       }
       __m256i si[NT], corr[NT];
       for (int t = 0; t < NT; ++t) si[t] = corr[t] = _mm256_setzero_si256();
+#if ELLM_AVX2_VNNI
+      if constexpr (NT > 2) {
+        for (int P = 0; P < 8; ++P) Q6Sums::PairHalfSplit<NT>(qb, meta, P, h, act, b, si);
+        Q6Sums::Corr<NT>(meta, h, act, b, corr);
+      } else {
+        for (int P = 0; P < 8; ++P) Q6Sums::PairHalf<NT>(qb, meta, P, h, act, b, si, corr);
+      }
+#else
       for (int P = 0; P < 8; ++P) Q6Sums::PairHalf<NT>(qb, meta, P, h, act, b, si, corr);
+#endif
       for (int t = 0; t < NT; ++t) acc[t] = Finish(meta, h, si[t], corr[t], act.d[t][b], acc[t]);
     }
     for (int t = 0; t < NT; ++t) {
