@@ -592,6 +592,49 @@ struct Q6Sums {
       }
     }
   }
+
+  // PairHalf for 3 or 4 tokens, as the VNNI set's PairHalfSplit: the even and
+  // odd sub-blocks in two sweeps, the offsets' sums left to Corr. The integer
+  // sums are PairHalf's.
+  template <int NT>
+  ELLM_TARGET ELLM_INLINE static void PairHalfSplit(const uint8_t* qb, const uint8_t* meta, int P, int h,
+                                                    const TileActs<NT>& act, int64_t b, __m256i* si) {
+    qb += 32 * h;
+    const __m256i scp = _mm256_cvtepi8_epi16(Load16(meta + 32 + 32 * P + 16 * h));
+#pragma GCC unroll 2
+    for (int odd = 0; odd < 2; ++odd) {
+      // Per dword (sc_even, sc_odd) -> (sc_even, sc_even) or (sc_odd, sc_odd).
+      const __m256i pick = odd ? _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3,
+                                                  2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15)
+                               : _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1,
+                                                  0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+      const __m256i sc = _mm256_shuffle_epi8(scp, pick);
+#pragma GCC unroll 2
+      for (int kp = 0; kp < 4; kp += 2) {  // lines kp, kp + 1: one int16 sum
+        const __m256i w0 = Q6Code(qb, P, kp, odd != 0), w1 = Q6Code(qb, P, kp + 1, odd != 0);
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* c = act.codes[t] + 256 * b + 32 * P + 16 * odd + 4 * kp;
+          const __m256i e =
+              _mm256_add_epi16(_mm256_maddubs_epi16(w0, Bcast4(c)), _mm256_maddubs_epi16(w1, Bcast4(c + 4)));
+          si[t] = _mm256_add_epi32(si[t], _mm256_madd_epi16(e, sc));
+        }
+      }
+    }
+  }
+
+  // PairHalf's corr over the block's 8 sub-block pairs, for half h.
+  template <int NT>
+  ELLM_TARGET ELLM_INLINE static void Corr(const uint8_t* meta, int h, const TileActs<NT>& act, int64_t b,
+                                           __m256i* corr) {
+#pragma GCC unroll 8
+    for (int P = 0; P < 8; ++P) {
+      const __m256i scp = _mm256_cvtepi8_epi16(Load16(meta + 32 + 32 * P + 16 * h));
+      for (int t = 0; t < NT; ++t) {
+        corr[t] = _mm256_add_epi32(corr[t], _mm256_madd_epi16(scp, Bcast4(act.sum16[t] + 16 * b + 2 * P)));
+      }
+    }
+  }
 };
 
 #endif  // ELLM_AVX2_VNNI
@@ -806,7 +849,7 @@ struct K4Tile {
 };
 
 struct Q6Tile {
-  static constexpr int kMaxTokens = ELLM_AVX2_VNNI ? 4 : kMaxTile;
+  static constexpr int kMaxTokens = 4;  // 3-4 tokens: PairHalfSplit
   // acc += (si - 32 corr) * d_act * d for half h.
   ELLM_TARGET ELLM_INLINE static __m256 Finish(const uint8_t* meta, int h, __m256i si, __m256i corr,
                                                float d_act, __m256 acc) {
@@ -834,16 +877,12 @@ struct Q6Tile {
       }
       __m256i si[NT], corr[NT];
       for (int t = 0; t < NT; ++t) si[t] = corr[t] = _mm256_setzero_si256();
-#if ELLM_AVX2_VNNI
       if constexpr (NT > 2) {
         for (int P = 0; P < 8; ++P) Q6Sums::PairHalfSplit<NT>(qb, meta, P, h, act, b, si);
         Q6Sums::Corr<NT>(meta, h, act, b, corr);
       } else {
         for (int P = 0; P < 8; ++P) Q6Sums::PairHalf<NT>(qb, meta, P, h, act, b, si, corr);
       }
-#else
-      for (int P = 0; P < 8; ++P) Q6Sums::PairHalf<NT>(qb, meta, P, h, act, b, si, corr);
-#endif
       for (int t = 0; t < NT; ++t) acc[t] = Finish(meta, h, si[t], corr[t], act.d[t][b], acc[t]);
     }
     for (int t = 0; t < NT; ++t) {
