@@ -26,7 +26,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "core/dtype.h"
 #include "core/gguf.h"
 #include "core/kernels.h"
@@ -828,7 +830,8 @@ std::vector<Isa> BenchIsas() {
 // ELLM_BENCH_MATVEC_N (default 5120) and ELLM_BENCH_WORKING_SET_KB (default
 // 1 GiB, beyond the last-level cache) change the shape and the bytes cycled
 // through: e.g. 512 and 300 measure the kernels on weights in cache.
-// ELLM_BENCH_TYPES="q8_0,q4_K" times only those weight types.
+// ELLM_BENCH_TYPES="q8_0,q4_K" times only those weight types (of q8_0, q4_0,
+// q4_K, q5_K, q6_K and f16).
 TEST(MatMulBench, DISABLED_Matvec5120) {
   const std::vector<Isa> isas = BenchIsas();
   const char* n_env = std::getenv("ELLM_BENCH_MATVEC_N");
@@ -844,9 +847,10 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
     std::printf("read probe, %d thread(s): %.1f GB/s\n", threads, ReadBandwidth(probe, pool));
   }
   const char* types_env = std::getenv("ELLM_BENCH_TYPES");
-  for (DType type : {DType::kQ8_0, DType::kQ4_K, DType::kQ6_K, DType::kF16}) {
-    if (types_env != nullptr &&
-        ("," + std::string(types_env) + ",").find("," + std::string(Traits(type).name) + ",") == std::string::npos) {
+  for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K, DType::kF16}) {
+    const std::vector<std::string> wanted =
+        absl::StrSplit(types_env != nullptr ? types_env : "", ',', absl::SkipEmpty());
+    if (types_env != nullptr && !absl::c_linear_search(wanted, std::string(Traits(type).name))) {
       continue;
     }
     // Random blocks (valid halves for the scales), repacked into enough
@@ -859,8 +863,10 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
     for (uint64_t off = 0; off < bytes; off += block) {
       uint16_t h = 0x2000;  // small positive half
       if (type == DType::kQ6_K) std::memcpy(&raw[off + 208], &h, 2);
-      if (type == DType::kQ8_0 || type == DType::kQ4_K) std::memcpy(&raw[off], &h, 2);
-      if (type == DType::kQ4_K) std::memcpy(&raw[off + 2], &h, 2);
+      if (type == DType::kQ8_0 || type == DType::kQ4_0 || type == DType::kQ4_K || type == DType::kQ5_K) {
+        std::memcpy(&raw[off], &h, 2);
+      }
+      if (type == DType::kQ4_K || type == DType::kQ5_K) std::memcpy(&raw[off + 2], &h, 2);
       if (type == DType::kF16) std::memcpy(&raw[off], &h, 2);
     }
     auto one = QuantMatrix::FromRaw(type, kN, kN, reinterpret_cast<const uint8_t*>(raw.data()),
