@@ -757,6 +757,30 @@ struct Q4_0Tile {
       Store8(acc[t], a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
     }
   }
+
+  // One token (T = 1, decode): both halves of each block in turn, so the
+  // group is read in one pass (Run<1> reads it twice, the second time from
+  // cache). The arithmetic per half is Run's.
+  ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
+    const QuantMatrix& w = *a.w;
+    const int64_t nb = w.cols() / 32;
+    const TileActs<1> act(a, 0, 32);
+    for (int64_t g = g_begin; g < g_end; ++g) {
+      const uint8_t* quant = w.group(g);
+      const uint16_t* dh = reinterpret_cast<const uint16_t*>(quant + nb * 256);
+      __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t b = 0; b < nb; ++b) {
+        PrefetchBlocks(w, g, b, nb, 256, 32);
+        for (int h = 0; h < 2; ++h) {
+          __m256i s;
+          Q4_0Sums::Block<1>(quant + 32 * h, act, b, &s);
+          acc[h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(act.d[0][b])),
+                                   LoadHalves8(dh + 16 * b + 8 * h), acc[h]);
+        }
+      }
+      for (int h = 0; h < 2; ++h) Store8(acc[h], a.y + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
+    }
+  }
 };
 
 template <bool kQ5>
