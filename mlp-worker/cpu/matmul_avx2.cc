@@ -12,8 +12,8 @@
 // rows; these kernels take it as two halves of 8 rows (bytes 0..31 and
 // 32..63), one half at a time, except Q8_0's, which takes whole lines (up to
 // 2 tokens per tile in avx2, 4 in avx2-vnni), and the decode tiles
-// (RunWhole): one token of Q8_0 (two groups side by side), Q6_K, F16 and
-// BF16, and up to 4 tokens of Q4_K and Q5_K. The two sets differ only in their int8 products (Q8Half,
+// (RunWhole): one token of Q8_0 (two groups side by side), Q4_0, Q6_K, F16
+// and BF16, and up to 4 tokens of Q4_K and Q5_K. The two sets differ only in their int8 products (Q8Half,
 // Q4_0Tile, K4Sums, Q6Sums); the tiles around them are shared, so avx2-vnni
 // has the one-token tiles too. Before, its half-line tiles read one token's
 // weights slower than plain avx2 did; ratio to the probe, 2 threads (Zen 5,
