@@ -258,6 +258,11 @@ ELLM_TARGET ELLM_INLINE __m256i Dpbusd(__m256i acc, __m256i u8, __m256i s8) {
   return _mm256_dpbusd_avx_epi32(acc, u8, s8);
 }
 
+// acc + the int16 pair products of a and b, per int32 lane.
+ELLM_TARGET ELLM_INLINE __m256i AddPairProducts(__m256i acc, __m256i a, __m256i b) {
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+}
+
 // One 32-byte half line of Q8_0 codes (4 codes of 8 rows), stored as
 // u8 = code + 128: Dot adds its products with a token's 4 broadcast codes.
 // The sums start at kQ8Start * (the block's activation code sum).
@@ -399,7 +404,7 @@ struct Q6Sums {
   // would not fit the 16 registers (4 tokens spilled: from cache 10-17 ->
   // 8-10 GB/s). So the even and odd sub-blocks go in two sweeps, each
   // unpacking only its own codes (NT sums at a time), and the offsets' sums
-  // (corr) are left to Corr, after the block. The integer sums are PairHalf's.
+  // (corr) are left to Q6Corr, after the block. The integer sums are PairHalf's.
   template <int NT>
   ELLM_TARGET ELLM_INLINE static void PairHalfSplit(const uint8_t* qb, const uint8_t* meta, int P, int h,
                                                     const TileActs<NT>& act, int64_t b, __m256i* si) {
@@ -422,24 +427,16 @@ struct Q6Sums {
       for (int t = 0; t < NT; ++t) si[t] = _mm256_add_epi32(si[t], _mm256_mullo_epi32(s[t], sc));
     }
   }
-
-  // PairHalf's corr over the block's 8 sub-block pairs, for half h.
-  template <int NT>
-  ELLM_TARGET ELLM_INLINE static void Corr(const uint8_t* meta, int h, const TileActs<NT>& act, int64_t b,
-                                           __m256i* corr) {
-#pragma GCC unroll 8
-    for (int P = 0; P < 8; ++P) {
-      const __m256i scp = _mm256_cvtepi8_epi16(Load16(meta + 32 + 32 * P + 16 * h));
-      for (int t = 0; t < NT; ++t) {
-        corr[t] = _mm256_dpwssd_avx_epi32(corr[t], scp, Bcast4(act.sum16[t] + 16 * b + 2 * P));
-      }
-    }
-  }
 };
 
 #else  // !ELLM_AVX2_VNNI
 
 // --- AVX2 int8 products (VPMADDUBSW + VPMADDWD) -------------------------------------
+
+// acc + the int16 pair products of a and b, per int32 lane.
+ELLM_TARGET ELLM_INLINE __m256i AddPairProducts(__m256i acc, __m256i a, __m256i b) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
 
 // One 32-byte half line of Q8_0 codes (see the VNNI Q8Half): the signed code
 // is restored (xor 0x80) and multiplied as |code| x (activation *
@@ -594,7 +591,7 @@ struct Q6Sums {
   }
 
   // PairHalf for 3 or 4 tokens, as the VNNI set's PairHalfSplit: the even and
-  // odd sub-blocks in two sweeps, the offsets' sums left to Corr. The integer
+  // odd sub-blocks in two sweeps, the offsets' sums left to Q6Corr. The integer
   // sums are PairHalf's.
   template <int NT>
   ELLM_TARGET ELLM_INLINE static void PairHalfSplit(const uint8_t* qb, const uint8_t* meta, int P, int h,
@@ -622,22 +619,20 @@ struct Q6Sums {
       }
     }
   }
-
-  // PairHalf's corr over the block's 8 sub-block pairs, for half h.
-  template <int NT>
-  ELLM_TARGET ELLM_INLINE static void Corr(const uint8_t* meta, int h, const TileActs<NT>& act, int64_t b,
-                                           __m256i* corr) {
-#pragma GCC unroll 8
-    for (int P = 0; P < 8; ++P) {
-      const __m256i scp = _mm256_cvtepi8_epi16(Load16(meta + 32 + 32 * P + 16 * h));
-      for (int t = 0; t < NT; ++t) {
-        corr[t] = _mm256_add_epi32(corr[t], _mm256_madd_epi16(scp, Bcast4(act.sum16[t] + 16 * b + 2 * P)));
-      }
-    }
-  }
 };
 
 #endif  // ELLM_AVX2_VNNI
+
+// Q6Sums::PairHalf's corr over block b's 8 sub-block pairs, for half h (for
+// PairHalfSplit, which leaves it out).
+template <int NT>
+ELLM_TARGET ELLM_INLINE void Q6Corr(const uint8_t* meta, int h, const TileActs<NT>& act, int64_t b, __m256i* corr) {
+#pragma GCC unroll 8
+  for (int P = 0; P < 8; ++P) {
+    const __m256i scp = _mm256_cvtepi8_epi16(Load16(meta + 32 + 32 * P + 16 * h));
+    for (int t = 0; t < NT; ++t) corr[t] = AddPairProducts(corr[t], scp, Bcast4(act.sum16[t] + 16 * b + 2 * P));
+  }
+}
 
 // --- int8 tiles, on either set's products -------------------------------------------
 
@@ -903,7 +898,7 @@ struct Q6Tile {
       for (int t = 0; t < NT; ++t) si[t] = corr[t] = _mm256_setzero_si256();
       if constexpr (NT > 2) {
         for (int P = 0; P < 8; ++P) Q6Sums::PairHalfSplit<NT>(qb, meta, P, h, act, b, si);
-        Q6Sums::Corr<NT>(meta, h, act, b, corr);
+        Q6Corr<NT>(meta, h, act, b, corr);
       } else {
         for (int P = 0; P < 8; ++P) Q6Sums::PairHalf<NT>(qb, meta, P, h, act, b, si, corr);
       }
