@@ -529,14 +529,15 @@ void Scheduler::AddStored(const std::vector<PrefixCache::Block>& blocks) {
 }
 
 void Scheduler::RunLoad() {
-  std::optional<Load> load;
+  Load load;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!load_ || broken_) return;
-    load.swap(load_);
+    load = std::move(*load_);
+    load_.reset();
   }
   std::vector<uint64_t> keys;
-  for (const PrefixCache::Block& b : load->blocks) keys.push_back(b.key);
+  for (const PrefixCache::Block& b : load.blocks) keys.push_back(b.key);
   const absl::Time start = absl::Now();
   const absl::StatusOr<int> loaded = executor_->LoadBlocks(keys);
   {
@@ -553,7 +554,7 @@ void Scheduler::RunLoad() {
     const int n = std::clamp(*loaded, 0, static_cast<int>(keys.size()));
     std::vector<uint64_t> cached;
     for (int i = 0; i < n; ++i) {
-      const PrefixCache::Block& b = load->blocks[i];
+      const PrefixCache::Block& b = load.blocks[i];
       if (cache_.Insert(b.key, b.parent, b.tokens.data())) cached.push_back(b.key);
     }
     cache_.Release(cached);  // cached, unreferenced: the admission below takes them
