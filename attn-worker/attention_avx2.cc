@@ -61,12 +61,6 @@ struct TileCtx {
 // threads: int8 0.56-0.79 -> 0.60-0.88 of the read probe, f16 0.45-0.70 ->
 // 0.47-0.75, against all lines from the score loop).
 
-ELLM_TARGET ELLM_INLINE void PrefetchLine(const TileCtx& t, int i) {
-  if (t.pk != nullptr) {
-    _mm_prefetch(t.pk + 64 * i, _MM_HINT_T0);
-    _mm_prefetch(t.pv + 64 * i, _MM_HINT_T0);
-  }
-}
 ELLM_TARGET ELLM_INLINE void PrefetchK(const TileCtx& t, int i) {
   if (t.pk != nullptr) _mm_prefetch(t.pk + 64 * i, _MM_HINT_T0);
 }

@@ -28,8 +28,10 @@
 
 // GCC 12 warns about the deliberately undefined pass-through operand of the
 // AVX-512 intrinsics (_mm512_undefined_*, e.g. in _mm512_reduce_max_ps): a
-// known false positive.
+// known false positive. (Clang has no -Wmaybe-uninitialized.)
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 

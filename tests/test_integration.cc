@@ -293,9 +293,13 @@ TEST(Integration, PrefixCacheHitsGiveWhatAFreshServerGives) {
     for (size_t i = 0; i < cached.size(); ++i) {
       ASSERT_TRUE(cached[i].status.ok() && fresh[i].status.ok()) << i;
       EXPECT_EQ(fresh[i].finish.cached_tokens(), 0);
-      if (i > 0) EXPECT_GE(cached[i].finish.cached_tokens(), 160) << i;
+      if (i > 0) {
+        EXPECT_GE(cached[i].finish.cached_tokens(), 160) << i;
+      }
       EXPECT_EQ(cached[i].tokens, fresh[i].tokens) << i;
-      if (std::string(kv) == "--kv-dtype=f32") EXPECT_EQ(cached[i].logprobs, fresh[i].logprobs) << i;
+      if (std::string(kv) == "--kv-dtype=f32") {
+        EXPECT_EQ(cached[i].logprobs, fresh[i].logprobs) << i;
+      }
     }
     // The next turn reuses the first turn's answer too, all of it (but the
     // last block) when the client sends the ids it was given.
@@ -347,7 +351,9 @@ TEST(Integration, KvStoreSurvivesRestartsAndSkipsBadFiles) {
     for (const Generated* g : {&first, &second}) {
       ASSERT_TRUE(g->status.ok());
       EXPECT_EQ(g->tokens, fresh.tokens);
-      if (std::string(kv) == "--kv-dtype=f32") EXPECT_EQ(g->logprobs, fresh.logprobs);
+      if (std::string(kv) == "--kv-dtype=f32") {
+        EXPECT_EQ(g->logprobs, fresh.logprobs);
+      }
     }
     // Damage the store: flip a byte in every third file, truncate another.
     int n = 0;
@@ -365,7 +371,9 @@ TEST(Integration, KvStoreSurvivesRestartsAndSkipsBadFiles) {
     ASSERT_TRUE(third.status.ok());
     EXPECT_LT(loaded2, loaded1) << "damaged blocks are not loaded";
     EXPECT_EQ(third.tokens, fresh.tokens);
-    if (std::string(kv) == "--kv-dtype=f32") EXPECT_EQ(third.logprobs, fresh.logprobs);
+    if (std::string(kv) == "--kv-dtype=f32") {
+      EXPECT_EQ(third.logprobs, fresh.logprobs);
+    }
   }
   fs::remove_all(store);
 }

@@ -228,8 +228,12 @@ TEST(Rope, YarnMatchesItsDefinition) {
         const double f = std::pow(k.base, -2.0 * i / k.dims);
         EXPECT_NEAR(rope.freq()[i], YarnAngle(i, 1, k.dims, k.base, k.factor, k.original), 1e-12 * f) << i;
         if (k.hi > 0) {  // pairs up to lo keep their frequency, from hi on are interpolated
-          if (i <= k.lo) EXPECT_DOUBLE_EQ(rope.freq()[i], f) << i;
-          if (i >= k.hi) EXPECT_DOUBLE_EQ(rope.freq()[i], f / k.factor) << i;
+          if (i <= k.lo) {
+            EXPECT_DOUBLE_EQ(rope.freq()[i], f) << i;
+          }
+          if (i >= k.hi) {
+            EXPECT_DOUBLE_EQ(rope.freq()[i], f / k.factor) << i;
+          }
           if (i > k.lo && i < k.hi) {
             EXPECT_LT(rope.freq()[i], f) << i;
             EXPECT_GT(rope.freq()[i], f / k.factor) << i;

@@ -24,8 +24,11 @@
 
 #include <cstdint>
 
-// GCC 12 warns on its own AVX-512 headers' undefined-vector idiom.
+// GCC 12 warns on its own AVX-512 headers' undefined-vector idiom. (Clang
+// has no -Wmaybe-uninitialized.)
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 #include "mlp-worker/cpu/matmul_layout.h"
 
