@@ -219,22 +219,11 @@ ELLM_TARGET ELLM_INLINE void NibbleCodes(const uint8_t* line, __m256i hb, int i,
   }
 }
 
-// Q6_K: line k of sub-blocks 2P (we) and 2P + 1 (wo), 6-bit codes 0..63 from
-// the low-bit lines and the high-bit line (qb: the block's, with the half's
-// offset). Sub-block 2P's high bits are bits 2u, 2u + 1 of qh with u = 2 (P %
-// 2), shifted to bits 4, 5 (and 2P + 1's, bits 6, 7, to 4, 5 after >> 2).
-ELLM_TARGET ELLM_INLINE void Q6Codes(const uint8_t* qb, int P, int k, __m256i* we, __m256i* wo) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i two = _mm256_set1_epi8(0x30);
-  const __m256i v = Load32(qb + 256 * P + 64 * k);
-  const __m256i hbits =
-      _mm256_sll_epi16(Load32(qb + 2048 + 256 * (P / 2) + 64 * k), _mm_cvtsi32_si128(P % 2 ? 0 : 4));
-  *we = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hbits, two));
-  *wo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                        _mm256_and_si256(_mm256_srli_epi16(hbits, 2), two));
-}
-
-// Q6Codes' even (sub-block 2P) or odd (2P + 1) codes alone.
+// Q6_K: line k of sub-block 2P (odd = false) or 2P + 1 (odd), 6-bit codes
+// 0..63 from the low-bit line and the high-bit line (qb: the block's, with
+// the half's offset). Sub-block 2P's high bits are bits 2u, 2u + 1 of qh with
+// u = 2 (P % 2), shifted to bits 4, 5 (and 2P + 1's, bits 6, 7, to 4, 5 after
+// >> 2).
 ELLM_TARGET ELLM_INLINE __m256i Q6Code(const uint8_t* qb, int P, int k, bool odd) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i two = _mm256_set1_epi8(0x30);
@@ -246,6 +235,12 @@ ELLM_TARGET ELLM_INLINE __m256i Q6Code(const uint8_t* qb, int P, int k, bool odd
                            _mm256_and_si256(_mm256_srli_epi16(hbits, 2), two));
   }
   return _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hbits, two));
+}
+
+// Both sub-blocks' codes of line k (the compiler shares the two loads).
+ELLM_TARGET ELLM_INLINE void Q6Codes(const uint8_t* qb, int P, int k, __m256i* we, __m256i* wo) {
+  *we = Q6Code(qb, P, k, false);
+  *wo = Q6Code(qb, P, k, true);
 }
 
 #if ELLM_AVX2_VNNI
