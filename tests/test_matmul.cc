@@ -847,12 +847,9 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
     std::printf("read probe, %d thread(s): %.1f GB/s\n", threads, ReadBandwidth(probe, pool));
   }
   const char* types_env = std::getenv("ELLM_BENCH_TYPES");
+  const std::vector<std::string> wanted = absl::StrSplit(types_env != nullptr ? types_env : "", ',');
   for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K, DType::kF16}) {
-    const std::vector<std::string> wanted =
-        absl::StrSplit(types_env != nullptr ? types_env : "", ',', absl::SkipEmpty());
-    if (types_env != nullptr && !absl::c_linear_search(wanted, std::string(Traits(type).name))) {
-      continue;
-    }
+    if (types_env != nullptr && !absl::c_linear_search(wanted, std::string(Traits(type).name))) continue;
     // Random blocks (valid halves for the scales), repacked into enough
     // copies to stream from DRAM.
     const uint64_t bytes = *DTypeBytes(type, kN * kN);
@@ -863,11 +860,8 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
     for (uint64_t off = 0; off < bytes; off += block) {
       uint16_t h = 0x2000;  // small positive half
       if (type == DType::kQ6_K) std::memcpy(&raw[off + 208], &h, 2);
-      if (type == DType::kQ8_0 || type == DType::kQ4_0 || type == DType::kQ4_K || type == DType::kQ5_K) {
-        std::memcpy(&raw[off], &h, 2);
-      }
+      if (type != DType::kQ6_K) std::memcpy(&raw[off], &h, 2);  // d (Q8_0, Q4_0, Q4_K, Q5_K) or the F16 value
       if (type == DType::kQ4_K || type == DType::kQ5_K) std::memcpy(&raw[off + 2], &h, 2);
-      if (type == DType::kF16) std::memcpy(&raw[off], &h, 2);
     }
     auto one = QuantMatrix::FromRaw(type, kN, kN, reinterpret_cast<const uint8_t*>(raw.data()),
                                     raw.size());
