@@ -48,22 +48,40 @@ __attribute__((target("avx2,avxvnni"))) int64_t RunAvxVnni(int64_t iters) {
   return _mm256_extract_epi32(s, 0) + _mm256_extract_epi32(s, 7);
 }
 
+// AVX2 has 16 ymm registers: 8 accumulators, 4 opaque first operands, 2
+// second operands and the ones. Chain i multiplies a[i % 4] by b[i / 4], so
+// no two chains share a product. The sums are named variables, not an array:
+// GCC 12 kept some of an array's on the stack (with 8 opaque operands, 6 of
+// the 8), and the loop then timed store-to-load forwarding, not the products.
+// kWiden: each pair sum is widened to int32 (VPMADDWD) and added there, as
+// every dot product of the plain AVX2 attention kernel and Q8_0's matrix
+// kernel does; else the pair sums are added in int16 (they wrap here; the
+// kernels bound them), as the 4-, 5- and 6-bit matrix kernels do for a few
+// lines before one VPMADDWD.
+template <bool kWiden>
 __attribute__((target("avx2"))) int64_t RunAvx2Madd(int64_t iters) {
-  __m256i acc[8];
-  for (int i = 0; i < 8; ++i) acc[i] = _mm256_set1_epi32(i);
-  __m256i a[8];
-  for (int i = 0; i < 8; ++i) a[i] = _mm256_set1_epi8(static_cast<char>(3 + i));
-  const __m256i b = _mm256_set1_epi8(-2), ones = _mm256_set1_epi16(1);
+  __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+  __m256i a0 = _mm256_set1_epi8(3), a1 = _mm256_set1_epi8(4), a2 = _mm256_set1_epi8(5), a3 = _mm256_set1_epi8(6);
+  const __m256i b0 = _mm256_set1_epi8(-2), b1 = _mm256_set1_epi8(5), ones = _mm256_set1_epi16(1);
+  const auto step = [&](__m256i s, __m256i a, __m256i b) __attribute__((target("avx2"), always_inline)) {
+    const __m256i pairs = _mm256_maddubs_epi16(a, b);
+    return kWiden ? _mm256_add_epi32(s, _mm256_madd_epi16(pairs, ones)) : _mm256_add_epi16(s, pairs);
+  };
   for (int64_t n = 0; n < iters; ++n) {
     // The products do not depend on the loop: opaque operands keep the
-    // compiler from hoisting them out of it or merging them.
-    for (int i = 0; i < 8; ++i) __asm__ volatile("" : "+x"(a[i]));
-    for (int i = 0; i < 8; ++i) {
-      acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(a[i], b), ones));
-    }
+    // compiler from hoisting them out of it.
+    __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3));
+    s0 = step(s0, a0, b0);
+    s1 = step(s1, a1, b0);
+    s2 = step(s2, a2, b0);
+    s3 = step(s3, a3, b0);
+    s4 = step(s4, a0, b1);
+    s5 = step(s5, a1, b1);
+    s6 = step(s6, a2, b1);
+    s7 = step(s7, a3, b1);
   }
-  __m256i s = acc[0];
-  for (int i = 1; i < 8; ++i) s = _mm256_add_epi32(s, acc[i]);
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3)),
+                                     _mm256_add_epi32(_mm256_add_epi32(s4, s5), _mm256_add_epi32(s6, s7)));
   return _mm256_extract_epi32(s, 0);
 }
 
@@ -146,6 +164,7 @@ std::string DotUnitName(DotUnit unit) {
     case DotUnit::kAvx512Vnni: return "vpdpbusd-zmm";
     case DotUnit::kAvxVnni: return "vpdpbusd-ymm";
     case DotUnit::kAvx2Madd: return "vpmaddubsw-ymm";
+    case DotUnit::kAvx2Madd16: return "vpmaddubsw-int16-ymm";
     case DotUnit::kAvx512Fma: return "vfmadd-zmm";
     case DotUnit::kAvx2Fma: return "vfmadd-ymm";
   }
@@ -157,7 +176,8 @@ bool DotUnitSupported(DotUnit unit) {
   switch (unit) {
     case DotUnit::kAvx512Vnni: return cpu.avx512_vnni && cpu.avx512bw;
     case DotUnit::kAvxVnni: return cpu.avx_vnni;
-    case DotUnit::kAvx2Madd: return cpu.avx2;
+    case DotUnit::kAvx2Madd:
+    case DotUnit::kAvx2Madd16: return cpu.avx2;
     case DotUnit::kAvx512Fma: return cpu.avx512f;
     case DotUnit::kAvx2Fma: return cpu.avx2 && cpu.fma;
   }
@@ -171,7 +191,8 @@ double PeakGmacs(DotUnit unit, ThreadPool& pool) {
   switch (unit) {
     case DotUnit::kAvx512Vnni: run = RunAvx512Vnni, macs_per_iter = 8 * 64; break;
     case DotUnit::kAvxVnni: run = RunAvxVnni, macs_per_iter = 8 * 32; break;
-    case DotUnit::kAvx2Madd: run = RunAvx2Madd, macs_per_iter = 8 * 32; break;
+    case DotUnit::kAvx2Madd: run = RunAvx2Madd<true>, macs_per_iter = 8 * 32; break;
+    case DotUnit::kAvx2Madd16: run = RunAvx2Madd<false>, macs_per_iter = 8 * 32; break;
     case DotUnit::kAvx512Fma: run = RunAvx512Fma, macs_per_iter = 8 * 16; break;
     case DotUnit::kAvx2Fma: run = RunAvx2Fma, macs_per_iter = 8 * 8; break;
   }
@@ -205,8 +226,8 @@ int PeakMain(int argc, char** argv) {
   const int threads = *threads_flag > 0 ? *threads_flag : topology.ok() ? topology->TotalCores() : 1;
   ThreadPool pool(threads);
   const std::string cpu = CpuModelName();
-  for (DotUnit unit : {DotUnit::kAvx512Vnni, DotUnit::kAvxVnni, DotUnit::kAvx2Madd, DotUnit::kAvx512Fma,
-                       DotUnit::kAvx2Fma}) {
+  for (DotUnit unit : {DotUnit::kAvx512Vnni, DotUnit::kAvxVnni, DotUnit::kAvx2Madd, DotUnit::kAvx2Madd16,
+                       DotUnit::kAvx512Fma, DotUnit::kAvx2Fma}) {
     if (!DotUnitSupported(unit)) continue;
     std::fprintf(stderr, "[peak] %s on %d threads...\n", DotUnitName(unit).c_str(), threads);
     std::printf("unit=%s threads=%d peak_gmacs=%.1f cpu=\"%s\"\n", DotUnitName(unit).c_str(), threads,
@@ -220,6 +241,20 @@ int PeakMain(int argc, char** argv) {
     std::printf(" cpu=\"%s\"\n", cpu.c_str());
   }
   return 0;
+}
+
+DotUnit MatrixDotUnit(Isa isa, DType type) {
+  const bool floats = type == DType::kF16 || type == DType::kBF16 || type == DType::kF32;
+  switch (isa) {
+    case Isa::kAvx512:
+    case Isa::kAmx: return floats ? DotUnit::kAvx512Fma : DotUnit::kAvx512Vnni;
+    case Isa::kAvx2Vnni: return floats ? DotUnit::kAvx2Fma : DotUnit::kAvxVnni;
+    default:
+      if (floats) return DotUnit::kAvx2Fma;
+      // Q8_0's pair sums reach 2 x 128 x 127 and are widened at once; the
+      // narrower codes' are added in int16 first (matmul_avx2.cc).
+      return type == DType::kQ8_0 ? DotUnit::kAvx2Madd : DotUnit::kAvx2Madd16;
+  }
 }
 
 DotUnit AttentionDotUnit(std::string_view kernel, KvDType dtype) {

@@ -7,6 +7,8 @@
 #include <string>
 #include <string_view>
 
+#include "core/cpu_features.h"
+#include "core/dtype.h"
 #include "core/kv_format.h"
 #include "core/thread_pool.h"
 
@@ -16,6 +18,7 @@ enum class DotUnit {
   kAvx512Vnni,  // VPDPBUSD zmm: 64 u8 x s8 multiply-adds
   kAvxVnni,     // VPDPBUSD ymm (AVX-VNNI): 32
   kAvx2Madd,    // VPMADDUBSW + VPMADDWD + VPADDD ymm: 32 per three instructions
+  kAvx2Madd16,  // VPMADDUBSW + VPADDW ymm (int16 sums, widened now and then): 32 per two
   kAvx512Fma,   // VFMADD zmm f32: 16
   kAvx2Fma,     // VFMADD ymm f32: 8
 };
@@ -29,6 +32,11 @@ double PeakGmacs(DotUnit unit, ThreadPool& pool);
 // `ellm-bench peak`: every supported unit's peak, and VPDPBUSD zmm's rate
 // (G instructions/s) with its 4-byte groups from broadcasts.
 int PeakMain(int argc, char** argv);
+
+// The instruction the matrix kernels of `isa` (resolved: not kAuto) run
+// their inner loops on for weights of `type`: integer dot products for the
+// quantized types, f32 FMAs for F16, BF16 and F32.
+DotUnit MatrixDotUnit(Isa isa, DType type);
 
 // The instruction the inner loops of the attention kernel named `kernel`
 // (AttentionKernel::name, e.g. "avx2-vnni") run for `dtype`: int8 on integer

@@ -35,15 +35,6 @@ double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// The instruction each kernel family's inner loop runs on.
-DotUnit MatrixUnit(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return DotUnit::kAvx512Vnni;
-    case Isa::kAvx2Vnni: return DotUnit::kAvxVnni;
-    default: return DotUnit::kAvx2Madd;
-  }
-}
-
 }  // namespace
 
 int PrefillMain(int argc, char** argv) {
@@ -100,6 +91,8 @@ int PrefillMain(int argc, char** argv) {
   load.raw_matrices = true;
   auto weights = LoadWeights(**file, c, load);
   if (!weights.ok()) return fail(weights.status().ToString());
+  // The projections' type names the matrix kernels' instruction.
+  const DType matrix_type = weights->layers.empty() ? DType::kQ8_0 : weights->layers[0].raw_wq.type;
   auto backend = mlp::CreateCpuBackend(*std::move(weights), step, threads, args.Get("matmul-isa"));
   if (!backend.ok()) return fail(backend.status().ToString());
 
@@ -123,7 +116,7 @@ int PrefillMain(int argc, char** argv) {
   geometry.max_positions = c.context_length;
   attn::AttentionShard shard(geometry, cache->get(), &attn_pool, *kernel);
 
-  const DotUnit matrix_unit = MatrixUnit(*isa);  // ParseMatIsa resolved "auto"
+  const DotUnit matrix_unit = MatrixDotUnit(*isa, matrix_type);  // ParseMatIsa resolved "auto"
   const DotUnit attention_unit = AttentionDotUnit(shard.kernel_name(), *dtype);
   // The peaks are measured before the first prompt and again after each, and
   // a prompt is held against the mean of the measurements around it: on a

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "attn-worker/attention_shard.h"
+#include "absl/strings/str_split.h"
 #include "attn-worker/kv_cache.h"
 #include "core/kv_format.h"
 #include "attn-worker/partial.h"
@@ -824,12 +825,16 @@ TEST(AttentionShardKernels, NamesTheKernelAndChoosesChunks) {
 // stalls do not count. For before/after runs of a kernel change;
 // `ellm-bench prefill` gives the whole prefill against the dot-product
 // instruction's measured peak. Run with
-// --gtest_also_run_disabled_tests --gtest_filter='*PrefillItem*'.
+// --gtest_also_run_disabled_tests --gtest_filter='*PrefillItem*';
+// ELLM_BENCH_KERNELS=avx512,avx2 times only those kernels (e.g. under perf).
 TEST(AttentionKernelsBench, DISABLED_PrefillItem) {
   std::mt19937 gen(11);
   const int tokens = 16, group = 5;
   const char* env = std::getenv("ELLM_BENCH_POSITIONS");
   const int positions = env != nullptr ? std::atoi(env) : 4096;
+  const char* only = std::getenv("ELLM_BENCH_KERNELS");
+  const std::vector<std::string> kernels =
+      only != nullptr ? absl::StrSplit(only, ',') : std::vector<std::string>{};
   for (KvDType dtype : {KvDType::kInt8, KvDType::kF16}) {
     for (int hd : {128, 64}) {
       PagedKv kv(dtype, hd, positions, 32, gen);
@@ -837,6 +842,7 @@ TEST(AttentionKernelsBench, DISABLED_PrefillItem) {
       const std::vector<int32_t> last(tokens, positions - 1);
       for (const AttentionKernel* k : AvailableKernels()) {
         if (k->name == "reference") continue;
+        if (!kernels.empty() && std::find(kernels.begin(), kernels.end(), k->name) == kernels.end()) continue;
         double best = 1e30;
         for (int rep = 0; rep < 30; ++rep) {
           const auto t0 = std::chrono::steady_clock::now();

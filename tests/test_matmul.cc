@@ -29,6 +29,7 @@
 #include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/peak.h"
 #include "core/dtype.h"
 #include "core/gguf.h"
 #include "core/kernels.h"
@@ -832,6 +833,13 @@ std::vector<Isa> BenchIsas() {
 // through: e.g. 512 and 300 measure the kernels on weights in cache.
 // ELLM_BENCH_TYPES="q8_0,q4_K" times only those weight types (of q8_0, q4_0,
 // q4_K, q5_K, q6_K and f16).
+// Each row also names its compute roof, as `ellm-bench attention` does: the
+// peak of the instruction the kernel's inner loop runs (bench/peak.h),
+// measured on the row's threads just before it, over the multiply-adds each
+// byte of weights needs (T x weights per byte); roof = the smaller of that
+// and the probe, and `bound` says which. The peak counts the products alone,
+// not the unpacking of 4-6-bit codes or the scales, so a kernel may stay
+// well under a compute roof, never over it.
 TEST(MatMulBench, DISABLED_Matvec5120) {
   const std::vector<Isa> isas = BenchIsas();
   const char* n_env = std::getenv("ELLM_BENCH_MATVEC_N");
@@ -889,11 +897,20 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
             const double s = Seconds(t0, std::chrono::steady_clock::now());
             best = std::max(best, copies * static_cast<double>(one->bytes()) / s / 1e9);
           }
+          const bench::DotUnit unit = bench::MatrixDotUnit(isa, type);
+          const double peak = bench::PeakGmacs(unit, pool);
+          const double macs_per_byte =
+              T * static_cast<double>(kN) * kN / static_cast<double>(one->bytes());
+          const double compute_gbs = peak / macs_per_byte;
+          const double roof = std::min(probe_gbs, compute_gbs);
           std::printf(
               "%-22s %d thread(s), T=%2d: %.1f GB/s of weights (%.2f ms per %lldx%lld matmul), "
-              "probe %.1f GB/s just before: ratio %.2f\n",
+              "probe %.1f GB/s just before: ratio %.2f; %s %.0f GMAC/s x %.2f per byte: roof %.1f GB/s "
+              "(bound=%s), ratio to roof %.2f\n",
               KernelName(type, isa).c_str(), threads, T, best, one->bytes() / best / 1e6,
-              static_cast<long long>(kN), static_cast<long long>(kN), probe_gbs, best / probe_gbs);
+              static_cast<long long>(kN), static_cast<long long>(kN), probe_gbs, best / probe_gbs,
+              bench::DotUnitName(unit).c_str(), peak, macs_per_byte, roof,
+              compute_gbs < probe_gbs ? "compute" : "memory", best / roof);
         }
       }
     }
