@@ -11,7 +11,8 @@
 // The layout is the AVX-512 one (matmul_layout.h): each 64-byte line holds 16
 // rows; these kernels take it as two halves of 8 rows (bytes 0..31 and
 // 32..63), one half at a time, except Q8_0's, which takes whole lines (up to
-// 2 tokens per tile in avx2, 4 in avx2-vnni), and the decode tiles
+// 2 tokens per tile in avx2, 4 in avx2-vnni), F16's and BF16's (whole lines,
+// 2 tokens a tile), and the decode tiles
 // (RunWhole): one token of Q8_0 (two groups side by side), Q4_0, Q6_K, F16
 // and BF16, and up to 4 tokens of Q4_K and Q5_K. The two sets differ only in their int8 products (Q8Half,
 // Q4_0Tile, K4Sums, Q6Sums); the tiles around them are shared, so avx2-vnni
@@ -936,40 +937,48 @@ struct Q6Tile {
 #if !ELLM_AVX2_VNNI
 template <bool kBf16>
 struct HalfTile {
-  // 4 tokens a tile (8 sums, 2 weight vectors: 12 of the 16 registers), so a
-  // decode batch of 4 converts each weight once instead of twice. 5120 x 5120
-  // F16, AMD EPYC Zen 5, alternated with 2 a tile, 3 rounds: from cache (1
-  // thread) T = 4 11.9-14.3 -> 17.2-18.4 GB/s, T = 16 3.3-3.7 -> 4.5-4.8;
-  // from DRAM (2 threads) T = 4 19.2-20.5 -> 20.7-26.6.
-  static constexpr int kMaxTokens = 4;
+  // Whole lines (both halves of 8 rows), 2 tokens a tile: each broadcast
+  // activation serves both halves, and the sums of each (token, half) are
+  // those of the one-token tile below, even and odd columns apart (so any
+  // batch gives the same bits). 4 tokens of whole lines would need 16 sums,
+  // all the registers. Against half lines of 4 tokens (each half its own
+  // pass, each activation broadcast per half), from L1 in a loop of the same
+  // shape: 17 -> 23 GB/s a core; on the 5120 x 5120 bench see
+  // bench/results/amd-epyc-zen5.md.
+  static constexpr bool kWholeLines = true;
+  static constexpr int kMaxTokens = 2;
   template <int NT>
-  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int h, int t0) {
+  ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int /*h*/, int t0) {
     const QuantMatrix& w = *a.w;
     const int64_t cols = w.cols();
-    const uint16_t* q = reinterpret_cast<const uint16_t*>(w.group(g)) + 8 * h;
+    const uint16_t* q = reinterpret_cast<const uint16_t*>(w.group(g));
     const float* x[NT];
-    __m256 acc0[NT], acc1[NT];
+    __m256 acc[2][NT][2];  // [column parity][token][half]
     for (int t = 0; t < NT; ++t) {
       x[t] = a.x + (t0 + t) * cols;
-      acc0[t] = acc1[t] = _mm256_setzero_ps();
+      for (auto& parity : acc) parity[t][0] = parity[t][1] = _mm256_setzero_ps();
     }
-    int64_t i = 0;
-    for (; i + 2 <= cols; i += 2) {
-      if (h == 0) PrefetchAhead(q + 16 * i, 64);
+    const auto column = [&](int64_t i, int p) ELLM_TARGET __attribute__((always_inline)) {
       const __m256 w0 = kBf16 ? LoadBf16x8(q + 16 * i) : LoadHalves8(q + 16 * i);
-      const __m256 w1 = kBf16 ? LoadBf16x8(q + 16 * i + 16) : LoadHalves8(q + 16 * i + 16);
+      const __m256 w1 = kBf16 ? LoadBf16x8(q + 16 * i + 8) : LoadHalves8(q + 16 * i + 8);
       for (int t = 0; t < NT; ++t) {
-        acc0[t] = _mm256_fmadd_ps(w0, _mm256_set1_ps(x[t][i]), acc0[t]);
-        acc1[t] = _mm256_fmadd_ps(w1, _mm256_set1_ps(x[t][i + 1]), acc1[t]);
+        const __m256 xt = _mm256_set1_ps(x[t][i]);
+        acc[p][t][0] = _mm256_fmadd_ps(w0, xt, acc[p][t][0]);
+        acc[p][t][1] = _mm256_fmadd_ps(w1, xt, acc[p][t][1]);
       }
+    };
+    int64_t i = 0;
+    for (; i + 2 <= cols; i += 2) {  // a 64-byte line holds 2 columns
+      PrefetchAhead(q + 16 * i, 64);
+      column(i, 0);
+      column(i + 1, 1);
     }
-    if (i < cols) {
-      const __m256 w0 = kBf16 ? LoadBf16x8(q + 16 * i) : LoadHalves8(q + 16 * i);
-      for (int t = 0; t < NT; ++t) acc0[t] = _mm256_fmadd_ps(w0, _mm256_set1_ps(x[t][i]), acc0[t]);
-    }
+    if (i < cols) column(i, 0);
     for (int t = 0; t < NT; ++t) {
-      Store8(_mm256_add_ps(acc0[t], acc1[t]), a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h,
-             ValidHalf(w, g, h));
+      for (int h = 0; h < 2; ++h) {
+        Store8(_mm256_add_ps(acc[0][t][h], acc[1][t][h]), a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h,
+               ValidHalf(w, g, h));
+      }
     }
   }
 
