@@ -52,6 +52,7 @@
 #include "attn-worker/partial.h"
 #include "core/dtype.h"
 #include "core/thread_pool.h"
+#include "core/topology.h"
 #include "gtest/gtest.h"
 #include "shm/messages.h"
 
@@ -832,6 +833,7 @@ TEST(AttentionKernelsBench, DISABLED_PrefillItem) {
   const int tokens = 16, group = 5;
   const char* env = std::getenv("ELLM_BENCH_POSITIONS");
   const int positions = env != nullptr ? std::atoi(env) : 4096;
+  const std::string cpu = CpuModelName();  // every line names the machine
   const char* only = std::getenv("ELLM_BENCH_KERNELS");
   const std::vector<std::string> kernels =
       only != nullptr ? absl::StrSplit(only, ',') : std::vector<std::string>{};
@@ -851,8 +853,9 @@ TEST(AttentionKernelsBench, DISABLED_PrefillItem) {
           ASSERT_TRUE(std::isfinite(out[0]));
         }
         const double macs = 2.0 * tokens * group * positions * hd;
-        std::printf("prefill item: kernel=%s dtype=%s hd=%d positions=%d gmacs=%.1f\n", std::string(k->name).c_str(),
-                    std::string(KvDTypeName(dtype)).c_str(), hd, positions, macs / best / 1e9);
+        std::printf("prefill item: kernel=%s dtype=%s hd=%d positions=%d gmacs=%.1f cpu=\"%s\"\n",
+                    std::string(k->name).c_str(), std::string(KvDTypeName(dtype)).c_str(), hd, positions,
+                    macs / best / 1e9, cpu.c_str());
       }
     }
   }

@@ -37,6 +37,7 @@
 #include "core/quants.h"
 #include "core/reference_forward.h"
 #include "core/thread_pool.h"
+#include "core/topology.h"
 #include "core/weights.h"
 #include "gtest/gtest.h"
 #include "mlp-worker/backend.h"
@@ -842,6 +843,7 @@ std::vector<Isa> BenchIsas() {
 // well under a compute roof, never over it.
 TEST(MatMulBench, DISABLED_Matvec5120) {
   const std::vector<Isa> isas = BenchIsas();
+  const std::string cpu = CpuModelName();  // every row names the machine
   const char* n_env = std::getenv("ELLM_BENCH_MATVEC_N");
   const char* ws_env = std::getenv("ELLM_BENCH_WORKING_SET_KB");
   const int64_t kN = n_env != nullptr ? std::max(32LL, std::atoll(n_env)) / 32 * 32 : 5120;
@@ -906,11 +908,11 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
           std::printf(
               "%-22s %d thread(s), T=%2d: %.1f GB/s of weights (%.2f ms per %lldx%lld matmul), "
               "probe %.1f GB/s just before: ratio %.2f; %s %.0f GMAC/s x %.2f per byte: roof %.1f GB/s "
-              "(bound=%s), ratio to roof %.2f\n",
+              "(bound=%s), ratio to roof %.2f; cpu=\"%s\"\n",
               KernelName(type, isa).c_str(), threads, T, best, one->bytes() / best / 1e6,
               static_cast<long long>(kN), static_cast<long long>(kN), probe_gbs, best / probe_gbs,
               bench::DotUnitName(unit).c_str(), peak, macs_per_byte, roof,
-              compute_gbs < probe_gbs ? "compute" : "memory", best / roof);
+              compute_gbs < probe_gbs ? "compute" : "memory", best / roof, cpu.c_str());
         }
       }
     }

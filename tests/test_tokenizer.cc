@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "core/gguf.h"
+#include "core/topology.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/tokenizer_vectors.h"
@@ -244,7 +245,8 @@ TEST_F(LlamaSpmTest, DISABLED_BenchLongDocuments) {
     const auto start = std::chrono::steady_clock::now();
     const std::vector<int32_t> ids = tok_->Encode(text, true);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    std::printf("tokenizer llama-spm: %zu bytes -> %zu tokens in %.1f ms\n", text.size(), ids.size(), ms);
+    std::printf("tokenizer llama-spm: %zu bytes -> %zu tokens in %.1f ms cpu=\"%s\"\n", text.size(), ids.size(), ms,
+                CpuModelName().c_str());
   }
 }
 
