@@ -942,9 +942,9 @@ struct HalfTile {
   // those of the one-token tile below, even and odd columns apart (so any
   // batch gives the same bits). 4 tokens of whole lines would need 16 sums,
   // all the registers. Against half lines of 4 tokens (each half its own
-  // pass, each activation broadcast per half), from L1 in a loop of the same
-  // shape: 17 -> 23 GB/s a core; on the 5120 x 5120 bench see
-  // bench/results/amd-epyc-zen5.md.
+  // pass, each activation broadcast per half), 5120 x 5120 F16 from DRAM,
+  // AMD EPYC Zen 5, 3 rounds: T = 4 1 thread 13.4-14.4 -> 15.6-15.9 GB/s,
+  // 2 threads 22.0-24.4 -> 25.0-27.5 (bench/results/amd-epyc-zen5.md).
   static constexpr bool kWholeLines = true;
   static constexpr int kMaxTokens = 2;
   template <int NT>
