@@ -12,9 +12,9 @@
 // rows; these kernels take it as two halves of 8 rows (bytes 0..31 and
 // 32..63), one half at a time, except Q8_0's, which takes whole lines (up to
 // 2 tokens per tile in avx2, 4 in avx2-vnni), F16's and BF16's (whole lines,
-// 2 tokens a tile), and the decode tiles
-// (RunWhole): one token of Q8_0 (two groups side by side), Q4_0, Q6_K, F16
-// and BF16, and up to 4 tokens of Q4_K and Q5_K. The two sets differ only in their int8 products (Q8Half,
+// 1-2 tokens a tile), and the decode tiles
+// (RunWhole): one token of Q8_0 (two groups side by side), Q4_0 and Q6_K,
+// and up to 4 tokens of Q4_K and Q5_K. The two sets differ only in their int8 products (Q8Half,
 // Q4_0Tile, K4Sums, Q6Sums); the tiles around them are shared, so avx2-vnni
 // has the one-token tiles too. Before, its half-line tiles read one token's
 // weights slower than plain avx2 did; ratio to the probe, 2 threads (Zen 5,
@@ -945,6 +945,10 @@ struct HalfTile {
   // pass, each activation broadcast per half), 5120 x 5120 F16 from DRAM,
   // AMD EPYC Zen 5, 3 rounds: T = 4 1 thread 13.4-14.4 -> 15.6-15.9 GB/s,
   // 2 threads 22.0-24.4 -> 25.0-27.5 (bench/results/amd-epyc-zen5.md).
+  // One token (decode) reads the lines without the prefetch ahead: 1 thread
+  // 13.8-15.5 GB/s in two passes of half lines, 20.1-23.4 in one of whole
+  // lines, 18.2-19.7 with the prefetch (the hardware prefetcher follows one
+  // stream better); from cache 56 GB/s (28 in two passes).
   static constexpr bool kWholeLines = true;
   static constexpr int kMaxTokens = 2;
   template <int NT>
@@ -969,7 +973,7 @@ struct HalfTile {
     };
     int64_t i = 0;
     for (; i + 2 <= cols; i += 2) {  // a 64-byte line holds 2 columns
-      PrefetchAhead(q + 16 * i, 64);
+      if constexpr (NT > 1) PrefetchAhead(q + 16 * i, 64);
       column(i, 0);
       column(i + 1, 1);
     }
@@ -978,43 +982,6 @@ struct HalfTile {
       for (int h = 0; h < 2; ++h) {
         Store8(_mm256_add_ps(acc[0][t][h], acc[1][t][h]), a.y + (t0 + t) * a.ldy + g * kGroupRows + 8 * h,
                ValidHalf(w, g, h));
-      }
-    }
-  }
-
-  // One token (T = 1, decode): both halves of each line in one pass, the
-  // sums Run<1>'s (even and odd columns apart, per half). 5120 x 5120 F16,
-  // AMD EPYC Zen 5, 1 thread: 13.8-15.5 GB/s in two passes, 20.1-23.4 in one
-  // (18.2-19.7 with the lines prefetched ahead: the hardware prefetcher
-  // follows one stream better). From cache it computes 56 GB/s (28 before).
-  ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
-    const QuantMatrix& w = *a.w;
-    const int64_t cols = w.cols();
-    const float* x = a.x;
-    for (int64_t g = g_begin; g < g_end; ++g) {
-      const uint16_t* q = reinterpret_cast<const uint16_t*>(w.group(g));
-      __m256 acc[2][2];  // [column parity][half]
-      for (auto& p : acc) p[0] = p[1] = _mm256_setzero_ps();
-      int64_t i = 0;
-      for (; i + 2 <= cols; i += 2) {
-        const uint16_t* line = q + 16 * i;
-        const __m256 x0 = _mm256_set1_ps(x[i]), x1 = _mm256_set1_ps(x[i + 1]);
-        for (int h = 0; h < 2; ++h) {
-          const __m256 w0 = kBf16 ? LoadBf16x8(line + 8 * h) : LoadHalves8(line + 8 * h);
-          const __m256 w1 = kBf16 ? LoadBf16x8(line + 16 + 8 * h) : LoadHalves8(line + 16 + 8 * h);
-          acc[0][h] = _mm256_fmadd_ps(w0, x0, acc[0][h]);
-          acc[1][h] = _mm256_fmadd_ps(w1, x1, acc[1][h]);
-        }
-      }
-      if (i < cols) {
-        const __m256 x0 = _mm256_set1_ps(x[i]);
-        for (int h = 0; h < 2; ++h) {
-          const __m256 w0 = kBf16 ? LoadBf16x8(q + 16 * i + 8 * h) : LoadHalves8(q + 16 * i + 8 * h);
-          acc[0][h] = _mm256_fmadd_ps(w0, x0, acc[0][h]);
-        }
-      }
-      for (int h = 0; h < 2; ++h) {
-        Store8(_mm256_add_ps(acc[0][h], acc[1][h]), a.y + g * kGroupRows + 8 * h, ValidHalf(w, g, h));
       }
     }
   }
