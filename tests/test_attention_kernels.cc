@@ -45,8 +45,9 @@
 #include <string>
 #include <vector>
 
-#include "attn-worker/attention_shard.h"
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_split.h"
+#include "attn-worker/attention_shard.h"
 #include "attn-worker/kv_cache.h"
 #include "core/kv_format.h"
 #include "attn-worker/partial.h"
@@ -844,7 +845,7 @@ TEST(AttentionKernelsBench, DISABLED_PrefillItem) {
       const std::vector<int32_t> last(tokens, positions - 1);
       for (const AttentionKernel* k : AvailableKernels()) {
         if (k->name == "reference") continue;
-        if (!kernels.empty() && std::find(kernels.begin(), kernels.end(), k->name) == kernels.end()) continue;
+        if (!kernels.empty() && !absl::c_linear_search(kernels, k->name)) continue;
         double best = 1e30;
         for (int rep = 0; rep < 30; ++rep) {
           const auto t0 = std::chrono::steady_clock::now();
