@@ -161,6 +161,13 @@ namespace {
 
 constexpr int kMaxTile = 2;  // tokens per register tile (16 ymm registers)
 
+// Pins an integer sum to a register at this point of a loop. GCC 12
+// reassociates integer sums across an unrolled loop: for Q8_0 it computed a
+// block's 8 lines of products first, parked them on the stack and added them
+// up afterwards (60 stack accesses a block), which ran the plain avx2 tile at
+// about half of VPMADDUBSW's peak.
+ELLM_INLINE void KeepSum(__m256i& s) { __asm__("" : "+x"(s)); }
+
 ELLM_TARGET ELLM_INLINE __m256i Bcast4(const void* p) {
   int32_t v;
   __builtin_memcpy(&v, p, 4);
@@ -640,11 +647,16 @@ ELLM_TARGET ELLM_INLINE void Q6Corr(const uint8_t* meta, int h, const TileActs<N
 // half-line tile's cost 1 + 1/NT for two tokens at most (1.5): prefill of
 // 1024 tokens on the bench model (ellm-bench prefill --matmul-isa avx2-vnni,
 // AMD EPYC Zen 5, 2 threads), matrix work at 0.35-0.39 -> 0.50-0.52 of the
-// VPDPBUSD peak, 348-383 -> 508 tokens/s. VPMADDUBSW's temporaries leave
-// registers for 2 tokens.
+// VPDPBUSD peak, 348-383 -> 508 tokens/s. Plain avx2 takes 4 tokens too:
+// its sums stay in registers (KeepSum) and the float sums, touched once a
+// block, go to the stack. Against 2 tokens with the sums reassociated
+// through the stack (AMD EPYC Zen 5, forced, alternated 3 rounds): 4096-token
+// prefill 283-288 -> 328-355 tokens/s, matrix work 0.47-0.48 -> 0.59-0.60 of
+// the widened VPMADDUBSW peak (ellm-bench peak); 5120 x 5120 at T = 4, 2
+// threads, 19.4-22.7 -> 29.1-32.8 GB/s of weights.
 struct Q8_0Tile {
   static constexpr bool kWholeLines = true;
-  static constexpr int kMaxTokens = ELLM_AVX2_VNNI ? 4 : kMaxTile;
+  static constexpr int kMaxTokens = 4;
   template <int NT>
   ELLM_TARGET static void Run(const KernelArgs& a, int64_t g, int /*h*/, int t0) {
     Lines<NT, 1>(a, g, t0);
@@ -696,6 +708,8 @@ struct Q8_0Tile {
             const __m256i c = Bcast4(act.codes[t] + 32 * b + 4 * k);
             s[i][t][0] = w0.Dot(s[i][t][0], c);
             s[i][t][1] = w1.Dot(s[i][t][1], c);
+            KeepSum(s[i][t][0]);
+            KeepSum(s[i][t][1]);
           }
         }
       }
