@@ -165,7 +165,9 @@ constexpr int kMaxTile = 2;  // tokens per register tile (16 ymm registers)
 // reassociates integer sums across an unrolled loop: for Q8_0 it computed a
 // block's 8 lines of products first, parked them on the stack and added them
 // up afterwards (60 stack accesses a block), which ran the plain avx2 tile at
-// about half of VPMADDUBSW's peak.
+// about half of VPMADDUBSW's peak; the plain Q4_K/Q5_K tiles did the same
+// with their int16 sums (T = 4, 2 threads, 5120 x 5120, alternated 3 rounds:
+// Q4_K 13.5-19.2 -> 17.1-22.6 GB/s, Q5_K 12.0-17.9 -> 17.5-18.8).
 ELLM_INLINE void KeepSum(__m256i& s) { __asm__("" : "+x"(s)); }
 
 ELLM_TARGET ELLM_INLINE __m256i Bcast4(const void* p) {
@@ -522,9 +524,11 @@ struct K4Sums {
             if constexpr (kQ5) {  // lines 0..3 and 4..7 in separate int16 sums
               s0[hh][t] = _mm256_add_epi16(s0[hh][t], p0);
               s1[hh][t] = _mm256_add_epi16(s1[hh][t], p1);
+              KeepSum(s1[hh][t]);
             } else {
               s0[hh][t] = _mm256_add_epi16(s0[hh][t], _mm256_add_epi16(p0, p1));
             }
+            KeepSum(s0[hh][t]);
           }
         }
       }
@@ -795,7 +799,8 @@ struct K4Tile {
   // avx2-vnni: 4 tokens a tile (one sum per token, see K4Sums). T = 4 from
   // cache (ELLM_BENCH_MATVEC_N=1024, 1 thread, Zen 5) 14.6-15.0 -> 18.8-19.3
   // GB/s of Q4_K, from DRAM (2 threads) 0.33-0.41 -> 0.43-0.44 of the probe.
-  // Plain avx2 with 4 gained 3% from cache (VPMADDUBSW-bound): kept at 2.
+  // Plain avx2 stays at 2: with 4, GCC spills the int16 sums (T = 4 and 16
+  // slower, 2 threads, 5120 x 5120, alternated 3 rounds).
   static constexpr int kMaxTokens = ELLM_AVX2_VNNI ? 4 : kMaxTile;
   static constexpr int kWholeTokens = 4;  // RunWhole up to 4 tokens (decode batches)
 
