@@ -167,7 +167,9 @@ constexpr int kMaxTile = 2;  // tokens per register tile (16 ymm registers)
 // up afterwards (60 stack accesses a block), which ran the plain avx2 tile at
 // about half of VPMADDUBSW's peak; the plain Q4_K/Q5_K tiles did the same
 // with their int16 sums (T = 4, 2 threads, 5120 x 5120, alternated 3 rounds:
-// Q4_K 13.5-19.2 -> 17.1-22.6 GB/s, Q5_K 12.0-17.9 -> 17.5-18.8).
+// Q4_K 13.5-19.2 -> 17.1-22.6 GB/s, Q5_K 12.0-17.9 -> 17.5-18.8; Q4_0
+// 13.6-15.2 -> 14.7-17.0, and at T = 16 4.5-4.8 -> 4.9-5.4). Q6_K's spills
+// are its operands', not its sums': pinning them changed nothing.
 ELLM_INLINE void KeepSum(__m256i& s) { __asm__("" : "+x"(s)); }
 
 ELLM_TARGET ELLM_INLINE __m256i Bcast4(const void* p) {
@@ -476,6 +478,7 @@ struct Q4_0Sums {
         s16[t] = _mm256_add_epi16(
             s16[t], _mm256_add_epi16(_mm256_maddubs_epi16(w0, Bcast4(c + 4 * i)),
                                      _mm256_maddubs_epi16(w1, Bcast4(c + 16 + 4 * i))));
+        KeepSum(s16[t]);
       }
     }
     for (int t = 0; t < NT; ++t) {
