@@ -11,7 +11,7 @@
 // The layout is the AVX-512 one (matmul_layout.h): each 64-byte line holds 16
 // rows; these kernels take it as two halves of 8 rows (bytes 0..31 and
 // 32..63), one half at a time, except Q8_0's, which takes whole lines (up to
-// 2 tokens per tile in avx2, 4 in avx2-vnni), F16's and BF16's (whole lines,
+// 4 tokens per tile), F16's and BF16's (whole lines,
 // 1-2 tokens a tile), and the decode tiles
 // (RunWhole): one token of Q8_0 (two groups side by side), Q4_0 and Q6_K,
 // and up to 4 tokens of Q4_K and Q5_K. The two sets differ only in their int8 products (Q8Half,
