@@ -170,7 +170,7 @@ constexpr int kMaxTile = 2;  // tokens per register tile (16 ymm registers)
 // Q4_K 13.5-19.2 -> 17.1-22.6 GB/s, Q5_K 12.0-17.9 -> 17.5-18.8; Q4_0
 // 13.6-15.2 -> 14.7-17.0, and at T = 16 4.5-4.8 -> 4.9-5.4). Q6_K's spills
 // are its operands', not its sums': pinning them changed nothing.
-ELLM_INLINE void KeepSum(__m256i& s) { __asm__("" : "+x"(s)); }
+ELLM_TARGET ELLM_INLINE void KeepSum(__m256i& s) { __asm__("" : "+x"(s)); }
 
 ELLM_TARGET ELLM_INLINE __m256i Bcast4(const void* p) {
   int32_t v;
