@@ -10,11 +10,10 @@
 //
 // The layout is the AVX-512 one (matmul_layout.h): each 64-byte line holds 16
 // rows; these kernels take it as two halves of 8 rows (bytes 0..31 and
-// 32..63), one half at a time, except Q8_0's, which takes whole lines (up to
-// 4 tokens per tile), F16's and BF16's (whole lines,
-// 1-2 tokens a tile), and the decode tiles
-// (RunWhole): one token of Q8_0 (two groups side by side), Q4_0 and Q6_K,
-// and up to 4 tokens of Q4_K and Q5_K. The two sets differ only in their int8 products (Q8Half,
+// 32..63), one half at a time, except Q8_0's (whole lines, up to 4 tokens a
+// tile), F16's and BF16's (whole lines, 1-2 tokens a tile), and the decode
+// tiles (RunWhole): one token of Q8_0 (two groups side by side), Q4_0 and
+// Q6_K, and up to 4 tokens of Q4_K and Q5_K. The two sets differ only in their int8 products (Q8Half,
 // Q4_0Tile, K4Sums, Q6Sums); the tiles around them are shared, so avx2-vnni
 // has the one-token tiles too. Before, its half-line tiles read one token's
 // weights slower than plain avx2 did; ratio to the probe, 2 threads (Zen 5,
