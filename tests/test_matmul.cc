@@ -469,16 +469,18 @@ TEST(MatMul, Avx2VnniEqualsAvx2BitForBit) {
     auto q = QuantMatrix::FromRaw(DType::kQ8_0, kRows, kCols,
                                   reinterpret_cast<const uint8_t*>(raw.data()), raw.size());
     ASSERT_TRUE(q.ok());
-    std::vector<float> x(2 * kCols);
-    for (int64_t i = 0; i < 2 * kCols; ++i) x[i] = i % 2 ? 1.0f : -1.0f;
-    Activations act;
-    act.Set(x.data(), 2, kCols);
-    std::vector<float> a(2 * kRows), b(2 * kRows), r(2 * kRows);
-    MatMul(*q, act, a.data(), nullptr, Isa::kAvx2);
-    MatMul(*q, act, b.data(), nullptr, Isa::kAvx2Vnni);
-    MatMul(*q, act, r.data(), nullptr, Isa::kReference);
-    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << int{code};
-    for (int i = 0; i < 2 * kRows; ++i) EXPECT_NEAR(b[i], r[i], 1e-3 * std::fabs(r[i]) + 1e-6);
+    for (int T : {2, 16}) {  // 16: the 4-token tiles too
+      std::vector<float> x(T * kCols);
+      for (int64_t i = 0; i < T * kCols; ++i) x[i] = i % 2 ? 1.0f : -1.0f;
+      Activations act;
+      act.Set(x.data(), T, kCols);
+      std::vector<float> a(T * kRows), b(T * kRows), r(T * kRows);
+      MatMul(*q, act, a.data(), nullptr, Isa::kAvx2);
+      MatMul(*q, act, b.data(), nullptr, Isa::kAvx2Vnni);
+      MatMul(*q, act, r.data(), nullptr, Isa::kReference);
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << int{code} << " T=" << T;
+      for (int i = 0; i < T * kRows; ++i) EXPECT_NEAR(b[i], r[i], 1e-3 * std::fabs(r[i]) + 1e-6);
+    }
   }
   std::printf("%d (type, shape, T) cases identical\n", cases);
 }
