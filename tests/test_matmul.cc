@@ -470,8 +470,9 @@ TEST(MatMul, Avx2VnniEqualsAvx2BitForBit) {
                                   reinterpret_cast<const uint8_t*>(raw.data()), raw.size());
     ASSERT_TRUE(q.ok());
     for (int T : {2, 16}) {  // 16: the 4-token tiles too
+      // Every code +-127, in a sign pattern of each token's own.
       std::vector<float> x(T * kCols);
-      for (int64_t i = 0; i < T * kCols; ++i) x[i] = i % 2 ? 1.0f : -1.0f;
+      for (int64_t i = 0; i < T * kCols; ++i) x[i] = ((i % kCols) * 7 + i / kCols) % 3 ? 1.0f : -1.0f;
       Activations act;
       act.Set(x.data(), T, kCols);
       std::vector<float> a(T * kRows), b(T * kRows), r(T * kRows);
