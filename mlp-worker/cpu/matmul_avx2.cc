@@ -46,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "mlp-worker/cpu/matmul_layout.h"
@@ -516,7 +517,7 @@ struct K4Sums {
         for (int hh = 0; hh < kHalves; ++hh) {
           NibbleCodes<kQ5>(qb + 32 * (h0 + hh) + 256 * s + 64 * i, hb[hh], i, &w[hh][0], &w[hh][1]);
         }
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int t = 0; t < NT; ++t) {
           const int8_t* c = act.codes[t] + 256 * b + 32 * s;
           const __m256i c0 = Bcast4(c + 4 * i), c1 = Bcast4(c + 16 + 4 * i);
@@ -801,10 +802,23 @@ struct K4Tile {
   // avx2-vnni: 4 tokens a tile (one sum per token, see K4Sums). T = 4 from
   // cache (ELLM_BENCH_MATVEC_N=1024, 1 thread, Zen 5) 14.6-15.0 -> 18.8-19.3
   // GB/s of Q4_K, from DRAM (2 threads) 0.33-0.41 -> 0.43-0.44 of the probe.
-  // Plain avx2 stays at 2: with 4, GCC spills the int16 sums (T = 4 and 16
-  // slower, 2 threads, 5120 x 5120, alternated 3 rounds).
+  // Plain avx2's half-line tiles stay at 2: with 4, GCC spilled the int16
+  // sums (T = 4 and 16 slower, 2 threads, 5120 x 5120, alternated 3 rounds).
   static constexpr int kMaxTokens = ELLM_AVX2_VNNI ? 4 : kMaxTile;
-  static constexpr int kWholeTokens = 4;  // RunWhole up to 4 tokens (decode batches)
+  // Plain avx2 Q4_K takes every step, prefill too, through RunWhole in tiles
+  // of 4 tokens, one half of a block after the other (Whole): a line's 4-bit
+  // codes are unpacked once for 4 tokens, where two tiles of 2 unpacked them
+  // twice and read the group twice. (The half-line tiles' spills were a token
+  // loop that GCC unrolled by 2 only: K4Sums now asks for 4.) 5120 x 5120 from
+  // cache (ELLM_BENCH_MATVEC_N=1024 ELLM_BENCH_WORKING_SET_KB=400), AMD EPYC
+  // Zen 5, alternated 2 rounds: T = 4, 1 thread, 16.1-16.3 -> 17.1-17.5 GB/s;
+  // T = 16, 1 thread, 3.7-4.0 -> 4.3, 2 threads 7.7-7.8 -> 8.1-8.2. From DRAM,
+  // T = 4, 2 threads, 5 rounds: 22.4-29.2 -> 24.8-31.4 (within this VM's noise).
+  // Elsewhere RunWhole takes up to 4 tokens (decode batches) in tiles of
+  // kMaxTokens.
+  static constexpr bool kFourAlways = !ELLM_AVX2_VNNI && !kQ5;
+  static constexpr int kWholeTile = kFourAlways ? 4 : kMaxTokens;
+  static constexpr int kWholeTokens = kFourAlways ? std::numeric_limits<int>::max() : 4;
 
   // acc += (d * si - dmin * sm) * d_act for half h.
   ELLM_TARGET ELLM_INLINE static __m256 Finish(const uint8_t* meta, int h, __m256i si, __m256i sm,
@@ -842,18 +856,21 @@ struct K4Tile {
     }
   }
 
-  // Up to kWholeTokens tokens (decode): both halves of each block at once
-  // (K4Sums::Halves), so the group is read in one pass (once per tile of
-  // tokens, then from L2) and each activation broadcast serves both halves.
+  // Up to kWholeTokens tokens: both halves of each block at once
+  // (K4Sums::Halves; plain avx2 with more than 2 tokens, one half after the
+  // other), so the group is read in one pass (once per tile of tokens, then
+  // from L2) and each activation broadcast serves both halves.
   // The integer sums per half are Run's. avx2-vnni, T = 4 from DRAM, 2
   // threads: 0.39-0.46 -> 0.52-0.54 of the probe against the half-line
   // tiles' two passes (plain avx2 0.28-0.29 -> 0.26-0.41); sharing the
   // broadcasts, from cache, 1 thread: plain avx2 T = 1 33-36 -> 36-44 GB/s,
   // avx2-vnni 40-55 -> 53-70.
   ELLM_TARGET static void RunWhole(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
-    for (int64_t g = g_begin; g < g_end; ++g) {
-      ForEachTile<kMaxTokens>(0, a.T, [&](int t0, auto nt) { Whole<decltype(nt)::value>(a, g, t0); });
-    }
+    ForEachTokenPass(a.T, [&](int t_begin, int t_end) {  // matmul_layout.h
+      for (int64_t g = g_begin; g < g_end; ++g) {
+        ForEachTile<kWholeTile>(t_begin, t_end, [&](int t0, auto nt) { Whole<decltype(nt)::value>(a, g, t0); });
+      }
+    });
   }
   template <int NT>
   ELLM_TARGET static void Whole(const KernelArgs& a, int64_t g, int t0) {
@@ -870,10 +887,18 @@ struct K4Tile {
       const uint8_t* qb = quant + b * kQuant;
       const uint8_t* meta = meta0 + b * 320;
       PrefetchBlocks(w, g, b, nb, kQuant, 320);
-      __m256i si[2][NT], sm[2][NT];
-      Sums::template Halves<NT, 2>(qb, meta, 0, act, b, si, sm);
-      for (int h = 0; h < 2; ++h) {
-        for (int t = 0; t < NT; ++t) acc[h][t] = Finish(meta, h, si[h][t], sm[h][t], act.d[t][b], acc[h][t]);
+      if constexpr (NT > kMaxTokens) {  // one half at a time
+        for (int h = 0; h < 2; ++h) {
+          __m256i si[1][NT], sm[1][NT];
+          Sums::template Halves<NT, 1>(qb, meta, h, act, b, si, sm);
+          for (int t = 0; t < NT; ++t) acc[h][t] = Finish(meta, h, si[0][t], sm[0][t], act.d[t][b], acc[h][t]);
+        }
+      } else {
+        __m256i si[2][NT], sm[2][NT];
+        Sums::template Halves<NT, 2>(qb, meta, 0, act, b, si, sm);
+        for (int h = 0; h < 2; ++h) {
+          for (int t = 0; t < NT; ++t) acc[h][t] = Finish(meta, h, si[h][t], sm[h][t], act.d[t][b], acc[h][t]);
+        }
       }
     }
     for (int h = 0; h < 2; ++h) {
