@@ -42,6 +42,7 @@
 #include "gtest/gtest.h"
 #include "mlp-worker/backend.h"
 #include "mlp-worker/cpu/matmul.h"
+#include "mlp-worker/cpu/matmul_layout.h"
 #include "tests/tests_util.h"
 
 namespace ellm::mlp {
@@ -129,17 +130,18 @@ std::vector<float> RandomActivations(int T, int64_t cols, uint64_t seed) {
   return x;
 }
 
-// The activations a kernel of `type` sees, dequantised: [T, cols].
-std::vector<double> KernelActivations(DType type, Activations& act) {
+// The activations the kernel set `isa` sees for `type`, dequantised: [T, cols].
+std::vector<double> KernelActivations(DType type, Isa isa, Activations& act) {
   const int T = act.tokens();
   const int64_t cols = act.cols();
   std::vector<double> a(T * cols);
-  const int block = Traits(type).block_elements;
-  if (block == 1) {
+  const ActFormat f = ActFormatFor(type, isa);
+  if (f == ActFormat::kF32) {
     for (int64_t i = 0; i < T * cols; ++i) a[i] = act.f32()[i];
     return a;
   }
-  const Activations::Q8& q = block == 32 ? act.q8x32() : act.q8x256();
+  const Activations::Q8& q = act.q8(f);
+  const int block = q.block;
   for (int t = 0; t < T; ++t) {
     for (int64_t i = 0; i < cols; ++i) {
       a[t * cols + i] = static_cast<double>(q.d[t * (cols / block) + i / block]) * q.codes(t)[i];
@@ -205,6 +207,8 @@ TEST(MatMulDispatch, PicksASimdKernelOnThisCpu) {
   std::printf("avx2-vnni supported here: %s\n", MatIsaSupported(Isa::kAvx2Vnni) ? "yes" : "no");
   EXPECT_EQ(KernelName(DType::kQ4_K, Isa::kAvx512), "avx512/q4_K*q8x256");
   EXPECT_EQ(KernelName(DType::kQ8_0, Isa::kAvx2Vnni), "avx2-vnni/q8_0*q8x32");
+  EXPECT_EQ(KernelName(DType::kQ8_0, Isa::kAvx2), "avx2/q8_0*q7x32");
+  EXPECT_EQ(KernelName(DType::kQ4_0, Isa::kAvx2), "avx2/q4_0*q8x32");
 }
 
 TEST(MatMulDispatch, ParsesKernelSetNames) {
@@ -259,12 +263,21 @@ TEST(Activations, QuantiserRule) {
   x.resize(64, 0.0f);  // an all-zero block
   std::vector<int8_t> codes(64);
   float d[2];
-  QuantizeActivationRow(x.data(), 64, 32, codes.data(), d);
+  QuantizeActivationRow(x.data(), 64, 32, 127, codes.data(), d);
   EXPECT_FLOAT_EQ(d[0], 1.0f / 127);
   EXPECT_EQ(codes[1], -127);
   EXPECT_EQ(codes[0], 64);  // round-half-even(63.5)
   EXPECT_EQ(codes[2], 32);  // 31.75
   EXPECT_EQ(codes[3], 0);
+  EXPECT_EQ(d[1], 0.0f);
+  for (int i = 32; i < 64; ++i) EXPECT_EQ(codes[i], 0);
+  // kQ7x32's codes (max_code 63).
+  QuantizeActivationRow(x.data(), 64, 32, 63, codes.data(), d);
+  EXPECT_FLOAT_EQ(d[0], 1.0f / 63);
+  EXPECT_EQ(codes[1], -63);
+  EXPECT_EQ(codes[0], 32);  // round-half-even(31.5)
+  EXPECT_EQ(codes[2], 16);  // 15.75
+  EXPECT_EQ(codes[4], 6);   // 6.3
   EXPECT_EQ(d[1], 0.0f);
   for (int i = 32; i < 64; ++i) EXPECT_EQ(codes[i], 0);
 }
@@ -274,7 +287,8 @@ TEST(Activations, QuantiserRule) {
 TEST(Activations, QuantiserMatchesTheScalarRule) {
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0.0f, 3.0f);
-  for (int block : {32, 256}) {
+  for (int block : {32, 256})
+  for (int max_code : {127, 63}) {
     const int64_t cols = 4 * 256;
     std::vector<float> x(cols);
     for (int rep = 0; rep < 50; ++rep) {
@@ -285,10 +299,12 @@ TEST(Activations, QuantiserMatchesTheScalarRule) {
       for (int i = 0; i < 8; ++i) x[rng() % cols] = (static_cast<int>(rng() % 255) - 127) / 254.0f;  // halves
       std::vector<int8_t> a(cols), b(cols);
       std::vector<float> da(cols / block), db(cols / block);
-      QuantizeActivationRow(x.data(), cols, block, a.data(), da.data());
-      QuantizeActivationRowScalar(x.data(), cols, block, b.data(), db.data());
-      ASSERT_EQ(a, b) << "block " << block << " rep " << rep;
-      ASSERT_EQ(std::memcmp(da.data(), db.data(), da.size() * sizeof(float)), 0) << block << " " << rep;
+      QuantizeActivationRow(x.data(), cols, block, max_code, a.data(), da.data());
+      QuantizeActivationRowScalar(x.data(), cols, block, max_code, b.data(), db.data());
+      ASSERT_EQ(a, b) << "block " << block << " max code " << max_code << " rep " << rep;
+      ASSERT_EQ(std::memcmp(da.data(), db.data(), da.size() * sizeof(float)), 0)
+          << block << " " << max_code << " " << rep;
+      for (int8_t c : a) ASSERT_LE(std::abs(int{c}), max_code);
     }
   }
 }
@@ -306,9 +322,17 @@ TEST(MatMul, EveryKernelMatchesTheFp64OracleAtAwkwardSizes) {
           const std::vector<float> x = RandomActivations(T, cols, 1000 + T);
           Activations act;
           act.Set(x.data(), T, cols);
-          const Oracle o = ComputeOracle(m, KernelActivations(type, act), T);
+          // One oracle per activation form the sets read.
+          std::vector<std::pair<ActFormat, Oracle>> oracles;
           std::vector<float> yref;
           for (Isa isa : isas) {
+            const ActFormat f = ActFormatFor(type, isa);
+            auto it = absl::c_find_if(oracles, [&](const auto& p) { return p.first == f; });
+            if (it == oracles.end()) {
+              oracles.emplace_back(f, ComputeOracle(m, KernelActivations(type, isa, act), T));
+              it = oracles.end() - 1;
+            }
+            const Oracle& o = it->second;
             std::vector<float> y(T * rows, NAN);
             MatMul(q, act, y.data(), nullptr, isa);
             for (int i = 0; i < T * rows; ++i) {
@@ -341,6 +365,10 @@ TEST(MatMul, EveryKernelMatchesTheFp64OracleAtAwkwardSizes) {
   std::printf("%d (type, kernel, shape, T) cases\n", cases);
 }
 
+// Against the unquantised activations, every set's error stays within the
+// activation rounding of its own codes (half a step per value, plus the
+// kernel budget). Prints each set's rms error relative to the exact product's
+// rms: what plain avx2's 7-bit Q8_0 activation codes cost against 8-bit ones.
 TEST(MatMul, ActivationQuantisationErrorIsBounded) {
   for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
     const int64_t cols = Traits(type).block_elements == 32 ? 1088 : 2560;
@@ -348,23 +376,31 @@ TEST(MatMul, ActivationQuantisationErrorIsBounded) {
     const TestMatrix m = MakeMatrix(type, rows, cols, 99);
     const QuantMatrix q = Repack(m);
     const std::vector<float> x = RandomActivations(T, cols, 5);
-    Activations act;
-    act.Set(x.data(), T, cols);
-    const Oracle o = ComputeOracle(m, KernelActivations(type, act), T);
-    const int block = Traits(type).block_elements;
-    const Activations::Q8& q8 = block == 32 ? act.q8x32() : act.q8x256();
-    std::vector<float> y(T * rows);
-    MatMul(q, act, y.data(), nullptr);
-    for (int t = 0; t < T; ++t) {
-      for (int r = 0; r < rows; ++r) {
-        double exact = 0, bound = 0;
-        for (int64_t i = 0; i < cols; ++i) {
-          const double w = m.deq[r * cols + i];
-          exact += w * x[t * cols + i];
-          bound += std::fabs(w) * q8.d[t * (cols / block) + i / block] / 2;
+    for (Isa isa : SupportedIsas()) {
+      Activations act;
+      act.Set(x.data(), T, cols);
+      const Oracle o = ComputeOracle(m, KernelActivations(type, isa, act), T);
+      const Activations::Q8& q8 = act.q8(ActFormatFor(type, isa));
+      const int block = q8.block;
+      std::vector<float> y(T * rows);
+      MatMul(q, act, y.data(), nullptr, isa);
+      double err2 = 0, exact2 = 0;
+      for (int t = 0; t < T; ++t) {
+        for (int r = 0; r < rows; ++r) {
+          double exact = 0, bound = 0;
+          for (int64_t i = 0; i < cols; ++i) {
+            const double w = m.deq[r * cols + i];
+            exact += w * x[t * cols + i];
+            bound += std::fabs(w) * q8.d[t * (cols / block) + i / block] / 2;
+          }
+          const double err = y[t * rows + r] - exact;
+          EXPECT_LE(std::fabs(err), bound + o.budget[t * rows + r]) << KernelName(type, isa);
+          err2 += err * err;
+          exact2 += exact * exact;
         }
-        EXPECT_LE(std::fabs(y[t * rows + r] - exact), bound + o.budget[t * rows + r]) << Name(type);
       }
+      std::printf("%-26s rms error / rms product %.2e\n", KernelName(type, isa).c_str(),
+                  std::sqrt(err2 / exact2));
     }
   }
 }
@@ -426,10 +462,28 @@ TEST(MatMul, RepackingAndResultsDoNotDependOnTheThreadCount) {
   }
 }
 
+// y = x · Wᵀ by the kernel set `isa` on the activation form `f` (one whose
+// codes that set's products take exactly: avx2-vnni and the reference take
+// any int8 codes), so that sets can be compared on the same codes.
+void MatMulOnForm(const QuantMatrix& w, Activations& x, ActFormat f, Isa isa, float* y) {
+  internal::KernelArgs args;
+  args.w = &w;
+  args.x = x.f32();
+  args.q8 = f == ActFormat::kF32 ? nullptr : &x.q8(f);
+  args.T = x.tokens();
+  args.y = y;
+  args.ldy = w.rows();
+  const internal::MatKernel kernel =
+      isa == Isa::kAvx2Vnni ? internal::Avx2VnniKernel(w.type()) : internal::RefKernel(w.type());
+  ASSERT_TRUE(isa == Isa::kAvx2Vnni || isa == Isa::kReference);
+  kernel(args, 0, w.groups());
+}
+
 // avx2-vnni differs from avx2 only in how the exact integer block sums are
 // formed (VPDPBUSD vs VPMADDUBSW + VPMADDWD); the float steps are the same, so
-// the two sets agree bit for bit, also at the codes' extremes (|code| = 127,
-// weight levels at their maxima), where the int16 pair sums of avx2 are tightest.
+// on the same activation codes (plain avx2's 7-bit ones for Q8_0) the two sets
+// agree bit for bit, also at the codes' extremes (|code| = 127, or 63, weight
+// levels at their maxima), where the int16 pair sums of avx2 are tightest.
 TEST(MatMul, Avx2VnniEqualsAvx2BitForBit) {
   if (!MatIsaSupported(Isa::kAvx2Vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
   int cases = 0;
@@ -440,14 +494,14 @@ TEST(MatMul, Avx2VnniEqualsAvx2BitForBit) {
         const QuantMatrix q = Repack(m);
         for (int T : {1, 2, 3, 16}) {
           std::vector<float> x = RandomActivations(T, cols, 77 + T);
-          if (T == 3) {  // saturated activations: every code +-127
+          if (T == 3) {  // saturated activations: every code +-127 (+-63)
             for (size_t i = 0; i < x.size(); ++i) x[i] = (i * 7919) % 3 ? 1.0f : -1.0f;
           }
           Activations act;
           act.Set(x.data(), T, cols);
           std::vector<float> a(T * rows, NAN), b(T * rows, NAN);
           MatMul(q, act, a.data(), nullptr, Isa::kAvx2);
-          MatMul(q, act, b.data(), nullptr, Isa::kAvx2Vnni);
+          MatMulOnForm(q, act, ActFormatFor(type, Isa::kAvx2), Isa::kAvx2Vnni, b.data());
           ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
               << Name(type) << " [" << rows << ", " << cols << "] T=" << T;
           ++cases;
@@ -455,8 +509,8 @@ TEST(MatMul, Avx2VnniEqualsAvx2BitForBit) {
       }
     }
   }
-  // Extreme weights: Q8_0 codes -128 / 127 (the sign trick of avx2 and the
-  // +128 offset of VPDPBUSD at their limits) against codes of both signs.
+  // Extreme weights: Q8_0 codes -128 / 127 (stored u8 0 / 255: the +128
+  // offset at its limits) against codes of both signs.
   for (int8_t code : {int8_t{-128}, int8_t{127}}) {
     constexpr int64_t kCols = 1024;
     constexpr int kRows = 9;
@@ -470,15 +524,16 @@ TEST(MatMul, Avx2VnniEqualsAvx2BitForBit) {
                                   reinterpret_cast<const uint8_t*>(raw.data()), raw.size());
     ASSERT_TRUE(q.ok());
     for (int T : {2, 16}) {  // 16: the 4-token tiles too
-      // Every code +-127, in a sign pattern of each token's own.
+      // Every code +-63 (plain avx2's 7-bit codes), in a sign pattern of
+      // each token's own: pairs of 255 x 63 or 0 x -63 at the int16 limit.
       std::vector<float> x(T * kCols);
       for (int64_t i = 0; i < T * kCols; ++i) x[i] = ((i % kCols) * 7 + i / kCols) % 3 ? 1.0f : -1.0f;
       Activations act;
       act.Set(x.data(), T, kCols);
       std::vector<float> a(T * kRows), b(T * kRows), r(T * kRows);
       MatMul(*q, act, a.data(), nullptr, Isa::kAvx2);
-      MatMul(*q, act, b.data(), nullptr, Isa::kAvx2Vnni);
-      MatMul(*q, act, r.data(), nullptr, Isa::kReference);
+      MatMulOnForm(*q, act, ActFormat::kQ7x32, Isa::kAvx2Vnni, b.data());
+      MatMulOnForm(*q, act, ActFormat::kQ7x32, Isa::kReference, r.data());
       EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << int{code} << " T=" << T;
       for (int i = 0; i < T * kRows; ++i) EXPECT_NEAR(b[i], r[i], 1e-3 * std::fabs(r[i]) + 1e-6);
     }

@@ -255,7 +255,7 @@ using DequantRowFn = void (*)(const uint8_t* group, int r, int64_t cols, float* 
 struct MatType {
   DType type;
   const GroupLayout* layout;
-  ActFormat act;
+  ActFormat act;  // what every set but plain avx2's Q8_0 reads (ActFormatFor)
   RepackRowFn repack;
   DequantRowFn dequant;
 };
@@ -363,7 +363,10 @@ QuantMatrix QuantMatrix::FromF32(const float* w, int64_t rows, int64_t cols) {
   return *std::move(m);
 }
 
-ActFormat QuantMatrix::act_format() const { return internal::MatTypeOf(type_).act; }
+ActFormat ActFormatFor(DType type, Isa isa) {
+  if (type == DType::kQ8_0 && isa == Isa::kAvx2) return ActFormat::kQ7x32;
+  return internal::MatTypeOf(type).act;
+}
 
 void QuantMatrix::DequantizeRow(int64_t r, float* out) const {
   internal::MatTypeOf(type_).dequant(group(r / kGroupRows), static_cast<int>(r % kGroupRows), cols_,
@@ -372,13 +375,16 @@ void QuantMatrix::DequantizeRow(int64_t r, float* out) const {
 
 // --- Activations --------------------------------------------------------------
 
-void QuantizeActivationRow(const float* x, int64_t cols, int block, int8_t* codes, float* d) {
+void QuantizeActivationRow(const float* x, int64_t cols, int block, int max_code, int8_t* codes,
+                           float* d) {
   static const bool avx2 = CpuHas(Isa::kAvx2);
-  if (avx2) return internal::QuantizeActivationRowAvx2(x, cols, block, codes, d);
-  QuantizeActivationRowScalar(x, cols, block, codes, d);
+  if (avx2) return internal::QuantizeActivationRowAvx2(x, cols, block, max_code, codes, d);
+  QuantizeActivationRowScalar(x, cols, block, max_code, codes, d);
 }
 
-void QuantizeActivationRowScalar(const float* x, int64_t cols, int block, int8_t* codes, float* d) {
+void QuantizeActivationRowScalar(const float* x, int64_t cols, int block, int max_code,
+                                 int8_t* codes, float* d) {
+  const float m = static_cast<float>(max_code);
   for (int64_t b = 0; b < cols / block; ++b) {
     const float* xb = x + b * block;
     int8_t* qb = codes + b * block;
@@ -389,11 +395,11 @@ void QuantizeActivationRowScalar(const float* x, int64_t cols, int block, int8_t
       std::memset(qb, 0, block);
       continue;
     }
-    d[b] = amax / 127;
-    const float id = 127 / amax;
+    d[b] = amax / m;
+    const float id = m / amax;
     for (int i = 0; i < block; ++i) {
       float v = std::nearbyint(xb[i] * id);
-      v = v > 127 ? 127 : v < -127 ? -127 : v;
+      v = v > m ? m : v < -m ? -m : v;
       qb[i] = static_cast<int8_t>(v == v ? v : 0);
     }
   }
@@ -403,12 +409,15 @@ void Activations::Set(const float* x, int T, int64_t cols) {
   x_ = x;
   T_ = T;
   cols_ = cols;
-  have32_ = have256_ = false;
+  have32_ = have7_ = have256_ = false;
 }
 
 namespace {
 
-void PrepareQ8(const float* x, int T, int64_t cols, int block, Activations::Q8* q, ThreadPool* pool) {
+void PrepareQ8(const float* x, int T, int64_t cols, int block, int max_code, Activations::Q8* q,
+               ThreadPool* pool) {
+  q->block = block;
+  q->max_code = max_code;
   q->token_stride = (cols + 63) / 64 * 64;
   q->qs.Resize(static_cast<size_t>(T) * q->token_stride);
   const int64_t nb = cols / block;
@@ -424,7 +433,7 @@ void PrepareQ8(const float* x, int T, int64_t cols, int block, Activations::Q8* 
   auto rows = [&](int64_t t_begin, int64_t t_end, int) {
   for (int64_t t = t_begin; t < t_end; ++t) {
     int8_t* codes = reinterpret_cast<int8_t*>(q->qs.data() + t * q->token_stride);
-    QuantizeActivationRow(x + t * cols, cols, block, codes, q->d.data() + t * nb);
+    QuantizeActivationRow(x + t * cols, cols, block, max_code, codes, q->d.data() + t * nb);
     if (block == 32) {
       for (int64_t b = 0; b < nb; ++b) {
         int32_t s = 0;
@@ -453,20 +462,17 @@ void PrepareQ8(const float* x, int T, int64_t cols, int block, Activations::Q8* 
 
 }  // namespace
 
-const Activations::Q8& Activations::q8x32(ThreadPool* pool) {
-  if (!have32_) {
-    PrepareQ8(x_, T_, cols_, 32, &q32_, pool);
-    have32_ = true;
+const Activations::Q8& Activations::q8(ActFormat f, ThreadPool* pool) {
+  ELLM_CHECK(f != ActFormat::kF32, "Activations::q8: kF32 is not an int8 form");
+  const int block = f == ActFormat::kQ8x256 ? 256 : 32;
+  const int max_code = f == ActFormat::kQ7x32 ? 63 : 127;
+  bool& have = f == ActFormat::kQ8x32 ? have32_ : f == ActFormat::kQ7x32 ? have7_ : have256_;
+  Q8& q = f == ActFormat::kQ8x32 ? q32_ : f == ActFormat::kQ7x32 ? q7_ : q256_;
+  if (!have) {
+    PrepareQ8(x_, T_, cols_, block, max_code, &q, pool);
+    have = true;
   }
-  return q32_;
-}
-
-const Activations::Q8& Activations::q8x256(ThreadPool* pool) {
-  if (!have256_) {
-    PrepareQ8(x_, T_, cols_, 256, &q256_, pool);
-    have256_ = true;
-  }
-  return q256_;
+  return q;
 }
 
 // --- Dispatch -------------------------------------------------------------------
@@ -489,6 +495,7 @@ std::string_view ActFormatName(ActFormat f) {
   switch (f) {
     case ActFormat::kF32: return "f32";
     case ActFormat::kQ8x32: return "q8x32";
+    case ActFormat::kQ7x32: return "q7x32";
     case ActFormat::kQ8x256: return "q8x256";
   }
   return "?";
@@ -534,7 +541,8 @@ std::string KernelName(DType type, Isa isa) {
   if (mt == nullptr) return "none";
   const std::string_view tname = Traits(type).name;
   if (type == DType::kF32) return absl::StrCat(ToAbsl(IsaName(isa)), "/f32-exact");
-  return absl::StrCat(ToAbsl(IsaName(isa)), "/", ToAbsl(tname), "*", ToAbsl(ActFormatName(mt->act)));
+  return absl::StrCat(ToAbsl(IsaName(isa)), "/", ToAbsl(tname), "*",
+                      ToAbsl(ActFormatName(ActFormatFor(type, isa))));
 }
 
 void MatMul(const QuantMatrix& w, Activations& x, float* y, ThreadPool* pool, Isa isa) {
@@ -549,11 +557,8 @@ void MatMul(const QuantMatrix& w, Activations& x, float* y, ThreadPool* pool, Is
   args.T = x.tokens();
   args.y = y;
   args.ldy = w.rows();
-  switch (w.act_format()) {
-    case ActFormat::kF32: break;
-    case ActFormat::kQ8x32: args.q8 = &x.q8x32(pool); break;
-    case ActFormat::kQ8x256: args.q8 = &x.q8x256(pool); break;
-  }
+  const ActFormat act = ActFormatFor(w.type(), isa);
+  if (act != ActFormat::kF32) args.q8 = &x.q8(act, pool);
   const int64_t groups = w.groups();
   // Waking the workers costs some microseconds: small products stay on the
   // calling thread.

@@ -10,6 +10,8 @@
 //                  kF32     the floats themselves (F32, F16, BF16 weights);
 //                  kQ8x32   int8 codes per block of 32 with an fp32 scale and
 //                           the block's code sum (Q8_0, Q4_0 weights);
+//                  kQ7x32   the same with codes |code| <= 63 (Q8_0 weights
+//                           on plain avx2 only, see below);
 //                  kQ8x256  int8 codes per block of 256 with an fp32 scale,
 //                           code sums per 16 and per 32 (the k-quants).
 //   MatMul       splits the matrix's groups of 16 output rows across the
@@ -22,11 +24,21 @@
 //                does, dotted with the dequantised activations in fp64 (F32:
 //                core/kernels.h Dot). The oracle, and the fallback.
 //   avx2         AVX2 + FMA + F16C, 8 rows per vector; int8 products with
-//                VPMADDUBSW + VPMADDWD.
+//                VPMADDUBSW + VPMADDWD. Q8_0 weights take 7-bit activation
+//                codes (kQ7x32): VPMADDUBSW's int16 pair sums of the stored
+//                u8 = code + 128 times |code| <= 63 cannot saturate (2 x 255
+//                x 63 = 32130), so a product is 3 vector operations instead
+//                of 4 (the sign trick that 8-bit codes need) and the 4-token
+//                tile runs about 20% faster (bench/results/amd-epyc-zen5.md).
+//                The cost is the activations' rounding: half a step of
+//                max|x| / 63 instead of max|x| / 127 (see
+//                MatMul.ActivationQuantisationErrorIsBounded).
 //   avx2-vnni    avx2 with AVX-VNNI (VEX VPDPBUSD) for the int8 products:
 //                CPUs with AVX-VNNI but no AVX-512 (Alder Lake and later
 //                client cores, server parts with AVX-512 off). Gives the same
-//                results as avx2 bit for bit (both integer sums are exact).
+//                results as avx2 bit for bit on the same activation codes
+//                (both integer sums are exact); Q8_0 differs, as avx2-vnni
+//                takes 8-bit codes there.
 //   avx512       AVX-512 F/BW/VL/DQ + VNNI + F16C, 16 rows per vector; int8
 //                products with VPDPBUSD (weight codes u8 x activation codes s8
 //                with an embedded 4-byte broadcast).
@@ -62,7 +74,10 @@ bool MatIsaSupported(Isa isa);
 // avx2-vnni > avx2 > reference.
 Isa BestMatIsa();
 
-enum class ActFormat { kF32, kQ8x32, kQ8x256 };
+enum class ActFormat { kF32, kQ8x32, kQ7x32, kQ8x256 };
+
+// The activation form the kernel set `isa` reads for weights of `type`.
+ActFormat ActFormatFor(DType type, Isa isa);
 
 // 64-byte aligned bytes (the repacked weights, quantised activations).
 class AlignedBytes {
@@ -102,7 +117,6 @@ class QuantMatrix {
   int64_t rows() const { return rows_; }
   int64_t cols() const { return cols_; }
   int64_t groups() const { return (rows_ + 15) / 16; }
-  ActFormat act_format() const;
   // Bytes one pass over the matrix reads (the repacked size).
   size_t bytes() const { return data_.size(); }
   bool empty() const { return rows_ == 0; }
@@ -132,11 +146,13 @@ class Activations {
   int64_t cols() const { return cols_; }
   const float* f32() const { return x_; }
 
-  // The int8 forms, converted once per Set (kQ8x32: cols % 32 == 0;
+  // The int8 forms, converted once per Set (kQ8x32, kQ7x32: cols % 32 == 0;
   // kQ8x256: cols % 256 == 0), the tokens split over `pool` when given.
   struct Q8 {
+    int block = 0;               // 32 or 256 elements
+    int max_code = 0;            // 127, or 63 (kQ7x32)
     int64_t token_stride = 0;    // bytes of one token's codes (cols rounded up to 64)
-    AlignedBytes qs;             // [T][token_stride] int8 codes, |code| <= 127
+    AlignedBytes qs;             // [T][token_stride] int8 codes, |code| <= max_code
     std::vector<float> d;        // [T][cols / block] scales: x ≈ d * code
     std::vector<int32_t> sum;    // kQ8x32: [T][cols / 32] code sums per block
     std::vector<int16_t> sum16;  // kQ8x256: [T][cols / 16] code sums per 16
@@ -145,24 +161,27 @@ class Activations {
       return reinterpret_cast<const int8_t*>(qs.data() + t * token_stride);
     }
   };
-  const Q8& q8x32(ThreadPool* pool = nullptr);
-  const Q8& q8x256(ThreadPool* pool = nullptr);
+  // The int8 form `f` (not kF32).
+  const Q8& q8(ActFormat f, ThreadPool* pool = nullptr);
 
  private:
   const float* x_ = nullptr;
   int T_ = 0;
   int64_t cols_ = 0;
-  bool have32_ = false, have256_ = false;
-  Q8 q32_, q256_;
+  bool have32_ = false, have7_ = false, have256_ = false;
+  Q8 q32_, q7_, q256_;
 };
 
 // Quantises one token's row x[cols] to the int8 form (the one rule every
-// kernel shares): per block, d = max|x| / 127, code = round-half-even(x / d)
-// (x * (127 / max|x|)), d = 0 and codes 0 for an all-zero block.
-void QuantizeActivationRow(const float* x, int64_t cols, int block, int8_t* codes, float* d);
+// kernel shares, M = max_code: 127, or 63 for kQ7x32): per block, d = max|x| /
+// M, code = round-half-even(x / d) (x * (M / max|x|)), d = 0 and codes 0 for
+// an all-zero block.
+void QuantizeActivationRow(const float* x, int64_t cols, int block, int max_code, int8_t* codes,
+                           float* d);
 // The same rule one element at a time (QuantizeActivationRow runs an AVX2
 // form of it where the CPU has AVX2; the two agree bit for bit).
-void QuantizeActivationRowScalar(const float* x, int64_t cols, int block, int8_t* codes, float* d);
+void QuantizeActivationRowScalar(const float* x, int64_t cols, int block, int max_code,
+                                 int8_t* codes, float* d);
 
 // y [T, rows] (row stride `rows`) = x [T, cols] · Wᵀ with the kernel set
 // `isa` (a programmer error, fatal, when the CPU cannot run it or the shapes

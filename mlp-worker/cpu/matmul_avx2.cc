@@ -26,9 +26,9 @@
 // made to run, slowed T = 4 by about 10%; it is gone.
 //
 // "avx2": VPMADDUBSW (u8 x s8 -> int16 pair sums, saturating) + VPMADDWD:
-//   Q8_0       u8 = code + 128 would overflow the int16 pair sums, so the
-//              signed code is restored (xor 0x80) and multiplied as
-//              |code| x (activation * sign(code)): |pair| <= 2 * 128 * 127.
+//   Q8_0       the stored u8 = code + 128 times 7-bit activation codes
+//              (kQ7x32, |c| <= 63): |pair| <= 2 * 255 * 63 = 32130, and the
+//              sums start at -128 * (the activation code sum), as VPDPBUSD's.
 //   Q4_0/Q4_K  pair sums <= 2 * 15 * 127, so a block's 8 lines add up in int16
 //              (<= 30480) before one VPMADDWD, which also applies the
 //              sub-block scale (Q4_K) as an int16 pair (sc, sc).
@@ -39,7 +39,8 @@
 //   subtracts 128 * sum(codes)); sub-block scales by VPMULLD.
 // The offsets (-8 for Q4_0, mins for the k-quants, -32 for Q6_K) use the
 // activation code sums, as in the AVX-512 kernels. Both sets' integer sums are
-// exact and their float steps the same, so they give identical results.
+// exact and their float steps the same, so on the same activation codes they
+// give identical results (Q8_0's plain avx2 codes are 7-bit, avx2-vnni's 8-bit).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -118,13 +119,15 @@ void F32ExactKernelAvx(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
 }
 
 // QuantizeActivationRowScalar's rule, 8 lanes at a time: the same max |x|,
-// d and 127 / max|x|, VROUNDPS to nearest-even where nearbyint rounds in the
+// d and max_code / max|x|, VROUNDPS to nearest-even where nearbyint rounds in the
 // default mode, the same clamp, and NaN (x NaN in a finite block) to 0.
 // Blocks are 32 or 256 elements, whole multiples of 8.
 __attribute__((target("avx2,fma"))) void QuantizeActivationRowAvx2(const float* x, int64_t cols,
-                                                                   int block, int8_t* codes, float* d) {
+                                                                   int block, int max_code,
+                                                                   int8_t* codes, float* d) {
+  const float m_code = static_cast<float>(max_code);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  const __m256 hi = _mm256_set1_ps(m_code), lo = _mm256_set1_ps(-m_code);
   for (int64_t b = 0; b < cols / block; ++b) {
     const float* xb = x + b * block;
     int8_t* qb = codes + b * block;
@@ -140,8 +143,8 @@ __attribute__((target("avx2,fma"))) void QuantizeActivationRowAvx2(const float* 
       std::memset(qb, 0, block);
       continue;
     }
-    d[b] = amax / 127;
-    const __m256 id = _mm256_set1_ps(127 / amax);
+    d[b] = amax / m_code;
+    const __m256 id = _mm256_set1_ps(m_code / amax);
     for (int i = 0; i < block; i += 8) {
       __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i), id),
                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -445,18 +448,20 @@ ELLM_TARGET ELLM_INLINE __m256i AddPairProducts(__m256i acc, __m256i a, __m256i 
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 }
 
-// One 32-byte half line of Q8_0 codes (see the VNNI Q8Half): the signed code
-// is restored (xor 0x80) and multiplied as |code| x (activation *
-// sign(code)), so the int16 pair sums cannot saturate. The sums start at 0.
+// One 32-byte half line of Q8_0 codes (see the VNNI Q8Half), stored as u8 =
+// code + 128, against 7-bit activation codes (kQ7x32, |c| <= 63): the int16
+// pair sums are at most 2 x 255 x 63 = 32130, so they cannot saturate, and
+// the sums start at -128 * (the block's activation code sum) as VPDPBUSD's
+// do. A product is VPMADDUBSW, VPMADDWD and VPADDD. With 8-bit codes it took a
+// VPSIGNB besides (|code| x (activation * sign(code))), and the 4-token tile
+// ran about 20% slower (4096-token prefill of the bench model, AMD EPYC Zen 5,
+// forced: matrix work 9.3-9.6 -> 7.8 s; bench/results/amd-epyc-zen5.md).
 struct Q8Half {
-  static constexpr int32_t kQ8Start = 0;
-  __m256i ws, aw;
-  ELLM_TARGET ELLM_INLINE explicit Q8Half(const uint8_t* p)
-      : ws(_mm256_xor_si256(Load32(p), _mm256_set1_epi8(static_cast<char>(0x80)))),
-        aw(_mm256_sign_epi8(ws, ws)) {}
+  static constexpr int32_t kQ8Start = -128;
+  __m256i u8;
+  ELLM_TARGET ELLM_INLINE explicit Q8Half(const uint8_t* p) : u8(Load32(p)) {}
   ELLM_TARGET ELLM_INLINE __m256i Dot(__m256i s, __m256i c) const {
-    return _mm256_add_epi32(
-        s, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(c, ws)), _mm256_set1_epi16(1)));
+    return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, c), _mm256_set1_epi16(1)));
   }
 };
 

@@ -67,23 +67,24 @@ inline size_t GroupBytes(const GroupLayout& l, int64_t cols) {
   return (nb * (l.quant_bytes + l.meta_bytes) + 63) / 64 * 64;
 }
 
-// What a kernel is given. Activations of the matrix's format are ready.
+// What a kernel is given. Activations of the form its set reads
+// (ActFormatFor) are ready.
 struct KernelArgs {
   const QuantMatrix* w = nullptr;
   const float* x = nullptr;             // kF32: [T][cols]
-  const Activations::Q8* q8 = nullptr;  // kQ8x32 / kQ8x256
+  const Activations::Q8* q8 = nullptr;  // the int8 forms; null for kF32
   int T = 0;
   float* y = nullptr;  // [T][ldy], rows [0, w->rows())
   int64_t ldy = 0;
 };
 
 // The quantised activations of tokens [t0, t0 + NT) that an int8 kernel tile
-// reads, for blocks of `block` (32: kQ8x32, 256: kQ8x256).
+// reads, for blocks of `block` (32: kQ8x32, kQ7x32; 256: kQ8x256).
 template <int NT>
 struct TileActs {
   const int8_t* codes[NT];
   const float* d[NT];
-  const int32_t* sum[NT];    // kQ8x32
+  const int32_t* sum[NT];    // kQ8x32, kQ7x32
   const int16_t* sum16[NT];  // kQ8x256
   const int16_t* sum32[NT];  // kQ8x256
   TileActs(const KernelArgs& a, int t0, int block) {
@@ -108,7 +109,8 @@ MatKernel Avx2VnniKernel(DType type);  // matmul_avx2_vnni.cc
 MatKernel Avx512VnniKernel(DType type);
 
 // QuantizeActivationRow on AVX2 (matmul_avx2.cc).
-void QuantizeActivationRowAvx2(const float* x, int64_t cols, int block, int8_t* codes, float* d);
+void QuantizeActivationRowAvx2(const float* x, int64_t cols, int block, int max_code, int8_t* codes,
+                               float* d);
 
 // The exact fp32 kernel (core Dot's order) on AVX, shared by the SIMD sets.
 void F32ExactKernelAvx(const KernelArgs& args, int64_t g_begin, int64_t g_end);

@@ -15,7 +15,7 @@ void RefKernelAll(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
   const QuantMatrix& w = *a.w;
   const int64_t cols = w.cols();
   std::vector<float> row(static_cast<size_t>(cols));
-  const int block = w.act_format() == ActFormat::kQ8x32 ? 32 : 256;
+  const int block = a.q8 != nullptr ? a.q8->block : 1;
   const int64_t nb = cols / block;
   for (int64_t g = g_begin; g < g_end; ++g) {
     for (int r = 0; r < ValidRows(w, g); ++r) {
@@ -25,7 +25,7 @@ void RefKernelAll(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
         float* y = a.y + t * a.ldy + R;
         if (w.type() == DType::kF32) {
           *y = Dot(row.data(), a.x + t * cols, cols);
-        } else if (w.act_format() == ActFormat::kF32) {
+        } else if (a.q8 == nullptr) {  // kF32
           const float* x = a.x + t * cols;
           double sum = 0;
           for (int64_t i = 0; i < cols; ++i) sum += static_cast<double>(row[i]) * x[i];
