@@ -53,6 +53,8 @@ int PrefillMain(int argc, char** argv) {
   args.Flag("step-tokens", "256", "tokens per step (the launcher's --max-step-tokens)");
   args.Flag("kv-dtype", "int8", "KV cache dtype: int8 or f16");
   args.Flag("matmul-isa", "auto", "matrix kernels: auto, reference, avx2, avx2-vnni or avx512");
+  args.Flag("q8-act-bits", "8",
+            "plain avx2 matrix kernels: bits of Q8_0's activation codes, 8 or 7 (see ellm-launch --help)");
   args.Flag("kernel", "auto", "attention kernel: auto, reference, avx2, avx2-vnni, avx512 or amx");
   if (std::optional<int> exit = args.ParseFlagsOnly(argc + 1, argv - 1)) return *exit;
   auto fail = [](const std::string& what) {
@@ -65,7 +67,9 @@ int PrefillMain(int argc, char** argv) {
     if (!absl::SimpleAtoi(p, &v) || v <= 0) return fail("bad --prompt entry");
     prompts.push_back(v);
   }
-  absl::StatusOr<int> threads_flag = args.GetInt("threads"), step_flag = args.GetInt("step-tokens");
+  absl::StatusOr<int> threads_flag = args.GetInt("threads"), step_flag = args.GetInt("step-tokens"),
+                      q8_act_bits = args.GetInt("q8-act-bits");
+  if (!q8_act_bits.ok()) return fail(std::string(q8_act_bits.status().message()));
   if (!threads_flag.ok() || !step_flag.ok() || *step_flag <= 0) return fail("--threads and --step-tokens");
   absl::StatusOr<Topology> topology = DiscoverTopology();
   const int threads = *threads_flag > 0 ? *threads_flag : topology.ok() ? topology->TotalCores() : 1;
@@ -93,7 +97,8 @@ int PrefillMain(int argc, char** argv) {
   if (!weights.ok()) return fail(weights.status().ToString());
   // The projections' type names the matrix kernels' instruction.
   const DType matrix_type = weights->layers.empty() ? DType::kQ8_0 : weights->layers[0].raw_wq.type;
-  auto backend = mlp::CreateCpuBackend(*std::move(weights), step, threads, args.Get("matmul-isa"));
+  auto backend =
+      mlp::CreateCpuBackend(*std::move(weights), step, threads, args.Get("matmul-isa"), *q8_act_bits);
   if (!backend.ok()) return fail(backend.status().ToString());
 
   attn::KvCacheOptions kv;

@@ -65,6 +65,7 @@ struct LaunchConfig {
   MlpBackendKind backend = MlpBackendKind::kAuto;
   CpuWeights cpu_weights = CpuWeights::kNative;
   Isa matmul_isa = Isa::kAuto;   // the CPU backend's matrix kernels
+  int q8_act_bits = 8;           // their Q8_0 activation codes on plain avx2: 8 or 7
   Isa attn_kernel = Isa::kAuto;  // the attention workers' int8/f16 kernels
   std::string topology_spec;
   std::string bin_dir;
@@ -324,7 +325,8 @@ absl::Status Launch::Start() {
         c_.bin_dir + "/ellm-mlp-worker", "--model=" + c_.model_path, "--channel=" + mlp_channel,
         "--attn-shards=" + absl::StrJoin(shard_specs, ","), "--listen=" + mlp_address,
         absl::StrCat("--threads=", mlp_threads), absl::StrCat("--backend=", ToAbsl(MlpBackendName(backend))),
-        absl::StrCat("--cpu-weights=", ToAbsl(CpuWeightsName(c_.cpu_weights))), absl::StrCat("--matmul-isa=", ToAbsl(IsaName(c_.matmul_isa))), common_limits, step_limit,
+        absl::StrCat("--cpu-weights=", ToAbsl(CpuWeightsName(c_.cpu_weights))), absl::StrCat("--matmul-isa=", ToAbsl(IsaName(c_.matmul_isa))),
+        absl::StrCat("--q8-act-bits=", c_.q8_act_bits), common_limits, step_limit,
         "--log-level=" + c_.log_level, secret_flag};
     argv.insert(argv.end(), rest.begin(), rest.end());
     children_.push_back({"mlp-worker", Spawn(argv), mlp_address, false, 0, argv});
@@ -567,6 +569,9 @@ int Main(int argc, char** argv) {
             "(dequantised at load; bit-exact with the reference forward)");
   args.Flag("matmul-isa", "auto", "cpu backend: force the matrix kernels' instruction set: reference, avx2, "
             "avx2-vnni or avx512 (default: the fastest this CPU runs)");
+  args.Flag("q8-act-bits", "8", "cpu backend, plain avx2 matrix kernels: bits of the activation codes Q8_0 "
+            "weights are multiplied with: 8, or 7 (prefill's matrix work about 20% faster, at about twice "
+            "the activation rounding); the other kernel sets always take 8");
   args.Flag("attn-kernel", "auto", "force the attention kernel: reference, avx2, avx2-vnni, avx512 or "
             "amx (default: the fastest this CPU runs)");
   args.Flag("bin-dir", "", "folder holding ellm-attn-worker, ellm-mlp-worker, ellm-coordinator");
@@ -662,9 +667,13 @@ int Main(int argc, char** argv) {
                      {"kv-cache-mb", &c.kv_cache_mb}, {"max-batch", &c.max_batch},
                      {"max-step-tokens", &c.max_step_tokens}, {"max-queue", &c.max_queue}, {"mlp-threads", &c.mlp_threads},
                      {"ready-timeout", &c.ready_timeout_s}, {"kv-store-mb", &c.kv_store_mb},
-                     {"max-restarts", &c.max_restarts}});
+                     {"max-restarts", &c.max_restarts}, {"q8-act-bits", &c.q8_act_bits}});
   if (!st.ok()) {
     LogError("%s", st.message());
+    return 2;
+  }
+  if (c.q8_act_bits != 8 && c.q8_act_bits != 7) {
+    LogError("--q8-act-bits: expected 8 or 7, got %d", c.q8_act_bits);
     return 2;
   }
   if (c.port <= 0 || c.port > 65535 || c.attn_workers < 0 || c.max_batch <= 0 || c.max_step_tokens <= 0) {

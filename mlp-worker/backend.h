@@ -78,9 +78,11 @@ absl::Status CheckShardIo(const MlpBackend::ShardIo* shards, int n_shards, int n
 // reference forward. Threads split every product by output rows. `isa`
 // forces the quantised kernels' instruction set ("auto": the fastest this
 // CPU runs; core/cpu_features.h's IsaName for the others); one the CPU
-// cannot run is an error.
+// cannot run is an error. `q8_act_bits` (8, or 7) as cpu/matmul.h MatMul's:
+// 7 has plain avx2 multiply Q8_0 weights with 7-bit activation codes.
 absl::StatusOr<std::unique_ptr<MlpBackend>> CreateCpuBackend(ModelWeights weights,
                                                              int max_step_tokens, int threads,
-                                                             const std::string& isa = "auto");
+                                                             const std::string& isa = "auto",
+                                                             int q8_act_bits = 8);
 
 }  // namespace ellm::mlp

@@ -63,6 +63,22 @@ std::vector<Isa> SupportedIsas() {
   return out;
 }
 
+// A kernel set as MatMul is asked for it: the isa and q8_act_bits.
+struct KernelSet {
+  Isa isa;
+  int q8_act_bits;
+  ActFormat Form(DType type) const { return ActFormatFor(type, isa, q8_act_bits); }
+  std::string Name(DType type) const { return KernelName(type, isa, q8_act_bits); }
+};
+
+// Every supported set with 8-bit codes, and plain avx2 with 7-bit Q8_0 codes.
+std::vector<KernelSet> SupportedSets() {
+  std::vector<KernelSet> out;
+  for (Isa isa : SupportedIsas()) out.push_back({isa, 8});
+  if (MatIsaSupported(Isa::kAvx2)) out.push_back({Isa::kAvx2, 7});
+  return out;
+}
+
 // Awkward row lengths per type: a single block, an odd number of blocks,
 // many blocks (and for the plain types lengths that are no multiple of 8).
 std::vector<int64_t> ColsFor(DType t) {
@@ -130,12 +146,11 @@ std::vector<float> RandomActivations(int T, int64_t cols, uint64_t seed) {
   return x;
 }
 
-// The activations the kernel set `isa` sees for `type`, dequantised: [T, cols].
-std::vector<double> KernelActivations(DType type, Isa isa, Activations& act) {
+// The activations of form `f` (a kernel set's for its type), dequantised: [T, cols].
+std::vector<double> KernelActivations(ActFormat f, Activations& act) {
   const int T = act.tokens();
   const int64_t cols = act.cols();
   std::vector<double> a(T * cols);
-  const ActFormat f = ActFormatFor(type, isa);
   if (f == ActFormat::kF32) {
     for (int64_t i = 0; i < T * cols; ++i) a[i] = act.f32()[i];
     return a;
@@ -207,8 +222,10 @@ TEST(MatMulDispatch, PicksASimdKernelOnThisCpu) {
   std::printf("avx2-vnni supported here: %s\n", MatIsaSupported(Isa::kAvx2Vnni) ? "yes" : "no");
   EXPECT_EQ(KernelName(DType::kQ4_K, Isa::kAvx512), "avx512/q4_K*q8x256");
   EXPECT_EQ(KernelName(DType::kQ8_0, Isa::kAvx2Vnni), "avx2-vnni/q8_0*q8x32");
-  EXPECT_EQ(KernelName(DType::kQ8_0, Isa::kAvx2), "avx2/q8_0*q7x32");
-  EXPECT_EQ(KernelName(DType::kQ4_0, Isa::kAvx2), "avx2/q4_0*q8x32");
+  EXPECT_EQ(KernelName(DType::kQ8_0, Isa::kAvx2), "avx2/q8_0*q8x32");
+  EXPECT_EQ(KernelName(DType::kQ8_0, Isa::kAvx2, 7), "avx2/q8_0*q7x32");
+  EXPECT_EQ(KernelName(DType::kQ4_0, Isa::kAvx2, 7), "avx2/q4_0*q8x32");  // Q8_0 only
+  EXPECT_EQ(KernelName(DType::kQ8_0, Isa::kAvx2Vnni, 7), "avx2-vnni/q8_0*q8x32");  // plain avx2 only
 }
 
 TEST(MatMulDispatch, ParsesKernelSetNames) {
@@ -310,10 +327,10 @@ TEST(Activations, QuantiserMatchesTheScalarRule) {
 }
 
 TEST(MatMul, EveryKernelMatchesTheFp64OracleAtAwkwardSizes) {
-  const std::vector<Isa> isas = SupportedIsas();
+  const std::vector<KernelSet> sets = SupportedSets();
   int cases = 0;
   for (DType type : kTypes) {
-    std::vector<double> worst(kNumIsas, 0.0);  // largest error / budget
+    std::vector<double> worst(sets.size(), 0.0);  // largest error / budget
     for (int64_t cols : ColsFor(type)) {
       for (int rows : kOuts) {
         const TestMatrix m = MakeMatrix(type, rows, cols, 7 * rows + cols);
@@ -325,21 +342,21 @@ TEST(MatMul, EveryKernelMatchesTheFp64OracleAtAwkwardSizes) {
           // One oracle per activation form the sets read.
           std::vector<std::pair<ActFormat, Oracle>> oracles;
           std::vector<float> yref;
-          for (Isa isa : isas) {
-            const ActFormat f = ActFormatFor(type, isa);
+          for (size_t k = 0; k < sets.size(); ++k) {
+            const KernelSet& set = sets[k];
+            const ActFormat f = set.Form(type);
             auto it = absl::c_find_if(oracles, [&](const auto& p) { return p.first == f; });
             if (it == oracles.end()) {
-              oracles.emplace_back(f, ComputeOracle(m, KernelActivations(type, isa, act), T));
+              oracles.emplace_back(f, ComputeOracle(m, KernelActivations(f, act), T));
               it = oracles.end() - 1;
             }
             const Oracle& o = it->second;
             std::vector<float> y(T * rows, NAN);
-            MatMul(q, act, y.data(), nullptr, isa);
+            MatMul(q, act, y.data(), nullptr, set.isa, set.q8_act_bits);
             for (int i = 0; i < T * rows; ++i) {
               const double err = std::fabs(y[i] - o.y[i]);
-              worst[static_cast<int>(isa)] =
-                  std::max(worst[static_cast<int>(isa)], err / o.budget[i]);
-              ASSERT_LE(err, o.budget[i]) << KernelName(type, isa) << " [" << rows << ", " << cols
+              worst[k] = std::max(worst[k], err / o.budget[i]);
+              ASSERT_LE(err, o.budget[i]) << set.Name(type) << " [" << rows << ", " << cols
                                           << "] T=" << T << " token " << i / rows << " row "
                                           << i % rows << ": " << y[i] << " vs " << o.y[i];
             }
@@ -350,16 +367,17 @@ TEST(MatMul, EveryKernelMatchesTheFp64OracleAtAwkwardSizes) {
                   MatVec(m.deq.data(), x.data() + t * cols, yref.data() + t * rows, rows, cols);
               }
               ASSERT_EQ(std::memcmp(y.data(), yref.data(), y.size() * sizeof(float)), 0)
-                  << KernelName(type, isa) << " [" << rows << ", " << cols << "] T=" << T;
+                  << set.Name(type) << " [" << rows << ", " << cols << "] T=" << T;
             }
             ++cases;
           }
         }
       }
     }
-    for (Isa isa : isas) {
-      std::printf("%-26s worst error / budget %.3f\n", KernelName(type, isa).c_str(),
-                  worst[static_cast<int>(isa)]);
+    for (size_t k = 0; k < sets.size(); ++k) {
+      // Sets that differ only in q8_act_bits run the same kernel but for Q8_0.
+      if (sets[k].q8_act_bits == 7 && type != DType::kQ8_0) continue;
+      std::printf("%-26s worst error / budget %.3f\n", sets[k].Name(type).c_str(), worst[k]);
     }
   }
   std::printf("%d (type, kernel, shape, T) cases\n", cases);
@@ -368,7 +386,8 @@ TEST(MatMul, EveryKernelMatchesTheFp64OracleAtAwkwardSizes) {
 // Against the unquantised activations, every set's error stays within the
 // activation rounding of its own codes (half a step per value, plus the
 // kernel budget). Prints each set's rms error relative to the exact product's
-// rms: what plain avx2's 7-bit Q8_0 activation codes cost against 8-bit ones.
+// rms: what 7-bit Q8_0 activation codes (plain avx2, q8_act_bits = 7) cost
+// against 8-bit ones.
 TEST(MatMul, ActivationQuantisationErrorIsBounded) {
   for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
     const int64_t cols = Traits(type).block_elements == 32 ? 1088 : 2560;
@@ -376,14 +395,15 @@ TEST(MatMul, ActivationQuantisationErrorIsBounded) {
     const TestMatrix m = MakeMatrix(type, rows, cols, 99);
     const QuantMatrix q = Repack(m);
     const std::vector<float> x = RandomActivations(T, cols, 5);
-    for (Isa isa : SupportedIsas()) {
+    for (const KernelSet& set : SupportedSets()) {
+      if (set.q8_act_bits == 7 && type != DType::kQ8_0) continue;
       Activations act;
       act.Set(x.data(), T, cols);
-      const Oracle o = ComputeOracle(m, KernelActivations(type, isa, act), T);
-      const Activations::Q8& q8 = act.q8(ActFormatFor(type, isa));
+      const Oracle o = ComputeOracle(m, KernelActivations(set.Form(type), act), T);
+      const Activations::Q8& q8 = act.q8(set.Form(type));
       const int block = q8.block;
       std::vector<float> y(T * rows);
-      MatMul(q, act, y.data(), nullptr, isa);
+      MatMul(q, act, y.data(), nullptr, set.isa, set.q8_act_bits);
       double err2 = 0, exact2 = 0;
       for (int t = 0; t < T; ++t) {
         for (int r = 0; r < rows; ++r) {
@@ -394,12 +414,12 @@ TEST(MatMul, ActivationQuantisationErrorIsBounded) {
             bound += std::fabs(w) * q8.d[t * (cols / block) + i / block] / 2;
           }
           const double err = y[t * rows + r] - exact;
-          EXPECT_LE(std::fabs(err), bound + o.budget[t * rows + r]) << KernelName(type, isa);
+          EXPECT_LE(std::fabs(err), bound + o.budget[t * rows + r]) << set.Name(type);
           err2 += err * err;
           exact2 += exact * exact;
         }
       }
-      std::printf("%-26s rms error / rms product %.2e\n", KernelName(type, isa).c_str(),
+      std::printf("%-26s rms error / rms product %.2e\n", set.Name(type).c_str(),
                   std::sqrt(err2 / exact2));
     }
   }
@@ -410,8 +430,9 @@ TEST(MatMul, ActivationQuantisationErrorIsBounded) {
 // a token's result depends neither on the step's size nor on its place in it.
 TEST(MatMul, ManyTokensGiveWhatFewAtATimeGive) {
   constexpr int kT = 150, kSlice = 7;
-  for (Isa isa : SupportedIsas()) {
+  for (const KernelSet& set : SupportedSets()) {
     for (DType type : kTypes) {
+      if (set.q8_act_bits == 7 && type != DType::kQ8_0) continue;
       const int64_t cols = ColsFor(type)[1];
       const int rows = 40;  // two groups and a partial one
       const TestMatrix m = MakeMatrix(type, rows, cols, 11);
@@ -420,16 +441,16 @@ TEST(MatMul, ManyTokensGiveWhatFewAtATimeGive) {
       Activations all;
       all.Set(x.data(), kT, cols);
       std::vector<float> y_all(kT * rows, NAN), y_few(kT * rows, NAN);
-      MatMul(q, all, y_all.data(), nullptr, isa);
+      MatMul(q, all, y_all.data(), nullptr, set.isa, set.q8_act_bits);
       for (int t0 = 0; t0 < kT; t0 += kSlice) {
         const int n = std::min(kSlice, kT - t0);
         Activations few;
         few.Set(x.data() + t0 * cols, n, cols);
-        MatMul(q, few, y_few.data() + t0 * rows, nullptr, isa);
+        MatMul(q, few, y_few.data() + t0 * rows, nullptr, set.isa, set.q8_act_bits);
       }
       for (int t = 0; t < kT; ++t) {
         ASSERT_EQ(std::memcmp(y_all.data() + t * rows, y_few.data() + t * rows, rows * sizeof(float)), 0)
-            << KernelName(type, isa) << " token " << t;
+            << set.Name(type) << " token " << t;
       }
     }
   }
@@ -481,9 +502,10 @@ void MatMulOnForm(const QuantMatrix& w, Activations& x, ActFormat f, Isa isa, fl
 
 // avx2-vnni differs from avx2 only in how the exact integer block sums are
 // formed (VPDPBUSD vs VPMADDUBSW + VPMADDWD); the float steps are the same, so
-// on the same activation codes (plain avx2's 7-bit ones for Q8_0) the two sets
-// agree bit for bit, also at the codes' extremes (|code| = 127, or 63, weight
-// levels at their maxima), where the int16 pair sums of avx2 are tightest.
+// on the same activation codes the two sets agree bit for bit (Q8_0 with
+// 7-bit codes too, against avx2-vnni run on them), also at the codes'
+// extremes (|code| = 127, or 63, weight levels at their maxima), where the
+// int16 pair sums of avx2 are tightest.
 TEST(MatMul, Avx2VnniEqualsAvx2BitForBit) {
   if (!MatIsaSupported(Isa::kAvx2Vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
   int cases = 0;
@@ -492,7 +514,9 @@ TEST(MatMul, Avx2VnniEqualsAvx2BitForBit) {
       for (int rows : {17, 129}) {
         const TestMatrix m = MakeMatrix(type, rows, cols, 31 * rows + cols);
         const QuantMatrix q = Repack(m);
-        for (int T : {1, 2, 3, 16}) {
+        for (int T : {1, 2, 3, 16})
+        for (int bits : {8, 7}) {
+          if (bits == 7 && type != DType::kQ8_0) continue;
           std::vector<float> x = RandomActivations(T, cols, 77 + T);
           if (T == 3) {  // saturated activations: every code +-127 (+-63)
             for (size_t i = 0; i < x.size(); ++i) x[i] = (i * 7919) % 3 ? 1.0f : -1.0f;
@@ -500,17 +524,18 @@ TEST(MatMul, Avx2VnniEqualsAvx2BitForBit) {
           Activations act;
           act.Set(x.data(), T, cols);
           std::vector<float> a(T * rows, NAN), b(T * rows, NAN);
-          MatMul(q, act, a.data(), nullptr, Isa::kAvx2);
-          MatMulOnForm(q, act, ActFormatFor(type, Isa::kAvx2), Isa::kAvx2Vnni, b.data());
+          MatMul(q, act, a.data(), nullptr, Isa::kAvx2, bits);
+          MatMulOnForm(q, act, ActFormatFor(type, Isa::kAvx2, bits), Isa::kAvx2Vnni, b.data());
           ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
-              << Name(type) << " [" << rows << ", " << cols << "] T=" << T;
+              << KernelName(type, Isa::kAvx2, bits) << " [" << rows << ", " << cols << "] T=" << T;
           ++cases;
         }
       }
     }
   }
-  // Extreme weights: Q8_0 codes -128 / 127 (stored u8 0 / 255: the +128
-  // offset at its limits) against codes of both signs.
+  // Extreme weights: Q8_0 codes -128 / 127 (the sign trick of 8-bit codes,
+  // and the stored u8 0 / 255 that 7-bit codes and VPDPBUSD multiply, at
+  // their limits) against codes of both signs.
   for (int8_t code : {int8_t{-128}, int8_t{127}}) {
     constexpr int64_t kCols = 1024;
     constexpr int kRows = 9;
@@ -523,18 +548,20 @@ TEST(MatMul, Avx2VnniEqualsAvx2BitForBit) {
     auto q = QuantMatrix::FromRaw(DType::kQ8_0, kRows, kCols,
                                   reinterpret_cast<const uint8_t*>(raw.data()), raw.size());
     ASSERT_TRUE(q.ok());
-    for (int T : {2, 16}) {  // 16: the 4-token tiles too
-      // Every code +-63 (plain avx2's 7-bit codes), in a sign pattern of
-      // each token's own: pairs of 255 x 63 or 0 x -63 at the int16 limit.
+    for (int T : {2, 16})  // 16: the 4-token tiles too
+    for (int bits : {8, 7}) {
+      // Every code +-127 (+-63), in a sign pattern of each token's own.
       std::vector<float> x(T * kCols);
       for (int64_t i = 0; i < T * kCols; ++i) x[i] = ((i % kCols) * 7 + i / kCols) % 3 ? 1.0f : -1.0f;
       Activations act;
       act.Set(x.data(), T, kCols);
+      const ActFormat f = ActFormatFor(DType::kQ8_0, Isa::kAvx2, bits);
       std::vector<float> a(T * kRows), b(T * kRows), r(T * kRows);
-      MatMul(*q, act, a.data(), nullptr, Isa::kAvx2);
-      MatMulOnForm(*q, act, ActFormat::kQ7x32, Isa::kAvx2Vnni, b.data());
-      MatMulOnForm(*q, act, ActFormat::kQ7x32, Isa::kReference, r.data());
-      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << int{code} << " T=" << T;
+      MatMul(*q, act, a.data(), nullptr, Isa::kAvx2, bits);
+      MatMulOnForm(*q, act, f, Isa::kAvx2Vnni, b.data());
+      MatMulOnForm(*q, act, f, Isa::kReference, r.data());
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+          << int{code} << " T=" << T << " bits " << bits;
       for (int i = 0; i < T * kRows; ++i) EXPECT_NEAR(b[i], r[i], 1e-3 * std::fabs(r[i]) + 1e-6);
     }
   }
@@ -570,12 +597,13 @@ Model MakeModel(const std::string& arch, DType type) {
   return {*std::move(file), *config};
 }
 
-std::unique_ptr<MlpBackend> MakeBackend(const Model& m, bool native, int threads) {
+std::unique_ptr<MlpBackend> MakeBackend(const Model& m, bool native, int threads,
+                                        const std::string& isa = "auto", int q8_act_bits = 8) {
   LoadOptions load;
   load.raw_matrices = native;
   auto weights = LoadWeights(*m.file, m.config, load);
   EXPECT_TRUE(weights.ok()) << weights.status();
-  auto backend = CreateCpuBackend(*std::move(weights), 16, threads);
+  auto backend = CreateCpuBackend(*std::move(weights), 16, threads, isa, q8_act_bits);
   EXPECT_TRUE(backend.ok()) << backend.status();
   return *std::move(backend);
 }
@@ -697,14 +725,29 @@ TEST(CpuBackend, ShardIoIsTheWholeModelCutByKvHeads) {
   EXPECT_EQ(fresh->StageQkv(0).code(), absl::StatusCode::kFailedPrecondition);
 }
 
+TEST(CpuBackend, RefusesActivationBitsOtherThan8Or7) {
+  const Model m = MakeModel("llama", DType::kQ8_0);
+  for (int bits : {6, 9, 0}) {
+    auto weights = LoadWeights(*m.file, m.config);
+    ASSERT_TRUE(weights.ok());
+    auto backend = CreateCpuBackend(*std::move(weights), 16, 1, "auto", bits);
+    EXPECT_EQ(backend.status().code(), absl::StatusCode::kInvalidArgument) << bits;
+  }
+}
+
+// With the best kernel set, and for Q8_0 also plain avx2 with 7-bit
+// activation codes (q8_act_bits = 7), whose error is printed beside.
 TEST(CpuBackend, NativeModeIsCloseToF32ForEveryWeightType) {
   const std::vector<int32_t> tokens = {1, 300, 77, 5, 411};
   for (DType type : {DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kQ4_K,
                      DType::kQ5_K, DType::kQ6_K}) {
-    for (const std::string arch : {"llama", "qwen2"}) {
+    std::vector<std::pair<std::string, int>> sets = {{"auto", 8}};
+    if (type == DType::kQ8_0 && MatIsaSupported(Isa::kAvx2)) sets.push_back({"avx2", 7});
+    for (const std::string arch : {"llama", "qwen2"})
+    for (const auto& [isa, bits] : sets) {
       const Model m = MakeModel(arch, type);
       auto exact = MakeBackend(m, false, 1);
-      auto native = MakeBackend(m, true, 2);
+      auto native = MakeBackend(m, true, 2, isa, bits);
       EXPECT_NE(native->name().find("cpu-native"), std::string::npos) << native->name();
       const std::vector<float> a = FirstTokenLogits(*exact, m.config, tokens);
       const std::vector<float> b = FirstTokenLogits(*native, m.config, tokens);
@@ -736,8 +779,12 @@ TEST(CpuBackend, NativeModeIsCloseToF32ForEveryWeightType) {
           EXPECT_EQ(top_a, top_b) << Name(type) << " " << arch << " token " << t;
         }
       }
-      std::printf("native vs f32, %s %s: logits error rms %.2f%%, max %.2f%% of the logits' rms\n",
-                  Name(type).c_str(), arch.c_str(), 100 * worst_rms, 100 * worst_max);
+      std::printf("native (%s, %d-bit activations) vs f32, %s %s: logits error rms %.2f%%, max %.2f%% "
+                  "of the logits' rms\n",
+                  isa.c_str(), bits, Name(type).c_str(), arch.c_str(), 100 * worst_rms, 100 * worst_max);
+      if (bits == 7) {
+        EXPECT_NE(native->name().find("q8_0 activations 7-bit"), std::string::npos) << native->name();
+      }
     }
   }
 }

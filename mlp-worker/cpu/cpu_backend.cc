@@ -58,8 +58,9 @@ class CpuBackend final : public MlpBackend {
  public:
   static absl::StatusOr<std::unique_ptr<MlpBackend>> Create(ModelWeights weights,
                                                             int max_step_tokens, int threads,
-                                                            Isa isa) {
-    std::unique_ptr<CpuBackend> b(new CpuBackend(std::move(weights), max_step_tokens, threads, isa));
+                                                            Isa isa, int q8_act_bits) {
+    std::unique_ptr<CpuBackend> b(
+        new CpuBackend(std::move(weights), max_step_tokens, threads, isa, q8_act_bits));
     RETURN_IF_ERROR(b->TakeMatrices());
     b->LogKernels();
     return std::unique_ptr<MlpBackend>(std::move(b));
@@ -67,8 +68,12 @@ class CpuBackend final : public MlpBackend {
 
   std::string name() const override {
     if (!native_) return absl::StrCat("cpu-f32 (", pool_.size(), " threads)");
-    return absl::StrCat("cpu-native ", ToAbsl(IsaName(isa_)), " (",
-                        absl::StrJoin(type_names_, ", "), "; ", pool_.size(), " threads)");
+    return absl::StrCat("cpu-native ", ToAbsl(IsaName(isa_)), " (", absl::StrJoin(type_names_, ", "),
+                        ActFormatFor(DType::kQ8_0, isa_, q8_act_bits_) == ActFormat::kQ7x32
+                            ? "; q8_0 activations 7-bit"
+                            : "",
+                        "; ", pool_.size(),
+                        " threads)");
   }
 
   absl::Status BeginStep(const int32_t* tokens, const int32_t* positions, int n) override {
@@ -106,9 +111,9 @@ class CpuBackend final : public MlpBackend {
       RmsNorm(x_.data() + t * c.dim, L.attn_norm.data(), xb_.data() + t * c.dim, c.dim, c.norm_eps);
     });
     act_.Set(xb_.data(), n_, c.dim);
-    MatMul(M.wq, act_, q, &pool_, isa_);
-    MatMul(M.wk, act_, k, &pool_, isa_);
-    MatMul(M.wv, act_, v, &pool_, isa_);
+    MatMul(M.wq, act_, q, &pool_, isa_, q8_act_bits_);
+    MatMul(M.wk, act_, k, &pool_, isa_, q8_act_bits_);
+    MatMul(M.wv, act_, v, &pool_, isa_, q8_act_bits_);
     ForTokens(n_, [&](int64_t t) {
       QkvPostprocess(c, rope_, L, cos_sin_.data() + t * c.rope_dims, q + t * c.q_dim(), k + t * c.kv_dim(),
                      v + t * c.kv_dim());
@@ -171,7 +176,7 @@ class CpuBackend final : public MlpBackend {
               xb_.data() + i * c.dim, c.dim, c.norm_eps);
     });
     act_.Set(xb_.data(), n, c.dim);
-    MatMul(*lm_head_, act_, logits, &pool_, isa_);
+    MatMul(*lm_head_, act_, logits, &pool_, isa_, q8_act_bits_);
     return absl::OkStatus();
   }
 
@@ -186,7 +191,7 @@ class CpuBackend final : public MlpBackend {
     const LayerWeights& L = w_.layers[layer];
     const Layer& M = layers_[layer];
     act_.Set(attn, n_, c.q_dim());
-    MatMul(M.wo, act_, proj_.data(), &pool_, isa_);
+    MatMul(M.wo, act_, proj_.data(), &pool_, isa_, q8_act_bits_);
     ForTokens(n_, [&](int64_t t) {
       float* x = x_.data() + t * c.dim;
       const float* p = proj_.data() + t * c.dim;
@@ -194,14 +199,14 @@ class CpuBackend final : public MlpBackend {
       RmsNorm(x, L.ffn_norm.data(), xb_.data() + t * c.dim, c.dim, c.norm_eps);
     });
     act_.Set(xb_.data(), n_, c.dim);
-    MatMul(M.w_gate, act_, hb_.data(), &pool_, isa_);
-    MatMul(M.w_up, act_, hb2_.data(), &pool_, isa_);
+    MatMul(M.w_gate, act_, hb_.data(), &pool_, isa_, q8_act_bits_);
+    MatMul(M.w_up, act_, hb2_.data(), &pool_, isa_, q8_act_bits_);
     ForTokens(n_, [&](int64_t t) {
       float* h = hb_.data() + t * c.ffn_dim;
       SwiGlu(h, hb2_.data() + t * c.ffn_dim, h, c.ffn_dim);
     });
     act_.Set(hb_.data(), n_, c.ffn_dim);
-    MatMul(M.w_down, act_, proj_.data(), &pool_, isa_);
+    MatMul(M.w_down, act_, proj_.data(), &pool_, isa_, q8_act_bits_);
     ForTokens(n_, [&](int64_t t) {
       float* x = x_.data() + t * c.dim;
       const float* p = proj_.data() + t * c.dim;
@@ -216,12 +221,13 @@ class CpuBackend final : public MlpBackend {
     return absl::OkStatus();
   }
 
-  CpuBackend(ModelWeights weights, int max_step_tokens, int threads, Isa isa)
+  CpuBackend(ModelWeights weights, int max_step_tokens, int threads, Isa isa, int q8_act_bits)
       : w_(std::move(weights)),
         rope_(w_.config),
         max_tokens_(max_step_tokens),
         pool_(threads),
-        isa_(isa) {
+        isa_(isa),
+        q8_act_bits_(q8_act_bits) {
     const ModelConfig& c = w_.config;
     const size_t T = static_cast<size_t>(max_tokens_);
     x_.resize(T * c.dim);
@@ -287,7 +293,7 @@ class CpuBackend final : public MlpBackend {
     std::vector<std::string> parts;
     for (const auto& [type, use] : uses) {
       type_names_.push_back(std::string(Traits(type).name));
-      parts.push_back(absl::StrCat(KernelName(type, isa_), " (", use.matrices, " matrices, ",
+      parts.push_back(absl::StrCat(KernelName(type, isa_, q8_act_bits_), " (", use.matrices, " matrices, ",
                                    use.bytes >> 20, " MiB)"));
     }
     LogInfo("cpu backend: %s weights, %d threads; matmul kernels: %s", native_ ? "native" : "f32",
@@ -311,6 +317,7 @@ class CpuBackend final : public MlpBackend {
   int max_tokens_;
   ThreadPool pool_;
   Isa isa_;
+  int q8_act_bits_;  // MatMul's: 8, or 7
   bool native_ = false;
   std::vector<std::string> type_names_;
   QuantMatrix token_embd_, output_;
@@ -331,14 +338,24 @@ class CpuBackend final : public MlpBackend {
 
 absl::StatusOr<std::unique_ptr<MlpBackend>> CreateCpuBackend(ModelWeights weights,
                                                              int max_step_tokens, int threads,
-                                                             const std::string& isa) {
+                                                             const std::string& isa,
+                                                             int q8_act_bits) {
   if (max_step_tokens <= 0) return absl::InvalidArgumentError("max_step_tokens must be positive");
+  if (q8_act_bits != 8 && q8_act_bits != 7) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("q8_act_bits must be 8 or 7, not ", q8_act_bits));
+  }
   ASSIGN_OR_RETURN(Isa chosen, ParseMatIsa(isa));
   if (!MatIsaSupported(chosen)) {
     return absl::UnavailableError(absl::StrCat("this CPU cannot run the ", ToAbsl(IsaName(chosen)),
                                                " matrix kernels"));
   }
-  return CpuBackend::Create(std::move(weights), max_step_tokens, threads, chosen);
+  if (q8_act_bits == 7 && chosen != Isa::kAvx2) {
+    LogWarning("cpu backend: 7-bit Q8_0 activations apply to the plain avx2 matrix kernels only; %s "
+               "takes 8-bit codes",
+               IsaName(chosen));
+  }
+  return CpuBackend::Create(std::move(weights), max_step_tokens, threads, chosen, q8_act_bits);
 }
 
 }  // namespace ellm::mlp

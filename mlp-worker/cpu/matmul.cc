@@ -255,7 +255,7 @@ using DequantRowFn = void (*)(const uint8_t* group, int r, int64_t cols, float* 
 struct MatType {
   DType type;
   const GroupLayout* layout;
-  ActFormat act;  // what every set but plain avx2's Q8_0 reads (ActFormatFor)
+  ActFormat act;  // the form the sets read (but see ActFormatFor)
   RepackRowFn repack;
   DequantRowFn dequant;
 };
@@ -363,8 +363,8 @@ QuantMatrix QuantMatrix::FromF32(const float* w, int64_t rows, int64_t cols) {
   return *std::move(m);
 }
 
-ActFormat ActFormatFor(DType type, Isa isa) {
-  if (type == DType::kQ8_0 && isa == Isa::kAvx2) return ActFormat::kQ7x32;
+ActFormat ActFormatFor(DType type, Isa isa, int q8_act_bits) {
+  if (type == DType::kQ8_0 && isa == Isa::kAvx2 && q8_act_bits == 7) return ActFormat::kQ7x32;
   return internal::MatTypeOf(type).act;
 }
 
@@ -479,7 +479,8 @@ const Activations::Q8& Activations::q8(ActFormat f, ThreadPool* pool) {
 
 namespace {
 
-internal::MatKernel KernelFor(DType type, Isa isa) {
+internal::MatKernel KernelFor(DType type, Isa isa, ActFormat act) {
+  if (act == ActFormat::kQ7x32) return internal::Avx2Q8_0Act7Kernel();
   switch (isa) {
     case Isa::kReference: return internal::RefKernel(type);
     case Isa::kAvx2: return internal::Avx2Kernel(type);
@@ -536,20 +537,24 @@ absl::StatusOr<Isa> ParseMatIsa(std::string_view name) {
   return isa;
 }
 
-std::string KernelName(DType type, Isa isa) {
+std::string KernelName(DType type, Isa isa, int q8_act_bits) {
   const internal::MatType* mt = internal::FindMatType(type);
   if (mt == nullptr) return "none";
   const std::string_view tname = Traits(type).name;
   if (type == DType::kF32) return absl::StrCat(ToAbsl(IsaName(isa)), "/f32-exact");
   return absl::StrCat(ToAbsl(IsaName(isa)), "/", ToAbsl(tname), "*",
-                      ToAbsl(ActFormatName(ActFormatFor(type, isa))));
+                      ToAbsl(ActFormatName(ActFormatFor(type, isa, q8_act_bits))));
 }
 
-void MatMul(const QuantMatrix& w, Activations& x, float* y, ThreadPool* pool, Isa isa) {
-  const internal::MatKernel kernel = KernelFor(w.type(), isa);
-  ELLM_CHECK(kernel != nullptr && MatIsaSupported(isa) && x.cols() == w.cols() && x.tokens() >= 0,
+void MatMul(const QuantMatrix& w, Activations& x, float* y, ThreadPool* pool, Isa isa,
+            int q8_act_bits) {
+  const ActFormat act = ActFormatFor(w.type(), isa, q8_act_bits);
+  const internal::MatKernel kernel = KernelFor(w.type(), isa, act);
+  ELLM_CHECK(kernel != nullptr && MatIsaSupported(isa) && x.cols() == w.cols() && x.tokens() >= 0 &&
+                 (q8_act_bits == 8 || q8_act_bits == 7),
              absl::StrCat("MatMul: bad call (type ", static_cast<unsigned>(w.type()), ", isa ",
-                          static_cast<int>(isa), ", x cols ", x.cols(), ", w cols ", w.cols(), ")"));
+                          static_cast<int>(isa), ", q8_act_bits ", q8_act_bits, ", x cols ", x.cols(),
+                          ", w cols ", w.cols(), ")"));
   if (x.tokens() == 0 || w.empty()) return;
   internal::KernelArgs args;
   args.w = &w;
@@ -557,7 +562,6 @@ void MatMul(const QuantMatrix& w, Activations& x, float* y, ThreadPool* pool, Is
   args.T = x.tokens();
   args.y = y;
   args.ldy = w.rows();
-  const ActFormat act = ActFormatFor(w.type(), isa);
   if (act != ActFormat::kF32) args.q8 = &x.q8(act, pool);
   const int64_t groups = w.groups();
   // Waking the workers costs some microseconds: small products stay on the

@@ -11,7 +11,7 @@
 //                  kQ8x32   int8 codes per block of 32 with an fp32 scale and
 //                           the block's code sum (Q8_0, Q4_0 weights);
 //                  kQ7x32   the same with codes |code| <= 63 (Q8_0 weights
-//                           on plain avx2 only, see below);
+//                           on plain avx2 with q8_act_bits = 7, see below);
 //                  kQ8x256  int8 codes per block of 256 with an fp32 scale,
 //                           code sums per 16 and per 32 (the k-quants).
 //   MatMul       splits the matrix's groups of 16 output rows across the
@@ -24,21 +24,23 @@
 //                does, dotted with the dequantised activations in fp64 (F32:
 //                core/kernels.h Dot). The oracle, and the fallback.
 //   avx2         AVX2 + FMA + F16C, 8 rows per vector; int8 products with
-//                VPMADDUBSW + VPMADDWD. Q8_0 weights take 7-bit activation
-//                codes (kQ7x32): VPMADDUBSW's int16 pair sums of the stored
-//                u8 = code + 128 times |code| <= 63 cannot saturate (2 x 255
-//                x 63 = 32130), so a product is 3 vector operations instead
-//                of 4 (the sign trick that 8-bit codes need) and the 4-token
-//                tile runs about 20% faster (bench/results/amd-epyc-zen5.md).
-//                The cost is the activations' rounding: half a step of
-//                max|x| / 63 instead of max|x| / 127 (see
-//                MatMul.ActivationQuantisationErrorIsBounded).
+//                VPMADDUBSW + VPMADDWD. With q8_act_bits = 7 (off by
+//                default), Q8_0 weights take 7-bit activation codes
+//                (kQ7x32): VPMADDUBSW's int16 pair sums of the stored u8 =
+//                code + 128 times |code| <= 63 cannot saturate (2 x 255 x 63
+//                = 32130), so a product is 3 vector operations instead of 4
+//                (the sign trick 8-bit codes need) and the 4-token tile runs
+//                about 20% faster (bench/results/amd-epyc-zen5.md). The cost
+//                is the activations' rounding, half a step of max|x| / 63
+//                instead of max|x| / 127: on 2-layer random models the
+//                logits' error against fp32 weights went from 1.3% to 3.2-3.4%
+//                of their rms (CpuBackend.NativeModeIsCloseToF32ForEveryWeightType),
+//                more than the k-quants' 1.9-2.2%. Other sets and types ignore it.
 //   avx2-vnni    avx2 with AVX-VNNI (VEX VPDPBUSD) for the int8 products:
 //                CPUs with AVX-VNNI but no AVX-512 (Alder Lake and later
 //                client cores, server parts with AVX-512 off). Gives the same
 //                results as avx2 bit for bit on the same activation codes
-//                (both integer sums are exact); Q8_0 differs, as avx2-vnni
-//                takes 8-bit codes there.
+//                (both integer sums are exact).
 //   avx512       AVX-512 F/BW/VL/DQ + VNNI + F16C, 16 rows per vector; int8
 //                products with VPDPBUSD (weight codes u8 x activation codes s8
 //                with an embedded 4-byte broadcast).
@@ -76,8 +78,9 @@ Isa BestMatIsa();
 
 enum class ActFormat { kF32, kQ8x32, kQ7x32, kQ8x256 };
 
-// The activation form the kernel set `isa` reads for weights of `type`.
-ActFormat ActFormatFor(DType type, Isa isa);
+// The activation form the kernel set `isa` reads for weights of `type`;
+// q8_act_bits (8, or 7) as MatMul's.
+ActFormat ActFormatFor(DType type, Isa isa, int q8_act_bits = 8);
 
 // 64-byte aligned bytes (the repacked weights, quantised activations).
 class AlignedBytes {
@@ -186,11 +189,13 @@ void QuantizeActivationRowScalar(const float* x, int64_t cols, int block, int ma
 // y [T, rows] (row stride `rows`) = x [T, cols] · Wᵀ with the kernel set
 // `isa` (a programmer error, fatal, when the CPU cannot run it or the shapes
 // disagree). `pool` may be null (the calling thread does all rows).
+// q8_act_bits = 7 has plain avx2 multiply Q8_0 weights with 7-bit activation
+// codes (faster, less exact: see "avx2" above); it must be 8 or 7.
 void MatMul(const QuantMatrix& w, Activations& x, float* y, ThreadPool* pool,
-            Isa isa = BestMatIsa());
+            Isa isa = BestMatIsa(), int q8_act_bits = 8);
 
-// The name of the kernel MatMul runs for this type and isa, e.g.
-// "avx512/q4_K*q8x256".
-std::string KernelName(DType type, Isa isa);
+// The name of the kernel MatMul runs for this type, isa and q8_act_bits,
+// e.g. "avx512/q4_K*q8x256", "avx2/q8_0*q7x32".
+std::string KernelName(DType type, Isa isa, int q8_act_bits = 8);
 
 }  // namespace ellm::mlp

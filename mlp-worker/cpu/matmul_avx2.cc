@@ -26,9 +26,11 @@
 // made to run, slowed T = 4 by about 10%; it is gone.
 //
 // "avx2": VPMADDUBSW (u8 x s8 -> int16 pair sums, saturating) + VPMADDWD:
-//   Q8_0       the stored u8 = code + 128 times 7-bit activation codes
-//              (kQ7x32, |c| <= 63): |pair| <= 2 * 255 * 63 = 32130, and the
-//              sums start at -128 * (the activation code sum), as VPDPBUSD's.
+//   Q8_0       u8 = code + 128 would overflow the int16 pair sums with
+//              8-bit activation codes, so the signed code is restored (xor
+//              0x80) and multiplied as |code| x (activation * sign(code)):
+//              |pair| <= 2 * 128 * 127. With 7-bit codes (kQ7x32, on request)
+//              the stored u8 is multiplied as it is: |pair| <= 2 * 255 * 63.
 //   Q4_0/Q4_K  pair sums <= 2 * 15 * 127, so a block's 8 lines add up in int16
 //              (<= 30480) before one VPMADDWD, which also applies the
 //              sub-block scale (Q4_K) as an int16 pair (sc, sc).
@@ -40,7 +42,7 @@
 // The offsets (-8 for Q4_0, mins for the k-quants, -32 for Q6_K) use the
 // activation code sums, as in the AVX-512 kernels. Both sets' integer sums are
 // exact and their float steps the same, so on the same activation codes they
-// give identical results (Q8_0's plain avx2 codes are 7-bit, avx2-vnni's 8-bit).
+// give identical results.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -448,18 +450,34 @@ ELLM_TARGET ELLM_INLINE __m256i AddPairProducts(__m256i acc, __m256i a, __m256i 
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 }
 
-// One 32-byte half line of Q8_0 codes (see the VNNI Q8Half), stored as u8 =
-// code + 128, against 7-bit activation codes (kQ7x32, |c| <= 63): the int16
-// pair sums are at most 2 x 255 x 63 = 32130, so they cannot saturate, and
-// the sums start at -128 * (the block's activation code sum) as VPDPBUSD's
-// do. A product is VPMADDUBSW, VPMADDWD and VPADDD. With 8-bit codes it took a
-// VPSIGNB besides (|code| x (activation * sign(code))), and the 4-token tile
-// ran about 20% slower (4096-token prefill of the bench model, AMD EPYC Zen 5,
-// forced: matrix work 9.3-9.6 -> 7.8 s; bench/results/amd-epyc-zen5.md).
+// One 32-byte half line of Q8_0 codes (see the VNNI Q8Half) against 8-bit
+// activation codes (kQ8x32): the signed code is restored (xor 0x80) and
+// multiplied as |code| x (activation * sign(code)), so the int16 pair sums
+// cannot saturate. The sums start at 0.
 struct Q8Half {
+  static constexpr int32_t kQ8Start = 0;
+  __m256i ws, aw;
+  ELLM_TARGET ELLM_INLINE explicit Q8Half(const uint8_t* p)
+      : ws(_mm256_xor_si256(Load32(p), _mm256_set1_epi8(static_cast<char>(0x80)))),
+        aw(_mm256_sign_epi8(ws, ws)) {}
+  ELLM_TARGET ELLM_INLINE __m256i Dot(__m256i s, __m256i c) const {
+    return _mm256_add_epi32(
+        s, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(c, ws)), _mm256_set1_epi16(1)));
+  }
+};
+
+// The same against 7-bit activation codes (kQ7x32, |c| <= 63; asked for with
+// q8_act_bits = 7): the stored u8 = code + 128 is multiplied as it is, the
+// int16 pair sums are at most 2 x 255 x 63 = 32130, and the sums start at
+// -128 * (the block's activation code sum) as VPDPBUSD's do. A product is
+// VPMADDUBSW, VPMADDWD and VPADDD, without Q8Half's VPSIGNB: the 4-token tile
+// runs about 20% faster (4096-token prefill of the bench model, AMD EPYC Zen
+// 5, forced: matrix work 9.25-9.88 -> 7.59-7.98 s;
+// bench/results/amd-epyc-zen5.md), at about twice the activation rounding.
+struct Q8Half7 {
   static constexpr int32_t kQ8Start = -128;
   __m256i u8;
-  ELLM_TARGET ELLM_INLINE explicit Q8Half(const uint8_t* p) : u8(Load32(p)) {}
+  ELLM_TARGET ELLM_INLINE explicit Q8Half7(const uint8_t* p) : u8(Load32(p)) {}
   ELLM_TARGET ELLM_INLINE __m256i Dot(__m256i s, __m256i c) const {
     return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, c), _mm256_set1_epi16(1)));
   }
@@ -666,6 +684,7 @@ ELLM_TARGET ELLM_INLINE void Q6Corr(const uint8_t* meta, int h, const TileActs<N
 // prefill 283-288 -> 328-355 tokens/s, matrix work 0.47-0.48 -> 0.59-0.60 of
 // the widened VPMADDUBSW peak (ellm-bench peak); 5120 x 5120 at T = 4, 2
 // threads, 19.4-22.7 -> 29.1-32.8 GB/s of weights.
+template <typename Half>
 struct Q8_0Tile {
   static constexpr bool kWholeLines = true;
   static constexpr int kMaxTokens = 4;
@@ -704,7 +723,7 @@ struct Q8_0Tile {
       __m256i s[kG][NT][2];
       for (int i = 0; i < kG; ++i) {
         for (int t = 0; t < NT; ++t) {
-          s[i][t][0] = s[i][t][1] = _mm256_set1_epi32(Q8Half::kQ8Start * act.sum[t][b]);
+          s[i][t][0] = s[i][t][1] = _mm256_set1_epi32(Half::kQ8Start * act.sum[t][b]);
         }
         PrefetchAhead(quant[i] + b * 512, 512);
         PrefetchAhead(dh[i] + 16 * b, 32);
@@ -714,7 +733,7 @@ struct Q8_0Tile {
 #pragma GCC unroll 2
         for (int i = 0; i < kG; ++i) {
           const uint8_t* line = quant[i] + b * 512 + 64 * k;
-          const Q8Half w0(line), w1(line + 32);
+          const Half w0(line), w1(line + 32);
 #pragma GCC unroll 4
           for (int t = 0; t < NT; ++t) {
             const __m256i c = Bcast4(act.codes[t] + 32 * b + 4 * k);
@@ -1091,7 +1110,7 @@ ELLM_TARGET void RunTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
 #if ELLM_AVX2_VNNI
 MatKernel Avx2VnniKernel(DType type) {
   switch (type) {
-    case DType::kQ8_0: return RunTiles<Q8_0Tile>;
+    case DType::kQ8_0: return RunTiles<Q8_0Tile<Q8Half>>;
     case DType::kQ4_0: return RunTiles<Q4_0Tile>;
     case DType::kQ4_K: return RunTiles<K4Tile<false>>;
     case DType::kQ5_K: return RunTiles<K4Tile<true>>;
@@ -1105,7 +1124,7 @@ MatKernel Avx2Kernel(DType type) {
     case DType::kF32: return F32ExactKernelAvx;
     case DType::kF16: return RunTiles<HalfTile<false>>;
     case DType::kBF16: return RunTiles<HalfTile<true>>;
-    case DType::kQ8_0: return RunTiles<Q8_0Tile>;
+    case DType::kQ8_0: return RunTiles<Q8_0Tile<Q8Half>>;
     case DType::kQ4_0: return RunTiles<Q4_0Tile>;
     case DType::kQ4_K: return RunTiles<K4Tile<false>>;
     case DType::kQ5_K: return RunTiles<K4Tile<true>>;
@@ -1113,6 +1132,8 @@ MatKernel Avx2Kernel(DType type) {
     default: return nullptr;
   }
 }
+
+MatKernel Avx2Q8_0Act7Kernel() { return RunTiles<Q8_0Tile<Q8Half7>>; }
 #endif  // ELLM_AVX2_VNNI
 
 }  // namespace ellm::mlp::internal

@@ -105,6 +105,7 @@ using MatKernel = void (*)(const KernelArgs& args, int64_t g_begin, int64_t g_en
 // Each kernel file's table; nullptr where it has no kernel for the type.
 MatKernel RefKernel(DType type);
 MatKernel Avx2Kernel(DType type);
+MatKernel Avx2Q8_0Act7Kernel();  // Q8_0 on kQ7x32 activations (matmul_avx2.cc)
 MatKernel Avx2VnniKernel(DType type);  // matmul_avx2_vnni.cc
 MatKernel Avx512VnniKernel(DType type);
 
