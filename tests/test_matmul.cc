@@ -938,7 +938,9 @@ std::vector<Isa> BenchIsas() {
 // 1 GiB, beyond the last-level cache) change the shape and the bytes cycled
 // through: e.g. 512 and 300 measure the kernels on weights in cache.
 // ELLM_BENCH_TYPES="q8_0,q4_K" times only those weight types (of q8_0, q4_0,
-// q4_K, q5_K, q6_K and f16).
+// q4_K, q5_K, q6_K and f16). ELLM_BENCH_Q8_ACT_BITS=7 runs MatMul with
+// q8_act_bits = 7 (plain avx2 Q8_0 on 7-bit activation codes; the row's
+// kernel name ends in q7x32).
 // Each row also names its compute roof, as `ellm-bench attention` does: the
 // peak of the instruction the kernel's inner loop runs (bench/peak.h),
 // measured on the row's threads just before it, over the multiply-adds each
@@ -952,6 +954,8 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
   const std::string cpu = CpuModelName();  // every row names the machine
   const char* n_env = std::getenv("ELLM_BENCH_MATVEC_N");
   const char* ws_env = std::getenv("ELLM_BENCH_WORKING_SET_KB");
+  const char* bits_env = std::getenv("ELLM_BENCH_Q8_ACT_BITS");
+  const int bits = bits_env != nullptr && std::atoi(bits_env) == 7 ? 7 : 8;
   const int64_t kN = n_env != nullptr ? std::max(32LL, std::atoll(n_env)) / 32 * 32 : 5120;
   const size_t kWorkingSet = ws_env != nullptr ? std::max(1LL, std::atoll(ws_env)) * size_t{1024} : size_t{1} << 30;
   // The probe runs again right before every row, on the row's threads: this
@@ -997,11 +1001,11 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
           Activations act;
           act.Set(x.data(), T, kN);
           const double probe_gbs = ReadBandwidth(probe, pool);
-          MatMul(ms[0], act, y.data(), &pool, isa);  // converts the activations
+          MatMul(ms[0], act, y.data(), &pool, isa, bits);  // converts the activations
           double best = 0;
           for (int rep = 0; rep < 2; ++rep) {
             const auto t0 = std::chrono::steady_clock::now();
-            for (const QuantMatrix& m : ms) MatMul(m, act, y.data(), &pool, isa);
+            for (const QuantMatrix& m : ms) MatMul(m, act, y.data(), &pool, isa, bits);
             const double s = Seconds(t0, std::chrono::steady_clock::now());
             best = std::max(best, copies * static_cast<double>(one->bytes()) / s / 1e9);
           }
@@ -1015,7 +1019,7 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
               "%-22s %d thread(s), T=%2d: %.1f GB/s of weights (%.2f ms per %lldx%lld matmul), "
               "probe %.1f GB/s just before: ratio %.2f; %s %.0f GMAC/s x %.2f per byte: roof %.1f GB/s "
               "(bound=%s), ratio to roof %.2f; cpu=\"%s\"\n",
-              KernelName(type, isa).c_str(), threads, T, best, one->bytes() / best / 1e6,
+              KernelName(type, isa, bits).c_str(), threads, T, best, one->bytes() / best / 1e6,
               static_cast<long long>(kN), static_cast<long long>(kN), probe_gbs, best / probe_gbs,
               bench::DotUnitName(unit).c_str(), peak, macs_per_byte, roof,
               compute_gbs < probe_gbs ? "compute" : "memory", best / roof, cpu.c_str());
