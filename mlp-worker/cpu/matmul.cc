@@ -409,7 +409,7 @@ void Activations::Set(const float* x, int T, int64_t cols) {
   x_ = x;
   T_ = T;
   cols_ = cols;
-  have32_ = have7_ = have256_ = false;
+  for (bool& h : have_) h = false;
 }
 
 namespace {
@@ -417,7 +417,6 @@ namespace {
 void PrepareQ8(const float* x, int T, int64_t cols, int block, int max_code, Activations::Q8* q,
                ThreadPool* pool) {
   q->block = block;
-  q->max_code = max_code;
   q->token_stride = (cols + 63) / 64 * 64;
   q->qs.Resize(static_cast<size_t>(T) * q->token_stride);
   const int64_t nb = cols / block;
@@ -464,15 +463,13 @@ void PrepareQ8(const float* x, int T, int64_t cols, int block, int max_code, Act
 
 const Activations::Q8& Activations::q8(ActFormat f, ThreadPool* pool) {
   ELLM_CHECK(f != ActFormat::kF32, "Activations::q8: kF32 is not an int8 form");
-  const int block = f == ActFormat::kQ8x256 ? 256 : 32;
-  const int max_code = f == ActFormat::kQ7x32 ? 63 : 127;
-  bool& have = f == ActFormat::kQ8x32 ? have32_ : f == ActFormat::kQ7x32 ? have7_ : have256_;
-  Q8& q = f == ActFormat::kQ8x32 ? q32_ : f == ActFormat::kQ7x32 ? q7_ : q256_;
-  if (!have) {
-    PrepareQ8(x_, T_, cols_, block, max_code, &q, pool);
-    have = true;
+  const int i = static_cast<int>(f);
+  if (!have_[i]) {
+    PrepareQ8(x_, T_, cols_, f == ActFormat::kQ8x256 ? 256 : 32, f == ActFormat::kQ7x32 ? 63 : 127,
+              &forms_[i], pool);
+    have_[i] = true;
   }
-  return q;
+  return forms_[i];
 }
 
 // --- Dispatch -------------------------------------------------------------------

@@ -153,9 +153,8 @@ class Activations {
   // kQ8x256: cols % 256 == 0), the tokens split over `pool` when given.
   struct Q8 {
     int block = 0;               // 32 or 256 elements
-    int max_code = 0;            // 127, or 63 (kQ7x32)
     int64_t token_stride = 0;    // bytes of one token's codes (cols rounded up to 64)
-    AlignedBytes qs;             // [T][token_stride] int8 codes, |code| <= max_code
+    AlignedBytes qs;             // [T][token_stride] int8 codes, |code| <= 127 (kQ7x32: 63)
     std::vector<float> d;        // [T][cols / block] scales: x ≈ d * code
     std::vector<int32_t> sum;    // kQ8x32: [T][cols / 32] code sums per block
     std::vector<int16_t> sum16;  // kQ8x256: [T][cols / 16] code sums per 16
@@ -171,8 +170,10 @@ class Activations {
   const float* x_ = nullptr;
   int T_ = 0;
   int64_t cols_ = 0;
-  bool have32_ = false, have7_ = false, have256_ = false;
-  Q8 q32_, q7_, q256_;
+  // Indexed by ActFormat (kF32's entries unused; kQ8x256 is the last form).
+  static constexpr int kForms = static_cast<int>(ActFormat::kQ8x256) + 1;
+  bool have_[kForms] = {};
+  Q8 forms_[kForms];
 };
 
 // Quantises one token's row x[cols] to the int8 form (the one rule every
