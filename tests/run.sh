@@ -8,7 +8,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/launch/setup.sh"
 build="${ELLM_BUILD_DIR:-$root/build}"
-(cd "$build" && ctest --output-on-failure --timeout 900 "$@")
+# Unit tests ELLM_JOBS (default 2) at a time; integration tests run alone
+# (RUN_SERIAL, tests/CMakeLists.txt).
+(cd "$build" && ctest --output-on-failure --timeout 900 -j "${ELLM_JOBS:-2}" "$@")
 if [ "${ELLM_SKIP_SANITIZERS:-0}" != "1" ]; then
   "$root/tests/sanitizers.sh"
 fi
