@@ -2,8 +2,9 @@
 # The sanitizer and fuzzing pass of the test suite (tests/run.sh runs it after
 # the plain build's tests; ELLM_SKIP_SANITIZERS=1 skips it):
 #   1. build-asan/: everything (no CUDA) under ASan + UBSan with clang, the
-#      unit and integration tests once, and each libFuzzer harness of fuzz/
-#      for ELLM_FUZZ_SECONDS (default 45) from its checked-in seed corpus;
+#      unit and integration tests once (ctest -j ELLM_JOBS; integration tests
+#      run alone), and each libFuzzer harness of fuzz/ for ELLM_FUZZ_SECONDS
+#      (default 45) from its checked-in seed corpus, ELLM_JOBS at a time;
 #   2. build-tsan/: the ring, thread-pool and scheduler tests under TSan.
 # Any sanitizer report, from a test or from any process an integration test
 # starts (they write to build-*/sanitizer-reports/), fails the run.
@@ -35,21 +36,40 @@ rm -rf "$reports" && mkdir -p "$reports"
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:log_path=$reports/asan"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$reports/ubsan"
 echo "[sanitizers] unit and integration tests under ASan + UBSan"
-(cd "$asan" && ctest --output-on-failure -L "unit|integration" -E cmake_default_generator)
+(cd "$asan" && ctest --output-on-failure -j "$jobs" -L "unit|integration" -E cmake_default_generator)
 check_reports "$reports"
-for h in gguf tokenizer chat_template frames request; do
-  work="$asan/fuzz-corpus/$h"   # new inputs go here, not into the source tree
+
+# One harness: its run, its execution count, its failure if any.
+fuzz() {
+  local h=$1
+  local work="$asan/fuzz-corpus/$h"   # new inputs go here, not into the source tree
+  local log="$asan/fuzz-$h.log"
   mkdir -p "$work"
-  log="$asan/fuzz-$h.log"
   if ! "$asan/fuzz/fuzz_$h" "$work" "$root/fuzz/corpus/$h" -max_total_time="$fuzz_seconds" -print_final_stats=1 \
        -rss_limit_mb=4096 -timeout=20 -artifact_prefix="$asan/fuzz-crash-$h-" > "$log" 2>&1; then
     echo "[sanitizers] fuzz_$h found a failure:"
     tail -n 60 "$log"
-    exit 1
+    return 1
   fi
+  local execs
   execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo "?")
   echo "[sanitizers] fuzz_$h: $execs executions in ${fuzz_seconds} s, no failures"
+}
+# $jobs harnesses at a time (each is one process on one core).
+harnesses=(gguf tokenizer chat_template frames request)
+echo "[sanitizers] fuzzing ${harnesses[*]}, $jobs at a time, ${fuzz_seconds} s each"
+failed=0
+for ((i = 0; i < ${#harnesses[@]}; i += jobs)); do
+  pids=()
+  for h in "${harnesses[@]:i:jobs}"; do
+    fuzz "$h" &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do
+    wait "$p" || failed=1
+  done
 done
+[ "$failed" = 0 ] || exit 1
 check_reports "$reports"
 unset ASAN_OPTIONS UBSAN_OPTIONS
 
