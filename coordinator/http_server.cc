@@ -80,7 +80,17 @@ class Session : public std::enable_shared_from_this<Session> {
     const http::request<http::string_body>& req = parser_->get();
     keep_alive_ = req.keep_alive();
     version_ = req.version();
-    Route(req);
+    try {
+      Route(req);
+    } catch (const std::exception& e) {
+      // A bug in a handler: this request fails alone, the server goes on.
+      LogError("HTTP %s %s: %s", std::string(req.method_string()), std::string(req.target()), e.what());
+      if (request_ != nullptr && !finished_) request_->Cancel();
+      finished_ = true;
+      if (writing_) return Close();
+      keep_alive_ = false;
+      SendError(absl::InternalError(absl::StrCat("internal error: ", e.what())), 500);
+    }
   }
 
   void Route(const http::request<http::string_body>& req) {
@@ -235,7 +245,13 @@ class Session : public std::enable_shared_from_this<Session> {
       if (ec) return self->ClientGone();
       char probe;
       const ssize_t n = ::recv(self->stream_.socket().native_handle(), &probe, 1, MSG_PEEK | MSG_DONTWAIT);
-      if (n > 0) return;  // data (a pipelined request) is left for after the response
+      if (n > 0) {
+        // Data (a pipelined request) is left for after the response. This
+        // wait held the session between events; with no wait pending, the
+        // session holds itself until the response is out (Reset, Close).
+        self->pinned_ = self;
+        return;
+      }
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return self->WatchPeer();
       self->ClientGone();  // 0: the client closed its end; < 0: the connection failed
     });
@@ -271,7 +287,10 @@ class Session : public std::enable_shared_from_this<Session> {
     Send(http_status, OpenAiErrorBody(status), "application/json");
   }
 
+  // Both are called from handlers that hold a reference of their own, so
+  // dropping pinned_ here never destroys the session under them.
   void Reset() {
+    pinned_.reset();
     if (request_ != nullptr) request_->SetNotify(nullptr);
     request_.reset();
     responder_.reset();
@@ -282,6 +301,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void Close() {
+    pinned_.reset();
     if (closed_) return;
     closed_ = true;
     beast::error_code ec;
@@ -303,6 +323,7 @@ class Session : public std::enable_shared_from_this<Session> {
   std::optional<http::response_serializer<http::empty_body>> serializer_;
   std::deque<std::string> outbox_;
   bool writing_ = false, closed_ = false, watching_ = false;
+  std::shared_ptr<Session> pinned_;  // set while a generation runs with no wait on the socket
 };
 
 }  // namespace
@@ -344,7 +365,17 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpOptions&
   }
   impl->Accept();
   for (int i = 0; i < std::max(1, options.threads); ++i) {
-    impl->threads.emplace_back([io = &impl->ioc] { io->run(); });
+    impl->threads.emplace_back([io = &impl->ioc] {
+      // A handler that throws loses its own connection, never the I/O thread.
+      for (;;) {
+        try {
+          io->run();
+          return;
+        } catch (const std::exception& e) {
+          LogError("HTTP I/O thread: %s", e.what());
+        }
+      }
+    });
   }
   return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
 }

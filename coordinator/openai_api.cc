@@ -20,7 +20,9 @@ absl::StatusOr<std::string> TextOf(const json& v, const std::string& field, bool
   if (allow_parts && v.is_array()) {
     std::string out;
     for (const json& part : v) {
-      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+      // Every member's type is checked before it is read: nlohmann's value()
+      // and get() throw on a mismatch, and a throw here would end the process.
+      if (!part.is_object() || !part.contains("type") || part["type"] != "text" || !part.contains("text") ||
           !part["text"].is_string()) {
         return Bad(field, "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts");
       }

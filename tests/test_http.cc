@@ -293,6 +293,12 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 5000}}), 400, "exceeds");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stream", "yes"}}), 400, "'stream'");
   expect(Post(port, "/v1/chat/completions", {{"messages", json::array()}}), 400, "'messages'");
+  // Content parts whose "type" is not a string (a type error, not a crash).
+  for (const char* type : {"5", "null", "[\"text\"]"}) {
+    expect(Call(port, http::verb::post, "/v1/chat/completions",
+                absl::StrCat(R"({"messages":[{"role":"user","content":[{"type":)", type, R"(,"text":"x"}]}]})")),
+           400, "'messages[0].content'");
+  }
   expect(Post(port, "/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "hi"}}}}}), 400,
          "no chat template");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"model", "gpt-4"}}), 404, "gpt-4");
@@ -378,6 +384,61 @@ TEST(Http, AKeptAliveConnectionAnswersItsRequestsInTurn) {
     } else {
       EXPECT_EQ(json::parse(res.body())["choices"][0]["text"], json::parse(fresh[i])["choices"][0]["text"]);
     }
+  }
+  socket.close();
+  ExpectCleanShutdown(system);
+}
+
+// A client may send its next request before the answer to the one before
+// (HTTP/1.1 pipelining): the server answers both, in order. The second
+// arrives while the first generates, which the server's hang-up watch sees
+// as data on the socket.
+TEST(Http, APipelinedRequestIsAnsweredAfterTheOneBeforeIt) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const int port = system.http_port();
+  const std::vector<json> requests = {Completion("Once upon a time", 400, false), Completion("The little dog", 8, false)};
+  std::vector<std::string> fresh;
+  for (const json& r : requests) fresh.push_back(Post(port, "/v1/completions", r).body);
+
+  net::io_context ioc;
+  tcp::socket socket(ioc);
+  socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
+  for (size_t i = 0; i < requests.size(); ++i) {
+    http::request<http::string_body> req(http::verb::post, "/v1/completions", 11);
+    req.set(http::field::host, "127.0.0.1");
+    req.set(http::field::content_type, "application/json");
+    req.body() = requests[i].dump();
+    req.prepare_payload();
+    http::write(socket, req);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the first is generating
+  }
+  std::future<std::vector<http::response<http::string_body>>> answers = std::async(std::launch::async, [&] {
+    std::vector<http::response<http::string_body>> out;
+    beast::flat_buffer buffer;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      http::response<http::string_body> res;
+      beast::error_code ec;
+      http::read(socket, buffer, res, ec);
+      if (ec) {
+        ADD_FAILURE() << "answer " << i << ": " << ec.message();
+        break;
+      }
+      out.push_back(std::move(res));
+    }
+    return out;
+  });
+  if (answers.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+    socket.shutdown(tcp::socket::shutdown_both);
+    ADD_FAILURE() << "the pipelined requests got no answers in 30 s";
+    return;
+  }
+  const std::vector<http::response<http::string_body>> got = answers.get();
+  ASSERT_EQ(got.size(), requests.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].result_int(), 200) << "request " << i;
+    EXPECT_EQ(json::parse(got[i].body())["choices"][0]["text"], json::parse(fresh[i])["choices"][0]["text"])
+        << "request " << i;
   }
   socket.close();
   ExpectCleanShutdown(system);
