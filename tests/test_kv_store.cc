@@ -7,10 +7,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "attn-worker/kv_cache.h"
@@ -159,6 +161,44 @@ TEST_F(KvStoreTest, KeepsAtMostItsBudgetDroppingLeastRecentlyUsed) {
   EXPECT_EQ(store->Load(2).status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(store->Load(1).ok());
   EXPECT_TRUE(store->Load(4).ok());
+}
+
+// Load reads the file outside the lock; the writer may evict the same block
+// (the size bound) meanwhile. A load then either returns the bytes it read,
+// whole and checked, or NotFound: never a throw that ends the worker.
+TEST_F(KvStoreTest, ABlockEvictedWhileItLoadsIsNotACrash) {
+  KvStoreLayout layout = Layout();
+  layout.payload_bytes = 1 << 20;  // a read long enough for the writer to overlap it
+  const int64_t file = sizeof(KvBlockFileHeader) + 16 * 4 + layout.payload_bytes;
+  auto store = Open(layout, file);  // room for one block: every write evicts the other
+  const std::string one = Payload(1, layout.payload_bytes);
+  store->Save(1, 0, Tokens(1).data(), one);
+  store->Flush();
+  std::atomic<bool> stop{false};
+  std::atomic<int> loaded{0}, missing{0};
+  std::thread loader([&] {
+    while (!stop.load()) {
+      absl::StatusOr<std::string> p = store->Load(1);
+      if (p.ok()) {
+        EXPECT_EQ(*p, one);
+        ++loaded;
+      } else {
+        EXPECT_EQ(p.status().code(), absl::StatusCode::kNotFound) << p.status();
+        ++missing;
+      }
+    }
+  });
+  const std::string two = Payload(2, layout.payload_bytes);
+  for (int i = 0; i < 150; ++i) {
+    store->Save(2, 0, Tokens(2).data(), two);  // evicts 1
+    store->Flush();
+    store->Save(1, 0, Tokens(1).data(), one);  // evicts 2
+    store->Flush();
+  }
+  stop = true;
+  loader.join();
+  EXPECT_GT(loaded.load(), 0);
+  EXPECT_EQ(store->files(), 1);
 }
 
 TEST_F(KvStoreTest, AnUnwritableFolderIsAnErrorNotACrash) {
