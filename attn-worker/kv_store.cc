@@ -225,12 +225,35 @@ void KvStore::Save(uint64_t key, uint64_t parent, const int32_t* tokens, std::st
     if (p.key == key) return;
   }
   if (queued_bytes_ + static_cast<int64_t>(payload.size()) > kMaxQueuedBytes) {
-    LogWarning("KV store: the writer is %d MiB behind; block %s is not stored", queued_bytes_ >> 20, Hex(key));
+    NoteDropped();
     return;
   }
   queued_bytes_ += static_cast<int64_t>(payload.size());
   queue_.push_back({key, parent, std::vector<int32_t>(tokens, tokens + layout_.block_tokens), std::move(payload)});
   cv_.notify_all();
+}
+
+bool KvStore::Wants(uint64_t key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (index_.contains(key)) {
+    Touch(key);
+    return false;
+  }
+  for (const Pending& p : queue_) {
+    if (p.key == key) return false;
+  }
+  if (queued_bytes_ + static_cast<int64_t>(layout_.payload_bytes) > kMaxQueuedBytes) {
+    NoteDropped();
+    return false;
+  }
+  return true;
+}
+
+void KvStore::NoteDropped() {
+  if (dropped_++ == 0) {
+    LogWarning("KV store: the writer is %d MiB behind; new blocks are not stored until it catches up",
+               queued_bytes_ >> 20);
+  }
 }
 
 absl::StatusOr<std::string> KvStore::Load(uint64_t key) {
@@ -290,6 +313,10 @@ void KvStore::WriterLoop() {
       // One line per run of failures (a full disk fails every write).
       LogWarning("KV store: %s; serving goes on without storing", st.message());
       warned_full_ = true;
+    }
+    if (queue_.empty() && dropped_ > 0) {
+      LogInfo("KV store: the writer caught up; %d blocks were not stored meanwhile", dropped_);
+      dropped_ = 0;
     }
     cv_.notify_all();
   }

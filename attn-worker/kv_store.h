@@ -93,6 +93,10 @@ class KvStore {
   // Queues a block for the writer (`tokens` holds block_tokens ids). Blocks
   // already stored are not written again.
   void Save(uint64_t key, uint64_t parent, const int32_t* tokens, std::string payload);
+  // Whether Save would queue the block: it is not stored (a stored one is
+  // marked recently used instead), not queued, and the writer's queue has
+  // room. Lets the caller skip copying the bytes of a block Save would drop.
+  bool Wants(uint64_t key);
   // Reads a block's payload back, checking the file again, and marks it
   // recently used. NotFound when it is not stored; DataLoss (the file is
   // deleted) when it fails a check.
@@ -131,6 +135,7 @@ class KvStore {
   void Index(uint64_t key, Entry entry);
   void Touch(uint64_t key);  // locked
   void Forget(uint64_t key, bool delete_file);  // locked
+  void NoteDropped();  // locked: a block the full queue turned away
 
   const std::string folder_;
   const int64_t max_bytes_;
@@ -147,6 +152,7 @@ class KvStore {
   bool writing_ = false;
   bool stop_ = false;
   bool warned_full_ = false;
+  int64_t dropped_ = 0;  // blocks not queued since the queue was last empty (one warning per run)
   std::thread writer_;
 };
 

@@ -200,6 +200,7 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
       for (const KvOps::SequenceBlocks& p : ops.publish) {
         if (p.tokens.size() != p.keys.size() * static_cast<size_t>(config_.block_tokens)) continue;
         for (size_t i = 0; i < p.keys.size(); ++i) {
+          if (!store_->Wants(p.keys[i])) continue;  // stored, queued, or no room: no copy
           absl::StatusOr<std::string> bytes = cache_->CachedBlockBytes(p.keys[i]);
           if (!bytes.ok()) continue;
           store_->Save(p.keys[i], i == 0 ? p.parent : p.keys[i - 1],

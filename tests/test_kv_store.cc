@@ -163,6 +163,24 @@ TEST_F(KvStoreTest, KeepsAtMostItsBudgetDroppingLeastRecentlyUsed) {
   EXPECT_TRUE(store->Load(4).ok());
 }
 
+// Wants tells the caller whether copying a block's bytes for Save is worth
+// it: not for a stored block (which it marks recently used, as a Save of it
+// would) nor for a queued one.
+TEST_F(KvStoreTest, WantsOnlyBlocksItWouldWrite) {
+  const int64_t file = sizeof(KvBlockFileHeader) + 16 * 4 + 1000;
+  auto store = Open(Layout(), 3 * file);
+  EXPECT_TRUE(store->Wants(1));
+  for (int k = 1; k <= 3; ++k) store->Save(k, 0, Tokens(k).data(), Payload(k));
+  EXPECT_FALSE(store->Wants(3)) << "queued or already written";
+  store->Flush();
+  EXPECT_FALSE(store->Wants(1));  // stored; now the most recently used
+  EXPECT_TRUE(store->Wants(4));
+  store->Save(4, 0, Tokens(4).data(), Payload(4));
+  store->Flush();
+  EXPECT_TRUE(store->Load(1).ok());
+  EXPECT_EQ(store->Load(2).status().code(), absl::StatusCode::kNotFound) << "2 was the least recently used";
+}
+
 // Load reads the file outside the lock; the writer may evict the same block
 // (the size bound) meanwhile. A load then either returns the bytes it read,
 // whole and checked, or NotFound: never a throw that ends the worker.
