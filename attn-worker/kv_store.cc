@@ -291,6 +291,12 @@ int64_t KvStore::files() const {
   return static_cast<int64_t>(index_.size());
 }
 
+int64_t KvStore::capacity_blocks() const {
+  return max_bytes_ / static_cast<int64_t>(sizeof(KvBlockFileHeader) +
+                                           static_cast<size_t>(layout_.block_tokens) * sizeof(int32_t) +
+                                           layout_.payload_bytes);
+}
+
 void KvStore::WriterLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {

@@ -107,6 +107,8 @@ class KvStore {
   const std::string& folder() const { return folder_; }
   int64_t bytes() const;
   int64_t files() const;
+  // How many block files the size bound holds.
+  int64_t capacity_blocks() const;
 
  private:
   struct Entry {

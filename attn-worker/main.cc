@@ -218,6 +218,7 @@ class ControlService final : public ellm::v1::WorkerControl::Service {
     if (grpc::Status denied = secret_.Check(ctx, "ListStoredBlocks"); !denied.ok()) return denied;
     resp->set_enabled(store_ != nullptr);
     if (store_ == nullptr) return grpc::Status::OK;
+    resp->set_capacity_blocks(store_->capacity_blocks());
     for (const KvStore::Stored& s : store_->List()) {
       ellm::v1::StoredBlock* b = resp->add_blocks();
       b->set_key(s.key);

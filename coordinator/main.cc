@@ -237,11 +237,11 @@ absl::Status Run(const CoordinatorConfig& config) {
   so.context_length = model.context_length;
   Scheduler scheduler(so, *tokenizer, workers.get());
   if (config.kv_store) {
-    absl::StatusOr<std::vector<PrefixCache::Block>> stored = link->ListStoredBlocks();
+    absl::StatusOr<WorkerLink::StoredBlocks> stored = link->ListStoredBlocks();
     if (stored.ok()) {
-      scheduler.AddStored(*stored);
-      LogInfo("KV store: %d blocks on disk match this model (%d tokens)", stored->size(),
-              static_cast<int64_t>(stored->size()) * block_tokens);
+      scheduler.AddStored(stored->blocks, stored->capacity);
+      LogInfo("KV store: %d blocks on disk match this model (%d tokens); room for %d blocks", stored->blocks.size(),
+              static_cast<int64_t>(stored->blocks.size()) * block_tokens, stored->capacity);
     } else {
       LogWarning("KV store: cannot list the workers' blocks: %s", stored.status().message());
     }

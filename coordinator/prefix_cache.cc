@@ -80,10 +80,32 @@ std::vector<uint64_t> PrefixCache::Evict(int64_t n) {
 }
 
 void PrefixCache::AddStored(const Block& block) {
-  if (static_cast<int>(block.tokens.size()) == block_tokens_) stored_[block.key] = block;
+  if (static_cast<int>(block.tokens.size()) != block_tokens_) return;
+  RemoveStored(block.key);
+  const uint64_t stamp = next_stamp_++;
+  stored_[block.key] = {block, stamp};
+  stored_lru_[stamp] = block.key;
+  TrimStored();
 }
 
-void PrefixCache::RemoveStored(uint64_t key) { stored_.erase(key); }
+void PrefixCache::RemoveStored(uint64_t key) {
+  const auto it = stored_.find(key);
+  if (it == stored_.end()) return;
+  stored_lru_.erase(it->second.stamp);
+  stored_.erase(it);
+}
+
+void PrefixCache::SetStoredCapacity(int64_t blocks) {
+  stored_capacity_ = std::max<int64_t>(blocks, 0);
+  TrimStored();
+}
+
+void PrefixCache::TrimStored() {
+  while (static_cast<int64_t>(stored_.size()) > stored_capacity_) {
+    stored_.erase(stored_lru_.begin()->second);
+    stored_lru_.erase(stored_lru_.begin());
+  }
+}
 
 std::vector<PrefixCache::Block> PrefixCache::LookupStored(const std::vector<int32_t>& tokens,
                                                           const std::vector<uint64_t>& cached,
@@ -96,10 +118,11 @@ std::vector<PrefixCache::Block> PrefixCache::LookupStored(const std::vector<int3
     const int32_t* t = tokens.data() + static_cast<size_t>(i) * bt;
     const uint64_t key = ChainKey(parent, t, bt);
     const auto it = stored_.find(key);
-    if (it == stored_.end() || it->second.parent != parent || !std::equal(t, t + bt, it->second.tokens.begin())) {
+    if (it == stored_.end() || it->second.block.parent != parent ||
+        !std::equal(t, t + bt, it->second.block.tokens.begin())) {
       break;
     }
-    out.push_back(it->second);
+    out.push_back(it->second.block);
     parent = key;
   }
   return out;

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <vector>
 
@@ -56,8 +57,12 @@ class PrefixCache {
     uint64_t parent = 0;
     std::vector<int32_t> tokens;
   };
+  // Adds (or refreshes) a stored block as the most recently stored. The tier
+  // keeps at most the store's capacity (SetStoredCapacity), forgetting the
+  // least recently stored first, as the workers' stores delete them.
   void AddStored(const Block& block);
   void RemoveStored(uint64_t key);
+  void SetStoredCapacity(int64_t blocks);
   // The stored blocks that continue `tokens` after its first `cached.size()`
   // blocks (whose keys `cached` are), up to `max_blocks` blocks in all.
   std::vector<Block> LookupStored(const std::vector<int32_t>& tokens,
@@ -86,7 +91,14 @@ class PrefixCache {
   int block_tokens_;
   absl::flat_hash_map<uint64_t, Entry> entries_;
   std::map<uint64_t, uint64_t> lru_;  // stamp -> key of unreferenced entries, oldest first
-  absl::flat_hash_map<uint64_t, Block> stored_;  // the KV store tier, by key
+  struct StoredEntry {
+    Block block;
+    uint64_t stamp = 0;  // its place in stored_lru_
+  };
+  void TrimStored();
+  absl::flat_hash_map<uint64_t, StoredEntry> stored_;  // the KV store tier, by key
+  std::map<uint64_t, uint64_t> stored_lru_;            // stamp -> key, least recently stored first
+  int64_t stored_capacity_ = std::numeric_limits<int64_t>::max();
   uint64_t next_stamp_ = 1;
 };
 

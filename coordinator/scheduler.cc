@@ -523,8 +523,9 @@ void Scheduler::BreakLocked(const absl::Status& status) {
   if (on_broken) on_broken(broken_status_);
 }
 
-void Scheduler::AddStored(const std::vector<PrefixCache::Block>& blocks) {
+void Scheduler::AddStored(const std::vector<PrefixCache::Block>& blocks, int64_t capacity) {
   std::lock_guard<std::mutex> lock(mu_);
+  cache_.SetStoredCapacity(capacity);
   for (const PrefixCache::Block& b : blocks) cache_.AddStored(b);
 }
 
@@ -556,6 +557,7 @@ void Scheduler::RunLoad() {
     for (int i = 0; i < n; ++i) {
       const PrefixCache::Block& b = load.blocks[i];
       if (cache_.Insert(b.key, b.parent, b.tokens.data())) cached.push_back(b.key);
+      cache_.AddStored(b);  // a load marks the block recently used in the stores too
     }
     cache_.Release(cached);  // cached, unreferenced: the admission below takes them
     for (size_t i = n; i < keys.size(); ++i) {

@@ -115,8 +115,10 @@ class Scheduler {
   absl::StatusOr<std::shared_ptr<RequestStream>> Submit(GenerateOptions options);
 
   // The KV store's blocks at start-up (the blocks every attention worker
-  // lists): prompts that continue a cached prefix into them load them.
-  void AddStored(const std::vector<PrefixCache::Block>& blocks);
+  // lists): prompts that continue a cached prefix into them load them. The
+  // tier keeps at most `capacity` blocks (what the smallest store holds),
+  // forgetting the least recently stored as the stores delete them.
+  void AddStored(const std::vector<PrefixCache::Block>& blocks, int64_t capacity);
 
   // Called when a worker is found dead: every request ends with `status`
   // and later submissions are refused.

@@ -1,5 +1,8 @@
 #include "coordinator/worker_link.h"
 
+#include <algorithm>
+#include <limits>
+
 #include <chrono>
 #include <thread>
 
@@ -146,17 +149,19 @@ absl::StatusOr<int> WorkerLink::LoadBlocks(const std::vector<uint64_t>& keys) {
   return loaded;
 }
 
-absl::StatusOr<std::vector<PrefixCache::Block>> WorkerLink::ListStoredBlocks() {
+absl::StatusOr<WorkerLink::StoredBlocks> WorkerLink::ListStoredBlocks() {
   // key -> (block, how many workers list it)
   absl::flat_hash_map<uint64_t, std::pair<PrefixCache::Block, int>> seen;
   int workers = 0;
   bool enabled = true;
+  int64_t capacity = std::numeric_limits<int64_t>::max();
   RETURN_IF_ERROR(ForEachAttnWorker(absl::Seconds(60), [&](WorkerHandle& w, grpc::ClientContext& ctx) {
     ellm::v1::ListStoredBlocksResponse resp;
     grpc::Status st = w.stub->ListStoredBlocks(&ctx, ellm::v1::ListStoredBlocksRequest(), &resp);
     if (!st.ok()) return st;
     ++workers;
     enabled = enabled && resp.enabled();
+    capacity = std::min(capacity, resp.capacity_blocks());
     for (const ellm::v1::StoredBlock& b : resp.blocks()) {
       auto& [block, count] = seen[b.key()];
       if (count == 0) block = {b.key(), b.parent(), {b.tokens().begin(), b.tokens().end()}};
@@ -164,10 +169,11 @@ absl::StatusOr<std::vector<PrefixCache::Block>> WorkerLink::ListStoredBlocks() {
     }
     return st;
   }));
-  std::vector<PrefixCache::Block> out;
-  if (!enabled) return out;
+  StoredBlocks out;
+  if (!enabled || workers == 0) return out;
+  out.capacity = capacity;
   for (auto& [key, entry] : seen) {
-    if (entry.second == workers) out.push_back(std::move(entry.first));
+    if (entry.second == workers) out.blocks.push_back(std::move(entry.first));
   }
   return out;
 }

@@ -46,7 +46,11 @@ class WorkerLink final : public StepExecutor {
   absl::StatusOr<int> LoadBlocks(const std::vector<uint64_t>& keys) override;
   // The KV store's blocks that every attention worker holds (none when a
   // worker runs without a store).
-  absl::StatusOr<std::vector<PrefixCache::Block>> ListStoredBlocks();
+  struct StoredBlocks {
+    std::vector<PrefixCache::Block> blocks;  // those every worker's store holds
+    int64_t capacity = 0;                    // blocks the smallest store holds
+  };
+  absl::StatusOr<StoredBlocks> ListStoredBlocks();
   absl::Status FillSynthetic(uint64_t id, int positions) override;
   // Every worker's current info (counters for the metrics), asked with a
   // short deadline; a worker that does not answer is left out.

@@ -1199,6 +1199,35 @@ TEST(PrefixCacheIndex, ChainKeysLookupAndLeafFirstEviction) {
   EXPECT_EQ(cache.refs(k1), -1);
 }
 
+// The stored tier mirrors the workers' stores: bounded by their capacity,
+// the least recently stored forgotten first, so it neither grows without
+// bound nor lists many blocks the stores have deleted.
+TEST(PrefixCacheIndex, TheStoredTierKeepsTheStoresCapacityLeastRecentFirst) {
+  PrefixCache cache(4);
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<PrefixCache::Block> blocks;
+  for (int p = 0; p < 4; ++p) {
+    prompts.push_back({10 * p + 1, 10 * p + 2, 10 * p + 3, 10 * p + 4, 0});
+    blocks.push_back({ChainKey(0, prompts[p].data(), 4), 0, {prompts[p].begin(), prompts[p].begin() + 4}});
+  }
+  auto listed = [&](int p) { return cache.LookupStored(prompts[p], {}, 1).size() == 1; };
+  cache.SetStoredCapacity(3);
+  for (int p = 0; p < 3; ++p) cache.AddStored(blocks[p]);
+  EXPECT_EQ(cache.stored(), 3);
+  cache.AddStored(blocks[0]);  // stored again: now the most recent
+  cache.AddStored(blocks[3]);  // over capacity: 1 goes
+  EXPECT_EQ(cache.stored(), 3);
+  EXPECT_TRUE(listed(0));
+  EXPECT_FALSE(listed(1));
+  EXPECT_TRUE(listed(2));
+  EXPECT_TRUE(listed(3));
+  cache.SetStoredCapacity(1);  // a smaller store: only the most recent stays
+  EXPECT_EQ(cache.stored(), 1);
+  EXPECT_TRUE(listed(3));
+  cache.RemoveStored(blocks[3].key);
+  EXPECT_EQ(cache.stored(), 0);
+}
+
 }  // namespace
 }  // namespace ellm::coord
 
