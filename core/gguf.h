@@ -84,8 +84,11 @@ class GgufFile {
 
   uint32_t version() const { return version_; }
   // The file's identity for caches derived from it (the KV store): a hash of
-  // its size and of every byte before the tensor data (metadata and tensor
-  // table). Stable across runs and machines.
+  // its size, of every byte before the tensor data (metadata and tensor
+  // table), and of 64 bytes at the start, middle and end of every tensor (a
+  // re-export with other weights changes those; reading all the weights
+  // would cost a pass over the file at every start). Stable across runs
+  // and machines.
   uint64_t Fingerprint() const;
   uint64_t alignment() const { return alignment_; }
   const std::string& path() const { return path_; }

@@ -119,6 +119,33 @@ TEST(GgufSmallFileTest, Parses) {
   EXPECT_EQ(first, 1.0f);
 }
 
+// The identity the KV store keys on: the same bytes give the same
+// fingerprint; other metadata, or other weights of the same size and
+// layout (a re-export), give another.
+TEST(GgufSmallFileTest, FingerprintSeesMetadataAndWeights) {
+  auto build = [](const std::string& name, float middle) {
+    GgufWriter w;
+    w.SetString("general.architecture", "llama");
+    w.SetString("general.name", name);
+    std::vector<float> weights(4096);
+    for (int i = 0; i < 4096; ++i) weights[i] = 0.25f * static_cast<float>(i % 97);
+    weights[2048] = middle;
+    EXPECT_TRUE(w.AddTensor("blk.0.attn_q.weight", {64, 64}, DType::kF32, Bytes(weights)).ok());
+    return w.ToBytes();
+  };
+  auto fingerprint = [](const std::string& bytes) {
+    absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::FromBytes(bytes);
+    EXPECT_TRUE(file.ok()) << file.status();
+    return file.ok() ? (*file)->Fingerprint() : 0;
+  };
+  const std::string a = build("hello", 1.0f);
+  ASSERT_EQ(build("hellp", 1.0f).size(), a.size());
+  ASSERT_EQ(build("hello", 2.0f).size(), a.size());
+  EXPECT_EQ(fingerprint(a), fingerprint(build("hello", 1.0f)));
+  EXPECT_NE(fingerprint(a), fingerprint(build("hellp", 1.0f)));
+  EXPECT_NE(fingerprint(a), fingerprint(build("hello", 2.0f))) << "weights in the middle of a tensor";
+}
+
 // --- One test per corruption -----------------------------------------------
 
 TEST(GgufCorruptionTest, BadMagic) {
