@@ -445,12 +445,14 @@ std::vector<Tokenizer::Fragment> Tokenizer::SplitOnSpecialTokens(
   std::vector<Fragment> fragments;
   if (text.empty()) return fragments;
   fragments.push_back({text, -1});
-  // Whether [begin, end) of `text` lies inside one special span.
+  // Whether [begin, end) of `text` lies inside one special span: the last
+  // span that starts at or before `begin` (the spans are sorted and
+  // disjoint), found by bisection so that a chat of many messages whose text
+  // repeats a control token costs no more than one with few.
   auto in_span = [&](size_t begin, size_t end) {
-    for (const auto& [b, e] : special_spans) {
-      if (begin >= b && end <= e) return true;
-    }
-    return false;
+    auto it = std::upper_bound(special_spans.begin(), special_spans.end(), begin,
+                               [](size_t v, const std::pair<size_t, size_t>& span) { return v < span.first; });
+    return it != special_spans.begin() && end <= std::prev(it)->second;
   };
   std::vector<Fragment> split;
   for (const int32_t id : special_tokens_) {
