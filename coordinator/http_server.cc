@@ -11,6 +11,8 @@
 #include <vector>
 
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/thread_pool.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
@@ -29,7 +31,11 @@ namespace http = beast::http;
 namespace net = boost::asio;
 using tcp = net::ip::tcp;
 
-constexpr auto kRequestTimeout = std::chrono::seconds(60);
+constexpr auto kRequestTimeout = std::chrono::seconds(60);  // to read a request
+constexpr auto kWriteTimeout = std::chrono::seconds(60);    // for one write to go out
+// A stream's bytes queued for a client that does not read them: past this,
+// the client is treated as gone (its request is cancelled).
+constexpr size_t kMaxQueuedBytes = size_t{16} << 20;
 
 }  // namespace
 
@@ -40,8 +46,13 @@ struct HttpServer::Impl {
   const Tokenizer* tokenizer = nullptr;
   net::io_context ioc;
   tcp::acceptor acceptor{ioc};
+  net::steady_timer accept_retry{ioc};
   std::vector<std::thread> threads;
+  // Work that may block (/metrics asks every worker), off the I/O threads.
+  // After ioc: stopped and joined before it is destroyed.
+  net::thread_pool blocking{1};
   std::atomic<uint64_t> next_id{1};
+  bool accept_failing = false;  // one warning per run of failed accepts
   void Accept();
 };
 
@@ -76,7 +87,16 @@ class Session : public std::enable_shared_from_this<Session> {
                            " MiB (--http-max-body-mb)")),
                        413);
     }
-    if (ec) return Close();
+    if (ec == http::error::header_limit) {
+      keep_alive_ = false;
+      return SendError(absl::InvalidArgumentError("the request's header is too large"), 431);
+    }
+    if (ec.category() == http::make_error_code(http::error::bad_method).category() &&
+        ec != http::error::partial_message) {
+      keep_alive_ = false;  // the stream's framing is lost: answer, then close
+      return SendError(absl::InvalidArgumentError(absl::StrCat("malformed HTTP request: ", ec.message())), 400);
+    }
+    if (ec) return Close();  // a timeout, a reset, a request cut short
     const http::request<http::string_body>& req = parser_->get();
     keep_alive_ = req.keep_alive();
     version_ = req.version();
@@ -102,8 +122,15 @@ class Session : public std::enable_shared_from_this<Session> {
       return Send(ok ? 200 : 503, ok ? "{\"status\":\"ok\"}" : "{\"status\":\"unavailable\"}", "application/json");
     }
     if (get && path == "/metrics") {
-      return Send(200, server_->options.metrics ? server_->options.metrics() : "",
-                  "text/plain; version=0.0.4; charset=utf-8");
+      // Rendering asks each worker for its figures (a second each at most):
+      // done on the blocking pool, the answer posted back to this session.
+      net::post(server_->blocking, [self = shared_from_this(), executor = stream_.get_executor()] {
+        std::string body = self->server_->options.metrics ? self->server_->options.metrics() : "";
+        net::post(executor, [self, body = std::move(body)]() mutable {
+          self->Send(200, std::move(body), "text/plain; version=0.0.4; charset=utf-8");
+        });
+      });
+      return;
     }
     // The API: the key when there is one.
     const auto auth = req.find(http::field::authorization);
@@ -156,10 +183,14 @@ class Session : public std::enable_shared_from_this<Session> {
       header_.emplace(http::status::ok, version_);
       header_->set(http::field::content_type, "text/event-stream");
       header_->set(http::field::cache_control, "no-cache");
+      // HTTP/1.0 has no chunked encoding: the body runs to the connection's end.
+      chunked_ = version_ >= 11;
+      if (!chunked_) keep_alive_ = false;
       header_->keep_alive(keep_alive_);
-      header_->chunked(true);
+      header_->chunked(chunked_);
       serializer_.emplace(*header_);
       writing_ = true;
+      stream_.expires_after(kWriteTimeout);
       http::async_write_header(stream_, *serializer_, [self = shared_from_this()](beast::error_code ec, size_t) {
         self->writing_ = false;
         if (ec) return self->Close();
@@ -189,7 +220,12 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       if (streaming_) {
         std::string bytes = responder_->SseFor(*e);
+        outbox_bytes_ += bytes.size();
         if (!bytes.empty()) outbox_.push_back(std::move(bytes));
+        if (outbox_bytes_ > kMaxQueuedBytes) {
+          LogWarning("HTTP client reads too slowly (%d MiB of its stream queued)", outbox_bytes_ >> 20);
+          return ClientGone();
+        }
       } else {
         responder_->Add(*e);
       }
@@ -208,7 +244,9 @@ class Session : public std::enable_shared_from_this<Session> {
     if (outbox_.empty()) {
       if (last_queued_ && !last_written_) {
         last_written_ = true;
+        if (!chunked_) return Close();  // HTTP/1.0: the end of the connection ends the body
         writing_ = true;
+        stream_.expires_after(kWriteTimeout);
         net::async_write(stream_, http::make_chunk_last(), [self = shared_from_this()](beast::error_code ec, size_t) {
           self->writing_ = false;
           if (ec || !self->keep_alive_) return self->Close();
@@ -220,13 +258,21 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     auto chunk = std::make_shared<std::string>(std::move(outbox_.front()));
     outbox_.pop_front();
+    outbox_bytes_ -= chunk->size();
     writing_ = true;
-    net::async_write(stream_, http::make_chunk(net::buffer(*chunk)),
-                     [self = shared_from_this(), chunk](beast::error_code ec, size_t) {
-                       self->writing_ = false;
-                       if (ec) return self->ClientGone();
-                       self->WriteNext();
-                     });
+    // A client that stops reading fails the write after kWriteTimeout and
+    // is treated as gone.
+    stream_.expires_after(kWriteTimeout);
+    auto done = [self = shared_from_this(), chunk](beast::error_code ec, size_t) {
+      self->writing_ = false;
+      if (ec) return self->ClientGone();
+      self->WriteNext();
+    };
+    if (chunked_) {
+      net::async_write(stream_, http::make_chunk(net::buffer(*chunk)), std::move(done));
+    } else {
+      net::async_write(stream_, net::buffer(*chunk), std::move(done));
+    }
   }
 
   // While a generation runs nothing is read: wait for the socket to turn
@@ -274,6 +320,7 @@ class Session : public std::enable_shared_from_this<Session> {
     res->body() = std::move(body);
     res->prepare_payload();
     writing_ = true;
+    stream_.expires_after(kWriteTimeout);
     http::async_write(stream_, *res, [self = shared_from_this(), res](beast::error_code ec, size_t) {
       self->writing_ = false;
       if (ec || !res->keep_alive()) return self->Close();
@@ -294,8 +341,9 @@ class Session : public std::enable_shared_from_this<Session> {
     if (request_ != nullptr) request_->SetNotify(nullptr);
     request_.reset();
     responder_.reset();
-    streaming_ = finished_ = last_queued_ = last_written_ = false;
+    streaming_ = finished_ = last_queued_ = last_written_ = chunked_ = false;
     outbox_.clear();
+    outbox_bytes_ = 0;
     serializer_.reset();
     header_.reset();
   }
@@ -322,6 +370,8 @@ class Session : public std::enable_shared_from_this<Session> {
   std::optional<http::response<http::empty_body>> header_;
   std::optional<http::response_serializer<http::empty_body>> serializer_;
   std::deque<std::string> outbox_;
+  size_t outbox_bytes_ = 0;
+  bool chunked_ = false;  // the stream's body is chunked (HTTP/1.1)
   bool writing_ = false, closed_ = false, watching_ = false;
   std::shared_ptr<Session> pinned_;  // set while a generation runs with no wait on the socket
 };
@@ -330,12 +380,21 @@ class Session : public std::enable_shared_from_this<Session> {
 
 void HttpServer::Impl::Accept() {
   acceptor.async_accept(net::make_strand(ioc), [this](beast::error_code ec, tcp::socket socket) {
+    if (ec == net::error::operation_aborted) return;  // stopping
     if (ec) {
-      if (ec == net::error::operation_aborted) return;  // stopping
-      LogWarning("HTTP accept: %s", ec.message());
-    } else {
-      std::make_shared<Session>(std::move(socket), this)->Start();
+      // Out of file descriptors (EMFILE) and the like: accepting again at
+      // once would fail again at once. Wait, warn once per run of failures.
+      if (!accept_failing) LogWarning("HTTP accept: %s; retrying every 100 ms", ec.message());
+      accept_failing = true;
+      accept_retry.expires_after(std::chrono::milliseconds(100));
+      accept_retry.async_wait([this](beast::error_code wait_ec) {
+        if (!wait_ec) Accept();
+      });
+      return;
     }
+    if (accept_failing) LogInfo("HTTP accept works again");
+    accept_failing = false;
+    std::make_shared<Session>(std::move(socket), this)->Start();
     Accept();
   });
 }
@@ -384,9 +443,11 @@ HttpServer::~HttpServer() {
   net::post(impl_->ioc, [impl = impl_.get()] {
     beast::error_code ec;
     impl->acceptor.close(ec);
+    impl->accept_retry.cancel();
   });
   impl_->ioc.stop();
   for (std::thread& t : impl_->threads) t.join();
+  impl_->blocking.join();  // a /metrics render in flight finishes; its answer is dropped with ioc
 }
 
 int HttpServer::port() const { return impl_->acceptor.local_endpoint().port(); }

@@ -15,11 +15,13 @@
 
 #include <boost/asio/connect.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <grpcpp/grpcpp.h>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -386,6 +388,78 @@ TEST(Http, AKeptAliveConnectionAnswersItsRequestsInTurn) {
     }
   }
   socket.close();
+  ExpectCleanShutdown(system);
+}
+
+// What a raw client sends and gets back, read to the connection's end.
+std::string RawExchange(int port, const std::string& request) {
+  net::io_context ioc;
+  tcp::socket socket(ioc);
+  socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
+  net::write(socket, net::buffer(request));
+  std::string out;
+  beast::error_code ec;
+  char buf[4096];
+  for (;;) {
+    const size_t n = socket.read_some(net::buffer(buf), ec);
+    out.append(buf, n);
+    if (ec) break;
+  }
+  return out;
+}
+
+// Requests the parser refuses are answered (400, 431) and the connection
+// closed, never dropped without a word; an HTTP/1.0 client's stream is not
+// chunked (1.0 has no chunked encoding) and ends with the connection.
+TEST(Http, BadFramingIsAnsweredAndHttp10StreamsArePlain) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const int port = system.http_port();
+  EXPECT_TRUE(absl::StartsWith(RawExchange(port, "GET /health HTTP/9.9\r\nHost: x\r\n\r\n"), "HTTP/1.1 400"));
+  EXPECT_TRUE(absl::StartsWith(RawExchange(port, "GET /health HTTP/1.1\r\nBad Header\r\n\r\n"), "HTTP/1.1 400"));
+  const std::string big = absl::StrCat("GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ", std::string(20000, 'a'), "\r\n\r\n");
+  EXPECT_TRUE(absl::StartsWith(RawExchange(port, big), "HTTP/1.1 431")) << "header over the limit";
+
+  const std::string body = Completion("Once upon a time", 12, true).dump();
+  const std::string reply = RawExchange(
+      port, absl::StrCat("POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: ",
+                         body.size(), "\r\n\r\n", body));
+  ASSERT_TRUE(absl::StartsWith(reply, "HTTP/1.0 200")) << reply;
+  const size_t end_of_header = reply.find("\r\n\r\n");
+  ASSERT_NE(end_of_header, std::string::npos);
+  EXPECT_EQ(absl::AsciiStrToLower(reply.substr(0, end_of_header)).find("transfer-encoding"), std::string::npos);
+  const std::string sse = reply.substr(end_of_header + 4);
+  EXPECT_EQ(Collect(HttpResult{200, "", sse}, false).text,
+            Collect(Post(port, "/v1/completions", Completion("Once upon a time", 12, true)), false).text);
+  ExpectCleanShutdown(system);
+}
+
+// /metrics asks every worker for its figures; a frozen worker makes each ask
+// wait for its deadline. That wait must not hold the I/O threads: /health
+// and the API answer while scrapes wait.
+TEST(Http, AScrapeWaitingOnAFrozenWorkerHoldsNothingElse) {
+  // (The heartbeats kill the frozen worker after two misses, about 2 s: the
+  // first scrape's 1 s wait is over before.)
+  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl", "--no-restart"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const int port = system.http_port();
+  const pid_t worker = system.FindChild("ellm-attn-worker");
+  ASSERT_GT(worker, 0);
+  kill(worker, SIGSTOP);
+  std::vector<std::future<HttpResult>> scrapes;
+  for (int i = 0; i < 4; ++i) {  // more than the I/O threads
+    scrapes.push_back(std::async(std::launch::async, [&] { return Call(port, http::verb::get, "/metrics"); }));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const HttpResult health = Call(port, http::verb::get, "/health");
+  const HttpResult models = Call(port, http::verb::get, "/v1/models");
+  int answered = 0;
+  for (auto& f : scrapes) answered += f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  EXPECT_GT(health.status, 0);
+  EXPECT_EQ(models.status, 200);
+  EXPECT_EQ(answered, 0) << "/health and /v1/models waited for a scrape (each waits 1 s for the frozen worker)";
+  kill(worker, SIGCONT);
+  for (auto& f : scrapes) EXPECT_EQ(f.get().status, 200);
   ExpectCleanShutdown(system);
 }
 
