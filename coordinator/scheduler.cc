@@ -317,7 +317,13 @@ void Scheduler::Loop() {
         Retire(s, /*publish=*/true);
       }
       for (auto it = waiting_.begin(); it != waiting_.end();) {
-        it = (*it)->stream->cancelled() ? waiting_.erase(it) : it + 1;
+        if (!(*it)->stream->cancelled()) {
+          ++it;
+          continue;
+        }
+        LogInfo("sequence %d cancelled by the client while it waited", (*it)->id);
+        if (options_.metrics != nullptr) options_.metrics->RequestEnded("cancelled");
+        it = waiting_.erase(it);
       }
       Admit();
     }

@@ -22,6 +22,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "coordinator/metrics.h"
 #include "core/gguf.h"
 #include "core/tokenizer.h"
 #include "gmock/gmock.h"
@@ -887,6 +889,8 @@ TEST_F(SchedulerTest, CancelledRunningRequestIsDroppedAndFreed) {
 
 TEST_F(SchedulerTest, CancelledWaitingRequestNeverRuns) {
   options_.kv_blocks = 2;
+  Metrics metrics;
+  options_.metrics = &metrics;
   Start();
   exec_.Hold();
   std::shared_ptr<RequestStream> a = Submit(Prompt(300, 5), 20);
@@ -899,6 +903,8 @@ TEST_F(SchedulerTest, CancelledWaitingRequestNeverRuns) {
     return s.running == 0 && s.waiting == 0 && s.kv_blocks_free + s.kv_blocks_cached == options_.kv_blocks;
   }));
   EXPECT_FALSE(SeqIdOf(exec_.plans(), 301).has_value()) << "a cancelled waiting request ran";
+  // It is counted as cancelled in the metrics, as a running one would be.
+  EXPECT_TRUE(absl::StrContains(metrics.Render(scheduler_->Stats(), {}), "ellm_requests_total{outcome=\"cancelled\"} 1\n"));
 }
 
 TEST_F(SchedulerTest, MarkBrokenFailsRunningAndWaitingRequests) {
