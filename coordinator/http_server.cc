@@ -163,6 +163,7 @@ class Session : public std::enable_shared_from_this<Session> {
     if (!parsed.ok()) return SendError(parsed.status());
     absl::StatusOr<GenerateOptions> options = server_->service->Validate(parsed->generate);
     if (!options.ok()) return SendError(options.status());
+    const int32_t last_prompt_token = options->prompt.empty() ? -1 : options->prompt.back();
     absl::StatusOr<std::shared_ptr<RequestStream>> request = server_->scheduler->Submit(*std::move(options));
     if (!request.ok()) return SendError(request.status());
     request_ = *std::move(request);
@@ -170,7 +171,8 @@ class Session : public std::enable_shared_from_this<Session> {
     const uint64_t n = server_->next_id.fetch_add(1);
     responder_ = std::make_unique<OpenAiResponder>(
         *parsed, absl::StrFormat("%s-%016x", chat ? "chatcmpl" : "cmpl", n * 0x9E3779B97F4A7C15ULL),
-        server_->options.model_id, static_cast<int64_t>(std::time(nullptr)), *server_->tokenizer);
+        server_->options.model_id, static_cast<int64_t>(std::time(nullptr)), *server_->tokenizer,
+        last_prompt_token);
     stream_.expires_never();
     std::weak_ptr<Session> weak = shared_from_this();
     auto executor = stream_.get_executor();

@@ -191,9 +191,9 @@ const char* OpenAiFinishReason(FinishReason reason) {
 }
 
 OpenAiResponder::OpenAiResponder(const OpenAiRequest& request, std::string id, std::string model_id,
-                                 int64_t created, const Tokenizer& tokenizer)
-    : request_(request), tokenizer_(tokenizer), id_(std::move(id)), model_id_(std::move(model_id)),
-      created_(created) {}
+                                 int64_t created, const Tokenizer& tokenizer, int32_t last_prompt_token)
+    : request_(request), tokenizer_(tokenizer), prev_token_(last_prompt_token), id_(std::move(id)),
+      model_id_(std::move(model_id)), created_(created) {}
 
 json OpenAiResponder::Usage(const FinishInfo& f) const {
   return {{"prompt_tokens", f.prompt_tokens},

@@ -49,9 +49,10 @@ const char* OpenAiFinishReason(FinishReason reason);
 // Builds the responses of one request: `id` like "cmpl-..." / "chatcmpl-...".
 class OpenAiResponder {
  public:
-  // `tokenizer` names each token in logprobs.
+  // `tokenizer` names each token in logprobs; the first generated token reads
+  // as it does after `last_prompt_token`.
   OpenAiResponder(const OpenAiRequest& request, std::string id, std::string model_id, int64_t created,
-                  const Tokenizer& tokenizer);
+                  const Tokenizer& tokenizer, int32_t last_prompt_token);
 
   // Streaming: the SSE bytes ("data: {...}\n\n" ...) for one event, and after
   // the last event the usage chunk (when asked) and "data: [DONE]\n\n".
@@ -69,7 +70,7 @@ class OpenAiResponder {
 
   OpenAiRequest request_;
   const Tokenizer& tokenizer_;
-  int32_t prev_token_ = -1;  // for each token's text in logprobs
+  int32_t prev_token_;       // for each token's text in logprobs
   int64_t text_offset_ = 0;  // completions' text_offset: bytes of the tokens so far
   std::string id_, model_id_;
   int64_t created_;

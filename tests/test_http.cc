@@ -209,6 +209,17 @@ TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
     EXPECT_EQ(lp["text_offset"][i].get<int64_t>(), offset);
     offset += static_cast<int64_t>(lp["tokens"][i].get<std::string>().size());
   }
+  // The tokens spell the text, the first one too (it follows the prompt's
+  // last token: a word-start space is part of it).
+  for (const char* prompt : {"Once upon a time", "Once upon a time there was a"}) {
+    json spell_req = Completion(prompt, 8, false);
+    spell_req["logprobs"] = 0;
+    const json spell = Post(port, "/v1/completions", spell_req).Json();
+    std::string spelled;
+    for (const json& t : spell["choices"][0]["logprobs"]["tokens"]) spelled += t.get<std::string>();
+    EXPECT_EQ(spelled, spell["choices"][0]["text"].get<std::string>()) << prompt;
+    if (std::string(prompt) != "Once upon a time") EXPECT_EQ(spelled[0], ' ') << "a word follows the prompt";
+  }
   // /v1/models and /health.
   j = Call(port, http::verb::get, "/v1/models").Json();
   EXPECT_EQ(j["data"][0]["id"], "llama");
