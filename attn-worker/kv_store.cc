@@ -1,6 +1,7 @@
 #include "attn-worker/kv_store.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -176,8 +177,13 @@ void KvStore::Scan() {
   std::lock_guard<std::mutex> lock(mu_);
   for (const fs::directory_entry& e : fs::directory_iterator(folder_, ec)) {
     const std::string name = e.path().filename().string();
-    if (name.find(".tmp") != std::string::npos) {  // a write that never finished
-      fs::remove(e.path(), ec);
+    if (const size_t tmp = name.find(".tmp"); tmp != std::string::npos) {
+      // A write that never finished, unless its writer (the pid after
+      // ".tmp") is alive: another server on the same folder, mid-write.
+      int pid = 0;
+      const bool writer_alive = absl::SimpleAtoi(name.substr(tmp + 4), &pid) && pid > 0 && pid != getpid() &&
+                                (kill(pid, 0) == 0 || errno == EPERM);
+      if (!writer_alive) fs::remove(e.path(), ec);
       continue;
     }
     uint64_t key = 0;

@@ -130,7 +130,10 @@ TEST_F(KvStoreTest, BadFilesAreSkippedAndDeletedNeverServed) {
     }
     fs::copy_file(FileOf(*store, 4), FileOf(*store, 5));
     std::ofstream(folder + "/notes.txt") << "not a block";
-    std::ofstream(FileOf(*store, 6) + ".tmp123") << "an unfinished write";
+    std::ofstream(FileOf(*store, 6) + ".tmp999999999") << "an unfinished write (no such process)";
+    // Another server's write in progress on the same folder (its writer, here
+    // this test's parent process, is alive): left alone.
+    std::ofstream(FileOf(*store, 7) + ".tmp" + std::to_string(getppid())) << "a write in progress";
   }
   auto store = Open();
   std::vector<KvStore::Stored> listed = store->List();
@@ -143,7 +146,8 @@ TEST_F(KvStoreTest, BadFilesAreSkippedAndDeletedNeverServed) {
   EXPECT_EQ(store->Load(2).status().code(), absl::StatusCode::kDataLoss);
   EXPECT_FALSE(fs::exists(FileOf(*store, 2)));
   EXPECT_FALSE(fs::exists(FileOf(*store, 1)));
-  EXPECT_FALSE(fs::exists(FileOf(*store, 6) + ".tmp123"));
+  EXPECT_FALSE(fs::exists(FileOf(*store, 6) + ".tmp999999999"));
+  EXPECT_TRUE(fs::exists(FileOf(*store, 7) + ".tmp" + std::to_string(getppid())));
   EXPECT_EQ(*store->Load(4), Payload(4));
   EXPECT_EQ(store->List().size(), 1u);
 }
