@@ -1,5 +1,6 @@
 #include "attn-worker/serve.h"
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/log.h"
 #include "shm/messages.h"
@@ -26,6 +27,14 @@ void ServeChannel(shm::Channel& channel, AttentionShard& shard, const ServeOptio
         shm::DecodeAttnRequest(header, frame->payload, shape, geometry.max_positions);
     if (!request.ok()) {
       status = request.status();
+    } else if (shape.ResultBytes(header.n_tokens) > channel.replies().max_payload_bytes()) {
+      // The output goes straight into a reply slot: it must fit (a frame
+      // that carries fewer sequences than the batch limit has room for more
+      // tokens than --max-step-tokens).
+      status = absl::InvalidArgumentError(absl::StrCat(
+          "a step of ", header.n_tokens, " tokens needs a ", shape.ResultBytes(header.n_tokens),
+          "-byte reply; this worker's reply slots hold ", channel.replies().max_payload_bytes(),
+          " (--max-step-tokens)"));
     } else {
       // The output goes straight into the reply slot.
       shm::WaitOptions write_wait;

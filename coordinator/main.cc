@@ -222,6 +222,12 @@ absl::Status Run(const CoordinatorConfig& config) {
           w->max_step_tokens(), " tokens per step, less than the coordinator's"));
     }
   }
+  if (const ellm::v1::WorkerInfo* mlp = link->mlp_worker();
+      mlp->max_batch() < config.max_batch || mlp->max_step_tokens() < config.max_step_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("the mlp-worker was sized for ", mlp->max_batch(), " sequences / ",
+                                                   mlp->max_step_tokens(),
+                                                   " tokens per step, less than the coordinator's"));
+  }
 
   SchedulerOptions so;
   so.max_batch = config.max_batch;

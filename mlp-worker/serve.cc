@@ -40,7 +40,12 @@ void ServeChannel(shm::Channel& channel, StepRunner& runner, const ModelConfig& 
     shm::WaitOptions write_wait;
     write_wait.timeout = absl::Seconds(30);
     const absl::Status st = channel.replies().Write(reply, result->data(), write_wait);
-    if (!st.ok()) LogError("cannot send step %d result: %s", header.step, st.ToString());
+    if (!st.ok()) {
+      // Every step gets an answer, or the coordinator waits out its timeout
+      // and restarts the workers (and, with the same batch, again).
+      LogError("cannot send step %d result: %s", header.step, st.ToString());
+      shm::ReplyError(channel.replies(), header.step, st);
+    }
   }
 }
 

@@ -21,6 +21,12 @@ void CopyBytes(void* dst, const void* src, size_t n) {
 absl::Status ValidateSlices(const SeqSlice* slices, uint32_t n_seqs, uint32_t n_tokens,
                             uint32_t max_positions) {
   if (n_seqs == 0) return absl::DataLossError("frame has an empty batch (0 sequences)");
+  // Every slice holds a token: checked first, it bounds the pairwise check
+  // below by the step's tokens (a frame of many empty slices would otherwise
+  // cost n_seqs^2).
+  if (n_seqs > n_tokens) {
+    return absl::DataLossError(absl::StrCat("batch descriptor has ", n_seqs, " sequences for ", n_tokens, " tokens"));
+  }
   uint64_t total = 0;
   for (uint32_t i = 0; i < n_seqs; ++i) {
     const SeqSlice& s = slices[i];

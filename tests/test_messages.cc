@@ -367,6 +367,17 @@ TEST(AttnRequest, BadBatchDescriptorIsAnError) {
     const Payload p7(bytes);
     ExpectDataLoss(DecodeAttnRequest(h, p7.data(), f.shape, kMaxPositions).status(), "tokens");
   }
+  // More sequences than tokens (a frame of many empty slices, which a
+  // pairwise duplicate check would pay for quadratically): refused at once.
+  {
+    std::string bytes(reinterpret_cast<const char*>(f.slices.data()), 3 * sizeof(SeqSlice));
+    bytes.append(2 * (6 + 2 * 2) * 4 * sizeof(float), '\0');
+    FrameHeader h = f.Header();
+    h.n_tokens = 2;
+    h.payload_bytes = bytes.size();
+    const Payload p2(bytes);
+    ExpectDataLoss(DecodeAttnRequest(h, p2.data(), f.shape, kMaxPositions).status(), "3 sequences for 2 tokens");
+  }
   FrameHeader h = f.Header();
   h.kind = static_cast<uint16_t>(FrameKind::kAttnResult);
   ExpectDataLoss(DecodeAttnRequest(h, payload.data(), f.shape, kMaxPositions).status(), "kind");

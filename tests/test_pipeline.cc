@@ -363,5 +363,78 @@ TEST(Pipeline, AFailureInEachStageIsAnErrorAndThePipelineServesOn) {
   scheduler.Stop();
 }
 
+// An attention worker sizes its reply slots for --max-step-tokens, and its
+// request slots for --max-batch sequences besides. A frame with one sequence
+// can spend the room of the other sequences' descriptors on tokens: more
+// tokens than a reply slot holds. It is answered with an error frame (the
+// output would have run past the slot, then the worker aborted), and the
+// worker serves on.
+TEST(Pipeline, AnAttentionFrameWhoseOutputCannotFitIsAnErrorFrame) {
+  constexpr uint32_t kBatch = 64, kStep = 256;
+  attn::ShardGeometry g;
+  g.layers = 1;
+  g.heads = {0, 1};
+  g.gqa_ratio = 1;
+  g.head_dim = 64;
+  g.max_positions = 4096;
+  attn::KvCacheOptions kv;
+  kv.layers = 1;
+  kv.kv_heads = 1;
+  kv.head_dim = 64;
+  kv.block_tokens = kBlockTokens;
+  kv.dtype = KvDType::kF32;
+  kv.blocks = 64;
+  auto cache = attn::KvCache::Create(kv);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  ThreadPool pool(2);
+  attn::AttentionShard shard(g, cache->get(), &pool);
+  const shm::AttnShape shape = g.shape();
+  auto channel = shm::Channel::Create(absl::StrCat("ellm-test-attn-fit-", getpid()), 4,
+                                      sizeof(shm::FrameHeader) + shape.RequestBytes(kBatch, kStep),
+                                      sizeof(shm::FrameHeader) + std::max<uint64_t>(shape.ResultBytes(kStep), 4096));
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  std::atomic<bool> stop{false};
+  std::thread serve([&] {
+    attn::ServeOptions o;
+    o.stop = [&] { return stop.load(); };
+    attn::ServeChannel(**channel, shard, o);
+  });
+  auto peer = shm::Channel::Open((*channel)->name(), absl::Seconds(5));
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  shm::WaitOptions wait;
+  wait.timeout = absl::Seconds(30);
+  // One sequence at `start` with `n` tokens; returns the reply's kind and
+  // status.
+  auto send = [&](uint64_t step, uint32_t start, uint32_t n) -> std::pair<uint16_t, absl::Status> {
+    const shm::SeqSlice slice{7, start, n};
+    std::string payload(reinterpret_cast<const char*>(&slice), sizeof(slice));
+    payload.append(n * (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim * sizeof(float), '\0');
+    shm::FrameHeader h;
+    h.kind = static_cast<uint16_t>(shm::FrameKind::kAttnRequest);
+    h.step = step;
+    h.n_seqs = 1;
+    h.n_tokens = n;
+    h.payload_bytes = payload.size();
+    EXPECT_TRUE((*peer)->requests().Write(h, payload.data(), wait).ok());
+    absl::StatusOr<shm::Ring::Frame> reply = (*peer)->replies().BeginRead(wait);
+    EXPECT_TRUE(reply.ok()) << reply.status();
+    if (!reply.ok()) return {0, reply.status()};
+    const uint16_t kind = reply->header.kind;
+    const absl::Status st = kind == static_cast<uint16_t>(shm::FrameKind::kError)
+                                ? shm::DecodeError(reply->header, reply->payload)
+                                : absl::OkStatus();
+    (*peer)->replies().EndRead();
+    return {kind, st};
+  };
+  ASSERT_LE(shape.RequestBytes(1, kStep + 1), shape.RequestBytes(kBatch, kStep)) << "the frame fits its request slot";
+  auto [kind, st] = send(1, 0, kStep + 1);
+  EXPECT_EQ(kind, static_cast<uint16_t>(shm::FrameKind::kError));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("reply slots hold"));
+  std::tie(kind, st) = send(2, 0, 4);  // and the next frame is served
+  EXPECT_EQ(kind, static_cast<uint16_t>(shm::FrameKind::kAttnResult)) << st;
+  stop = true;
+  serve.join();
+}
+
 }  // namespace
 }  // namespace ellm
