@@ -111,6 +111,11 @@ SchedulerStats Scheduler::Stats() {
 }
 
 void Scheduler::Admit() {
+  // One KV store load at a time: the request at the head of the queue waits
+  // for its blocks (RunLoad admits it), and those behind it wait their turn.
+  // (Planning a second load here would overwrite the first, and lose the
+  // blocks reserved for it.)
+  if (load_) return;
   const int bt = options_.kv_block_tokens;
   while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_batch) {
     Sequence* seq = waiting_.front().get();

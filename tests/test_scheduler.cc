@@ -195,6 +195,28 @@ class FakeExecutor : public StepExecutor {
     return recovers_;
   }
 
+  // The KV store: every key loads (as a cached, unreferenced block). While
+  // loads are held, a load waits inside the executor.
+  absl::StatusOr<int> LoadBlocks(const std::vector<uint64_t>& keys) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    ++loads_;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return !hold_loads_; });
+    for (uint64_t k : keys) refs_.emplace(k, 0);
+    return static_cast<int>(keys.size());
+  }
+  void HoldLoads(bool hold) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      hold_loads_ = hold;
+    }
+    cv_.notify_all();
+  }
+  bool WaitForLoads(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, kWait, [&] { return loads_ >= n; });
+  }
+
   absl::Status FillSynthetic(uint64_t id, int positions) override {
     std::lock_guard<std::mutex> lock(mu_);
     filled_[id] += positions;
@@ -276,6 +298,8 @@ class FakeExecutor : public StepExecutor {
   int fail_at_run_ = -1;
   absl::Status fail_status_;
   bool hold_ = false;
+  int loads_ = 0;
+  bool hold_loads_ = false;
 };
 
 // Everything a request's stream delivered.
@@ -1176,6 +1200,46 @@ TEST_F(PrefixCacheTest, AFailedKvUpdateBreaksTheScheduler) {
   const Outcome out = Collect(*s);
   EXPECT_EQ(out.error.code(), absl::StatusCode::kUnavailable) << out.error;
   EXPECT_TRUE(scheduler_->broken());
+}
+
+// With a KV store, requests that continue stored prefixes each have their
+// blocks loaded before they are admitted, one load at a time. Requests that
+// queue while a load runs get theirs in turn: each is served its stored
+// blocks, and every reserved block comes back to the pool (a second load
+// used to overwrite the first one's reservation, and its blocks were lost).
+TEST_F(PrefixCacheTest, QueuedRequestsEachLoadTheirStoredBlocksAndNoBlockIsLost) {
+  options_.kv_store = true;
+  Start();
+  const int bt = options_.kv_block_tokens;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<PrefixCache::Block> stored;
+  for (int32_t first : {300, 301, 302}) {
+    prompts.push_back(Prompt(first, 2 * bt + 8));  // 2 whole blocks on disk, then 8 tokens
+    uint64_t parent = 0;
+    for (int b = 0; b < 2; ++b) {
+      const int32_t* t = prompts.back().data() + b * bt;
+      const uint64_t key = ChainKey(parent, t, bt);
+      stored.push_back({key, parent, std::vector<int32_t>(t, t + bt)});
+      parent = key;
+    }
+  }
+  scheduler_->AddStored(stored, 1000);
+  exec_.HoldLoads(true);
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  streams.push_back(Submit(prompts[0], 4));
+  ASSERT_TRUE(exec_.WaitForLoads(1));  // the first load runs; the others queue behind it
+  streams.push_back(Submit(prompts[1], 4));
+  streams.push_back(Submit(prompts[2], 4));
+  exec_.HoldLoads(false);
+  for (size_t i = 0; i < streams.size(); ++i) {
+    const Outcome out = Collect(*streams[i]);
+    ASSERT_TRUE(out.error.ok()) << out.error;
+    EXPECT_EQ(out.finish.cached_tokens, 2 * bt) << "request " << i << " was served its stored blocks";
+  }
+  EXPECT_TRUE(AllReleased()) << "free " << scheduler_->Stats().kv_blocks_free << " + cached "
+                             << scheduler_->Stats().kv_blocks_cached << " of " << options_.kv_blocks;
+  EXPECT_EQ(scheduler_->Stats().stored_loaded, 6);
+  exec_.ExpectConsistent(/*all_freed=*/true);
 }
 
 TEST(PrefixCacheIndex, ChainKeysLookupAndLeafFirstEviction) {
