@@ -11,6 +11,8 @@
 namespace ellm::coord {
 namespace {
 
+constexpr size_t kMaxStopBytes = 256;  // per stop string
+
 ellm::v1::FinishReason ToProto(FinishReason r) {
   switch (r) {
     case FinishReason::kStopToken: return ellm::v1::FINISH_REASON_STOP_TOKEN;
@@ -130,6 +132,12 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
   for (const std::string& stop : r.stop()) {
     if (stop.empty()) return absl::InvalidArgumentError("a stop string is empty");
     if (!IsValidUtf8(stop)) return absl::InvalidArgumentError("a stop string is not valid UTF-8");
+    // The search for stop strings runs on the step thread, and its cost per
+    // token grows with the square of the longest one.
+    if (stop.size() > kMaxStopBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a stop string has ", stop.size(), " bytes; at most ", kMaxStopBytes));
+    }
     o.stop.push_back(stop);
   }
   if (o.stop.size() > 16) return absl::InvalidArgumentError("at most 16 stop strings");

@@ -218,7 +218,9 @@ TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
     std::string spelled;
     for (const json& t : spell["choices"][0]["logprobs"]["tokens"]) spelled += t.get<std::string>();
     EXPECT_EQ(spelled, spell["choices"][0]["text"].get<std::string>()) << prompt;
-    if (std::string(prompt) != "Once upon a time") EXPECT_EQ(spelled[0], ' ') << "a word follows the prompt";
+    if (std::string(prompt) != "Once upon a time") {
+      EXPECT_EQ(spelled[0], ' ') << "a word follows the prompt";
+    }
   }
   // /v1/models and /health.
   j = Call(port, http::verb::get, "/v1/models").Json();
@@ -294,6 +296,7 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"temperature", -1}}), 400, "'temperature'");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"top_p", 2}}), 400, "'top_p'");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stop", 3}}), 400, "'stop'");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stop", std::string(257, 'a')}}), 400, "at most 256");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"n", 2}}), 400, "'n'");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"logprobs", 21}}), 400, "'logprobs'");
   expect(Post(port, "/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"top_logprobs", 2}}),
