@@ -308,7 +308,7 @@ absl::Status Run(const CoordinatorConfig& config) {
                                                " (is another server using the port?)"));
   }
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  health->SetServingStatus(true);
+  health->SetServingStatus(false);  // SERVING once the HTTP API listens too (below)
   scheduler.on_broken = [health](const absl::Status& status) {
     LogError("not serving any more: %s", status.message());
     health->SetServingStatus(false);
@@ -338,6 +338,9 @@ absl::Status Run(const CoordinatorConfig& config) {
     ASSIGN_OR_RETURN(http, HttpServer::Start(ho, &service, &scheduler, tokenizer.get()));
     LogInfo("HTTP API on %s:%d (OpenAI-compatible /v1, /health, /metrics)", ho.host, http->port());
   }
+  // Ready: the launcher (and load balancers) see SERVING only now, so a
+  // server that cannot open its HTTP port is never announced as ready.
+  health->SetServingStatus(!scheduler.broken() && !scheduler.recovering());
 
   // Heartbeats: a dead or frozen worker pauses every request until the
   // launcher has restarted the workers (or, without --recover, ends them).

@@ -90,7 +90,11 @@ class EllmSystem {
   // Starts ellm-launch with `args`; Ready() tells whether it came up.
   explicit EllmSystem(std::vector<std::string> args) {
     port_ = FreePort();
-    http_port_ = FreePort();
+    // Each probe closes its socket, so the kernel may hand out the same
+    // port twice: the HTTP server then cannot listen beside gRPC.
+    do {
+      http_port_ = FreePort();
+    } while (http_port_ == port_);
     log_path_ = absl::StrCat("/tmp/ellm-test-launch-", getpid(), "-", port_, ".log");
     std::vector<std::string> argv = {std::string(ELLM_BINARY_DIR) + "/ellm-launch",
                                      absl::StrCat("--port=", port_), absl::StrCat("--http-port=", http_port_),
