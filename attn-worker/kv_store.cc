@@ -223,17 +223,7 @@ std::vector<KvStore::Stored> KvStore::List() const {
 
 void KvStore::Save(uint64_t key, uint64_t parent, const int32_t* tokens, std::string payload) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (index_.contains(key)) {
-    Touch(key);
-    return;
-  }
-  for (const Pending& p : queue_) {
-    if (p.key == key) return;
-  }
-  if (queued_bytes_ + static_cast<int64_t>(payload.size()) > kMaxQueuedBytes) {
-    NoteDropped();
-    return;
-  }
+  if (!Admits(key, payload.size())) return;
   queued_bytes_ += static_cast<int64_t>(payload.size());
   queue_.push_back({key, parent, std::vector<int32_t>(tokens, tokens + layout_.block_tokens), std::move(payload)});
   cv_.notify_all();
@@ -241,25 +231,22 @@ void KvStore::Save(uint64_t key, uint64_t parent, const int32_t* tokens, std::st
 
 bool KvStore::Wants(uint64_t key) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (index_.contains(key)) {
-    Touch(key);
-    return false;
-  }
+  return Admits(key, layout_.payload_bytes);
+}
+
+bool KvStore::Admits(uint64_t key, uint64_t payload_bytes) {
+  if (Touch(key)) return false;  // stored: now the most recently used
   for (const Pending& p : queue_) {
     if (p.key == key) return false;
   }
-  if (queued_bytes_ + static_cast<int64_t>(layout_.payload_bytes) > kMaxQueuedBytes) {
-    NoteDropped();
+  if (queued_bytes_ + static_cast<int64_t>(payload_bytes) > kMaxQueuedBytes) {
+    if (dropped_++ == 0) {
+      LogWarning("KV store: the writer is %d MiB behind; new blocks are not stored until it catches up",
+                 queued_bytes_ >> 20);
+    }
     return false;
   }
   return true;
-}
-
-void KvStore::NoteDropped() {
-  if (dropped_++ == 0) {
-    LogWarning("KV store: the writer is %d MiB behind; new blocks are not stored until it catches up",
-               queued_bytes_ >> 20);
-  }
 }
 
 absl::StatusOr<std::string> KvStore::Load(uint64_t key) {
@@ -277,8 +264,8 @@ absl::StatusOr<std::string> KvStore::Load(uint64_t key) {
   }
   // The writer may have evicted the block while the file was read (the lock
   // is not held across the read): the bytes read are whole and checked, so
-  // they are served; there is just nothing left to mark as recently used.
-  if (index_.contains(key)) Touch(key);
+  // they are served either way; Touch then finds nothing to mark.
+  Touch(key);
   return payload;
 }
 
@@ -380,11 +367,14 @@ void KvStore::Index(uint64_t key, Entry entry) {
   while (bytes_ > max_bytes_ && lru_.size() > 1) Forget(lru_.begin()->second, /*delete_file=*/true);
 }
 
-void KvStore::Touch(uint64_t key) {
-  Entry& e = index_.at(key);
+bool KvStore::Touch(uint64_t key) {
+  const auto it = index_.find(key);
+  if (it == index_.end()) return false;
+  Entry& e = it->second;
   lru_.erase(e.stamp);
   e.stamp = next_stamp_++;
   lru_[e.stamp] = key;
+  return true;
 }
 
 void KvStore::Forget(uint64_t key, bool delete_file) {

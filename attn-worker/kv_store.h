@@ -135,9 +135,14 @@ class KvStore {
   // Adds an entry as most recently used and deletes the oldest files beyond
   // max_bytes_. Locked.
   void Index(uint64_t key, Entry entry);
-  void Touch(uint64_t key);  // locked
+  // Marks a stored block most recently used; false when it is not stored.
+  // Locked.
+  bool Touch(uint64_t key);
   void Forget(uint64_t key, bool delete_file);  // locked
-  void NoteDropped();  // locked: a block the full queue turned away
+  // Save's test (Wants): not stored (a stored block is touched instead), not
+  // queued, and room in the queue for `payload_bytes`; a block turned away
+  // for room counts in dropped_. Locked.
+  bool Admits(uint64_t key, uint64_t payload_bytes);
 
   const std::string folder_;
   const int64_t max_bytes_;
