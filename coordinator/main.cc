@@ -216,17 +216,15 @@ absl::Status Run(const CoordinatorConfig& config) {
     if (w->kv_block_tokens() != block_tokens) {
       return absl::InvalidArgumentError("attention workers disagree on --block-tokens");
     }
-    if (w->max_batch() < config.max_batch || w->max_step_tokens() < config.max_step_tokens) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "attn-worker ", w->shard(), " was sized for ", w->max_batch(), " sequences / ",
-          w->max_step_tokens(), " tokens per step, less than the coordinator's"));
-    }
   }
-  if (const ellm::v1::WorkerInfo* mlp = link->mlp_worker();
-      mlp->max_batch() < config.max_batch || mlp->max_step_tokens() < config.max_step_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat("the mlp-worker was sized for ", mlp->max_batch(), " sequences / ",
-                                                   mlp->max_step_tokens(),
-                                                   " tokens per step, less than the coordinator's"));
+  // Every worker's rings hold the coordinator's largest step.
+  for (const WorkerHandle& h : link->workers()) {
+    const ellm::v1::WorkerInfo& w = h.info;
+    if (w.max_batch() < config.max_batch || w.max_step_tokens() < config.max_step_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          WorkerName(w), " was sized for ", w.max_batch(), " sequences / ", w.max_step_tokens(),
+          " tokens per step, less than the coordinator's"));
+    }
   }
 
   SchedulerOptions so;
@@ -319,6 +317,7 @@ absl::Status Run(const CoordinatorConfig& config) {
   LogInfo("serving on %s (%d KV blocks of %d positions, batch up to %d, prefix cache %s)",
           config.listen, kv_blocks, block_tokens, config.max_batch, config.prefix_cache ? "on" : "off");
 
+  auto serving = [&scheduler] { return !scheduler.broken() && !scheduler.recovering(); };
   std::unique_ptr<HttpServer> http;
   if (!config.http_listen.empty()) {
     HttpOptions ho;
@@ -331,7 +330,7 @@ absl::Status Run(const CoordinatorConfig& config) {
     ho.port = http_port;
     ho.max_body_bytes = int64_t{config.http_max_body_mb} << 20;
     ho.model_id = ModelId(config.model_path, model);
-    ho.serving = [&scheduler] { return !scheduler.broken() && !scheduler.recovering(); };
+    ho.serving = serving;
     ho.metrics = [&scheduler, &metrics, &workers] {
       return metrics.Render(scheduler.Stats(), WorkerSamples(*workers->link()));
     };
@@ -340,7 +339,7 @@ absl::Status Run(const CoordinatorConfig& config) {
   }
   // Ready: the launcher (and load balancers) see SERVING only now, so a
   // server that cannot open its HTTP port is never announced as ready.
-  health->SetServingStatus(!scheduler.broken() && !scheduler.recovering());
+  health->SetServingStatus(serving());
 
   // Heartbeats: a dead or frozen worker pauses every request until the
   // launcher has restarted the workers (or, without --recover, ends them).

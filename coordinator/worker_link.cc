@@ -1,9 +1,8 @@
 #include "coordinator/worker_link.h"
 
 #include <algorithm>
-#include <limits>
-
 #include <chrono>
+#include <limits>
 #include <thread>
 
 #include "absl/container/flat_hash_map.h"
