@@ -121,6 +121,16 @@ Streamed Collect(const HttpResult& r, bool chat) {
   return s;
 }
 
+// Sends a POST /v1/completions on an open (kept-alive) connection.
+void WriteCompletion(tcp::socket& socket, const json& body) {
+  http::request<http::string_body> req(http::verb::post, "/v1/completions", 11);
+  req.set(http::field::host, "127.0.0.1");
+  req.set(http::field::content_type, "application/json");
+  req.body() = body.dump();
+  req.prepare_payload();
+  http::write(socket, req);
+}
+
 json Completion(const std::string& prompt, int max_tokens, bool stream) {
   return {{"model", "llama"}, {"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0}, {"stream", stream}};
 }
@@ -372,12 +382,7 @@ TEST(Http, AKeptAliveConnectionAnswersItsRequestsInTurn) {
   socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
   beast::flat_buffer buffer;
   for (size_t i = 0; i < requests.size(); ++i) {
-    http::request<http::string_body> req(http::verb::post, "/v1/completions", 11);
-    req.set(http::field::host, "127.0.0.1");
-    req.set(http::field::content_type, "application/json");
-    req.body() = requests[i].dump();
-    req.prepare_payload();
-    http::write(socket, req);
+    WriteCompletion(socket, requests[i]);
     // A hung answer fails the test instead of hanging it.
     std::future<http::response<http::string_body>> answer = std::async(std::launch::async, [&] {
       http::response<http::string_body> res;
@@ -493,12 +498,7 @@ TEST(Http, APipelinedRequestIsAnsweredAfterTheOneBeforeIt) {
   tcp::socket socket(ioc);
   socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
   for (size_t i = 0; i < requests.size(); ++i) {
-    http::request<http::string_body> req(http::verb::post, "/v1/completions", 11);
-    req.set(http::field::host, "127.0.0.1");
-    req.set(http::field::content_type, "application/json");
-    req.body() = requests[i].dump();
-    req.prepare_payload();
-    http::write(socket, req);
+    WriteCompletion(socket, requests[i]);
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the first is generating
   }
   std::future<std::vector<http::response<http::string_body>>> answers = std::async(std::launch::async, [&] {

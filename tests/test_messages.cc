@@ -357,27 +357,22 @@ TEST(AttnRequest, BadBatchDescriptorIsAnError) {
   const Payload payload(f.bytes);
   // Positions of slice 1 ([40, 41)) beyond a 40-position context.
   ExpectDataLoss(DecodeAttnRequest(f.Header(), payload.data(), f.shape, 40).status(), "exceed");
-  // The header's token count disagrees with the slices (bytes sized to match).
-  {
+  // The fixture's three slices in a frame whose header says `n_tokens`
+  // (bytes sized to match), decoded.
+  auto decode_with_tokens = [&](uint32_t n_tokens) {
     std::string bytes(reinterpret_cast<const char*>(f.slices.data()), 3 * sizeof(SeqSlice));
-    bytes.append(7 * (6 + 2 * 2) * 4 * sizeof(float), '\0');
+    bytes.append(n_tokens * (6 + 2 * 2) * 4 * sizeof(float), '\0');
     FrameHeader h = f.Header();
-    h.n_tokens = 7;
+    h.n_tokens = n_tokens;
     h.payload_bytes = bytes.size();
-    const Payload p7(bytes);
-    ExpectDataLoss(DecodeAttnRequest(h, p7.data(), f.shape, kMaxPositions).status(), "tokens");
-  }
+    const Payload p(bytes);
+    return DecodeAttnRequest(h, p.data(), f.shape, kMaxPositions).status();
+  };
+  // The header's token count disagrees with the slices.
+  ExpectDataLoss(decode_with_tokens(7), "tokens");
   // More sequences than tokens (a frame of many empty slices, which a
   // pairwise duplicate check would pay for quadratically): refused at once.
-  {
-    std::string bytes(reinterpret_cast<const char*>(f.slices.data()), 3 * sizeof(SeqSlice));
-    bytes.append(2 * (6 + 2 * 2) * 4 * sizeof(float), '\0');
-    FrameHeader h = f.Header();
-    h.n_tokens = 2;
-    h.payload_bytes = bytes.size();
-    const Payload p2(bytes);
-    ExpectDataLoss(DecodeAttnRequest(h, p2.data(), f.shape, kMaxPositions).status(), "3 sequences for 2 tokens");
-  }
+  ExpectDataLoss(decode_with_tokens(2), "3 sequences for 2 tokens");
   FrameHeader h = f.Header();
   h.kind = static_cast<uint16_t>(FrameKind::kAttnResult);
   ExpectDataLoss(DecodeAttnRequest(h, payload.data(), f.shape, kMaxPositions).status(), "kind");
