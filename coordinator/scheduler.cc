@@ -385,26 +385,44 @@ void Scheduler::Loop() {
       continue;
     }
     // Advance every sequence of the step, then deliver sampled tokens. A
-    // sequence that asked for a token and got none ends with an error (the
-    // workers' reply is checked, not trusted).
+    // sequence whose answer is missing or unusable ends with an error, and
+    // its KV serves no other request (the workers' reply is checked, not
+    // trusted); the other sequences go on.
     for (size_t i = 0; i < plan.seqs.size(); ++i) {
       Sequence* s = in_step[i];
       s->fed += static_cast<int>(plan.seqs[i].slice.n_tokens);
       s->in_kv = true;
+      if (!plan.seqs[i].sample) continue;
+      const absl::Status answer = CheckAnswer(*s, *result);
+      if (!answer.ok()) {
+        LogError("step %d: sequence %d ends: %s", step, s->id, answer.ToString());
+        Fail(s, answer);
+        Retire(s, /*publish=*/false);
+        continue;
+      }
       // A prefill is in: its full blocks can serve other requests now.
-      if (Cacheable(*s) && plan.seqs[i].sample && (plan.seqs[i].slice.n_tokens > 1 || s->generated.empty())) {
+      if (Cacheable(*s) && (plan.seqs[i].slice.n_tokens > 1 || s->generated.empty())) {
         Publish(s, s->fed / options_.kv_block_tokens);
       }
-      if (!plan.seqs[i].sample) continue;
-      const uint64_t id = plan.seqs[i].slice.seq_id;
-      const bool answered = std::any_of(result->begin(), result->end(),
-                                        [id](const shm::SampledSeq& r) { return r.seq_id == id; });
-      if (answered) continue;
-      Fail(in_step[i], absl::InternalError("the mlp-worker returned no token for this request"));
-      Retire(in_step[i], /*publish=*/false);
     }
     for (const shm::SampledSeq& r : *result) Deliver(r, now);
   }
+}
+
+absl::Status Scheduler::CheckAnswer(const Sequence& s, const std::vector<shm::SampledSeq>& result) const {
+  auto it = std::find_if(result.begin(), result.end(),
+                         [&s](const shm::SampledSeq& r) { return r.seq_id == s.id; });
+  if (it == result.end()) return absl::InternalError("the mlp-worker returned no token for this request");
+  if (it->status == shm::kLogitsNotFinite) {
+    return absl::InternalError(absl::StrCat(
+        "the model's logits at position ", s.fed - 1,
+        " are not finite (NaN or infinity): its weights or activations overflowed; nothing was sampled"));
+  }
+  if (it->token < 0 || it->token >= tokenizer_.vocab_size()) {
+    return absl::InternalError(absl::StrCat("the mlp-worker returned token ", it->token,
+                                            ", outside the vocabulary of ", tokenizer_.vocab_size()));
+  }
+  return absl::OkStatus();
 }
 
 void Scheduler::Retire(Sequence* s, bool publish) {

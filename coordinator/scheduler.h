@@ -177,6 +177,9 @@ class Scheduler {
   // back to the pool; the workers learn it at the next FlushKvOps. Locked.
   void Retire(Sequence* seq, bool publish);
   // Hands a sampled token to its sequence: text, stop conditions. Locked.
+  // Ok when the step's result holds a usable token for `seq`: present,
+  // sampled from finite logits, inside the vocabulary.
+  absl::Status CheckAnswer(const Sequence& seq, const std::vector<shm::SampledSeq>& result) const;
   void Deliver(const shm::SampledSeq& sampled, absl::Time now);
   void Fail(Sequence* seq, const absl::Status& status);
   // Publishes `seq`'s full blocks up to `blocks` to the prefix cache (those

@@ -62,7 +62,13 @@ void TopLogprobs(const float* logits, int n, int k, double lse, SampledToken* ou
 
 SampledToken Sample(const float* logits, int n, const SamplingParams& params, float u) {
   SampledToken out;
+  // NaN and +inf (inf - inf) make it NaN, and so do all -inf: checking it
+  // costs nothing, and the sorting below needs ordered keys.
   const double lse = LogSumExp(logits, n);
+  if (!std::isfinite(lse)) {
+    out.finite = false;
+    return out;
+  }
   if (params.top_logprobs > 0) TopLogprobs(logits, n, params.top_logprobs, lse, &out);
   if (params.temperature == 0) {
     int best = 0;

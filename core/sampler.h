@@ -33,6 +33,9 @@ struct TokenLogprob {
 };
 
 struct SampledToken {
+  // False when the logits had no distribution: a NaN or +inf among them, or
+  // all -inf (a model that overflowed). Nothing was sampled; token is 0.
+  bool finite = true;
   int32_t token = 0;
   float logprob = 0;  // of `token`, as in TokenLogprob
   // The params' top_logprobs most likely tokens, most likely first (ties: lower id).
@@ -41,7 +44,8 @@ struct SampledToken {
 };
 
 // Picks a token from logits [n]. `u` is uniform in [0, 1). Greedy ignores u;
-// ties go to the lowest id.
+// ties go to the lowest id. A -inf logit is a token of probability 0, never
+// picked; logits without a finite log-sum-exp give `finite` false.
 SampledToken Sample(const float* logits, int n, const SamplingParams& params, float u);
 
 // xoshiro256** seeded with splitmix64: a small, fast, reproducible generator.

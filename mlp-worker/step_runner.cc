@@ -224,6 +224,7 @@ absl::StatusOr<std::vector<shm::SampledSeq>> StepRunner::RunStep(uint64_t step,
     const SampledToken tok = Sample(logits_.data() + i * c_.vocab_size, c_.vocab_size, params, s.u);
     shm::SampledSeq& r = out.emplace_back();
     r.seq_id = s.slice.seq_id;
+    r.status = tok.finite ? shm::kSampled : shm::kLogitsNotFinite;
     r.token = tok.token;
     r.logprob = tok.logprob;
     r.n_top = static_cast<uint32_t>(tok.n_top);

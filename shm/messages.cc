@@ -135,6 +135,10 @@ absl::StatusOr<std::vector<SampledSeq>> DecodeStepResult(const FrameHeader& head
   std::vector<SampledSeq> out(header.n_seqs);
   CopyBytes(out.data(), payload, out.size() * sizeof(SampledSeq));
   for (const SampledSeq& s : out) {
+    if (s.status != kSampled && s.status != kLogitsNotFinite) {
+      return absl::DataLossError(
+          absl::StrCat("step result of sequence ", s.seq_id, " has unknown status ", s.status));
+    }
     if (s.n_top > kMaxTopLogprobs) {
       return absl::DataLossError(absl::StrCat("step result of sequence ", s.seq_id, " has ", s.n_top,
                                               " top logprobs (at most ", kMaxTopLogprobs, ")"));

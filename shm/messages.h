@@ -45,12 +45,16 @@ struct PlanSeq {
 };
 static_assert(sizeof(PlanSeq) == 40);
 
+// SampledSeq::status: the token was sampled, or the sequence's logits were
+// not finite (NaN or infinity: the model overflowed) and nothing was.
+enum SampleStatus : uint32_t { kSampled = 0, kLogitsNotFinite = 1 };
+
 struct SampledSeq {
   uint64_t seq_id = 0;
   int32_t token = 0;
   float logprob = 0;
   uint32_t n_top = 0;       // entries of `top` in use, <= kMaxTopLogprobs
-  uint32_t reserved = 0;
+  uint32_t status = kSampled;
   TokenLogprob top[kMaxTopLogprobs];
 };
 static_assert(sizeof(SampledSeq) == 24 + 8 * kMaxTopLogprobs);

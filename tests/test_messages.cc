@@ -201,6 +201,7 @@ TEST(StepResult, RoundTrips) {
   seqs[0].seq_id = 5, seqs[0].token = 17, seqs[0].logprob = -0.25f;
   seqs[1].seq_id = ~0ull, seqs[1].token = 0, seqs[1].logprob = -7.5f;
   seqs[2].seq_id = 9, seqs[2].token = 511, seqs[2].logprob = 0.0f;
+  seqs[2].status = kLogitsNotFinite;  // a sequence the model overflowed on
   seqs[1].n_top = kMaxTopLogprobs;  // alternatives travel with their token
   for (int j = 0; j < kMaxTopLogprobs; ++j) seqs[1].top[j] = {j * 3, -0.5f * j};
   FrameHeader header;
@@ -216,6 +217,7 @@ TEST(StepResult, RoundTrips) {
     EXPECT_EQ((*decoded)[i].seq_id, seqs[i].seq_id);
     EXPECT_EQ((*decoded)[i].token, seqs[i].token);
     EXPECT_EQ((*decoded)[i].logprob, seqs[i].logprob);
+    EXPECT_EQ((*decoded)[i].status, seqs[i].status);
     ASSERT_EQ((*decoded)[i].n_top, seqs[i].n_top);
     for (uint32_t j = 0; j < seqs[i].n_top; ++j) {
       EXPECT_EQ((*decoded)[i].top[j].token, seqs[i].top[j].token);
@@ -227,6 +229,11 @@ TEST(StepResult, RoundTrips) {
   bad[2].n_top = kMaxTopLogprobs + 1;
   const Payload bad_payload(std::string(reinterpret_cast<const char*>(bad.data()), bad.size() * sizeof(SampledSeq)));
   ExpectDataLoss(DecodeStepResult(header, bad_payload.data()).status(), "top logprobs");
+  // A status this coordinator does not know.
+  bad = seqs;
+  bad[0].status = 2;
+  const Payload bad_status(std::string(reinterpret_cast<const char*>(bad.data()), bad.size() * sizeof(SampledSeq)));
+  ExpectDataLoss(DecodeStepResult(header, bad_status.data()).status(), "unknown status 2");
   header.payload_bytes -= 1;
   ExpectDataLoss(DecodeStepResult(header, payload.data()).status(), "payload");
   header.payload_bytes += 1;

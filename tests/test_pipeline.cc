@@ -18,8 +18,12 @@
 // reference forward (core/reference_forward.cc) on the real stories260K
 // model for a few hundred positions; a failure in each stage (the
 // coordinator's plan, an attention shard, the KV operations, the executor)
-// is an error the caller sees, and the pipeline serves on afterwards.
+// is an error the caller sees, and the pipeline serves on afterwards; a
+// request the model overflows on (logits not finite) ends with an error and
+// leaves the requests beside it untouched.
+#include <algorithm>
 #include <atomic>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -360,6 +364,57 @@ TEST(Pipeline, AFailureInEachStageIsAnErrorAndThePipelineServesOn) {
   absl::Status error;
   Collect(**stream, &error);
   EXPECT_EQ(error.code(), absl::StatusCode::kUnavailable) << error;
+  scheduler.Stop();
+}
+
+// A model that overflows on one request: the embedding of one token is NaN,
+// so a prompt ending in it has logits that are not finite. The mlp-worker
+// samples nothing for it and says so; that request ends with an error naming
+// the position, and a request in the same steps gets the reference's tokens,
+// bit for bit (nothing of the NaN reaches it). Every block comes back.
+TEST(Pipeline, ARequestWhoseLogitsAreNotFiniteEndsWithAnErrorAndTheOthersAreUntouched) {
+  const Model m = LoadStories();
+  constexpr int64_t kBlocks = 64;
+  const std::vector<int32_t> clean = m.tokenizer->Encode("Once upon a time, there was a little girl", true);
+  const std::vector<int32_t> overflows = m.tokenizer->Encode("The dog barked at the cat", true);
+  const int32_t poison = overflows.back();
+  ASSERT_EQ(std::count(clean.begin(), clean.end(), poison), 0);
+  ModelWeights weights = m.Weights();
+  std::fill_n(weights.token_embd.begin() + static_cast<size_t>(poison) * m.config.dim, m.config.dim,
+              std::numeric_limits<float>::quiet_NaN());
+  Pipeline pipeline(m.config, std::move(weights), /*shards=*/2, kBlocks);
+  coord::Scheduler scheduler(SchedulerFor(m.config, kBlocks), *m.tokenizer, &pipeline);
+  std::vector<std::shared_ptr<coord::RequestStream>> streams;
+  for (const auto* prompt : {&overflows, &clean}) {
+    coord::GenerateOptions o;
+    o.prompt = *prompt;
+    o.max_tokens = 40;
+    o.sampling.temperature = 0;
+    auto stream = scheduler.Submit(o);
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    streams.push_back(*stream);
+  }
+  absl::Status error;
+  const Answer bad = Collect(*streams[0], &error);
+  EXPECT_EQ(error.code(), absl::StatusCode::kInternal) << error;
+  EXPECT_THAT(std::string(error.message()),
+              HasSubstr(absl::StrCat("logits at position ", overflows.size() - 1, " are not finite")));
+  EXPECT_TRUE(bad.tokens.empty());
+  const Answer got = Collect(*streams[1], &error);
+  ASSERT_TRUE(error.ok()) << error;
+  const Answer want = Reference(m, clean, static_cast<int>(got.tokens.size()));
+  ASSERT_GE(got.tokens.size(), 20u);
+  EXPECT_EQ(got.tokens, want.tokens);
+  EXPECT_EQ(got.logprobs, want.logprobs);
+  const auto deadline = absl::Now() + absl::Seconds(10);
+  coord::SchedulerStats stats = scheduler.Stats();
+  while ((stats.running > 0 || stats.kv_blocks_free + stats.kv_blocks_cached != kBlocks) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+    stats = scheduler.Stats();
+  }
+  EXPECT_EQ(stats.kv_blocks_free + stats.kv_blocks_cached, kBlocks);
+  const std::vector<int64_t> free = pipeline.BlocksFree();
+  EXPECT_EQ(free[0], free[1]);
   scheduler.Stop();
 }
 

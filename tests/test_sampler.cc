@@ -337,6 +337,49 @@ TEST(SamplerTopLogprobs, AreTheKBestWithTheirLogSoftmax) {
   }
 }
 
+// A model that overflowed: a NaN or +inf anywhere (or nothing but -inf) is no
+// distribution, and every sampling rule says so instead of picking. A -inf
+// among finite logits is a token of probability 0: never picked, the rest as
+// without it.
+TEST(SamplerNonFinite, NaNOrInfinityIsNoDistributionAndMinusInfinityIsNeverPicked) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<SamplingParams> rules = {{.temperature = 0},
+                                             {.temperature = 1.0f},
+                                             {.temperature = 0.7f, .top_k = 5},
+                                             {.temperature = 1.3f, .top_p = 0.5f, .top_logprobs = 3}};
+  std::mt19937 gen(77);
+  SequenceRng rng(5);
+  for (int trial = 0; trial < 60; ++trial) {
+    const int n = std::uniform_int_distribution<int>(2, 500)(gen);
+    const int at = std::uniform_int_distribution<int>(0, n - 1)(gen);
+    const SamplingParams& params = rules[trial % rules.size()];
+    for (float bad : {nan, inf}) {
+      std::vector<float> logits = RandomLogits(n, 3000 + trial);
+      logits[at] = bad;
+      const SampledToken t = Sample(logits.data(), n, params, rng.NextUniform());
+      EXPECT_FALSE(t.finite) << "logit " << bad << " at " << at << " of " << n;
+    }
+    std::vector<float> logits(n, -inf);
+    EXPECT_FALSE(Sample(logits.data(), n, params, rng.NextUniform()).finite);
+
+    logits = RandomLogits(n, 3000 + trial);
+    const std::vector<float> finite = logits;
+    logits[at] = -inf;
+    for (int draw = 0; draw < 20; ++draw) {
+      const float u = draw == 0 ? 0.99999994f : rng.NextUniform();
+      const SampledToken t = Sample(logits.data(), n, params, u);
+      ASSERT_TRUE(t.finite);
+      ASSERT_NE(t.token, at) << "a token of probability 0 was picked (u=" << u << ")";
+      // Its logprob is under the distribution without the -inf token, which
+      // weighs nothing.
+      std::vector<float> rest = finite;
+      rest.erase(rest.begin() + at);
+      EXPECT_NEAR(t.logprob, LogSoftmax(rest, t.token - (t.token > at ? 1 : 0)), 1e-4);
+    }
+  }
+}
+
 TEST(ValidateSamplingParams, AcceptsTheEdgesOfEachRange) {
   EXPECT_TRUE(ValidateSamplingParams({}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.temperature = 0}, 100).ok());

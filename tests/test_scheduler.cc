@@ -72,6 +72,10 @@ int32_t DefaultToken(uint64_t seq, uint32_t last_pos, int /*nth*/) {
   return kFirstPiece + static_cast<int32_t>((seq * 7 + last_pos) % (512 - kFirstPiece));
 }
 
+// A TokenFn's answer for "the logits were not finite": the fake sends no
+// token but that status, as the mlp-worker does for a model that overflowed.
+constexpr int32_t kNotFinite = -1;
+
 class FakeExecutor : public StepExecutor {
  public:
   // The token sampled for a sequence: its id, the position of its last token
@@ -99,8 +103,11 @@ class FakeExecutor : public StepExecutor {
       const uint64_t id = p.slice.seq_id;
       const int nth = sampled_[id]++;
       const uint32_t last = p.slice.start_pos + p.slice.n_tokens - 1;
-      out.push_back({id, token_fn_ ? token_fn_(id, last, nth) : DefaultToken(id, last, nth),
-                     -0.5f - 0.001f * nth});
+      shm::SampledSeq& r = out.emplace_back();
+      r.seq_id = id;
+      r.token = token_fn_ ? token_fn_(id, last, nth) : DefaultToken(id, last, nth);
+      r.logprob = -0.5f - 0.001f * nth;
+      if (r.token == kNotFinite) r.status = shm::kLogitsNotFinite, r.token = 0;
     }
     return out;
   }
@@ -1170,6 +1177,40 @@ TEST_F(PrefixCacheTest, EveryWayOfEndingLeavesTheCountsRight) {
   EXPECT_TRUE(AllReleased());
   exec_.ExpectConsistent(true);
   EXPECT_GE(scheduler_->Stats().prefix_hits, 4);
+}
+
+// An answer the coordinator cannot use (logits that were not finite, a token
+// outside the vocabulary) ends that request with an error naming why and
+// publishes none of its blocks: its KV may hold the overflow. The other
+// requests go on, and every block comes back.
+TEST_F(PrefixCacheTest, AnUnusableAnswerEndsOnlyItsRequestAndPublishesNothing) {
+  Start();
+  const std::vector<int32_t> overflowed = Prompt(360, 40), outside = Prompt(361, 41), fine = Prompt(362, 42);
+  exec_.SetTokenFn([](uint64_t seq, uint32_t last_pos, int nth) {
+    if (last_pos == 39) return kNotFinite;
+    if (last_pos == 40 && nth == 0) return Tok().vocab_size();
+    return DefaultToken(seq, last_pos, nth);
+  });
+  std::shared_ptr<RequestStream> a = Submit(overflowed, 5), b = Submit(outside, 5), c = Submit(fine, 5);
+  const Outcome oa = Collect(*a), ob = Collect(*b), oc = Collect(*c);
+  EXPECT_EQ(oa.error.code(), absl::StatusCode::kInternal) << oa.error;
+  EXPECT_THAT(std::string(oa.error.message()), HasSubstr("logits at position 39 are not finite"));
+  EXPECT_TRUE(oa.tokens.empty());
+  EXPECT_EQ(ob.error.code(), absl::StatusCode::kInternal) << ob.error;
+  EXPECT_THAT(std::string(ob.error.message()), HasSubstr("outside the vocabulary"));
+  EXPECT_TRUE(ob.tokens.empty());
+  ASSERT_TRUE(oc.error.ok()) << oc.error;
+  EXPECT_EQ(oc.tokens.size(), 5u);
+  EXPECT_TRUE(AllReleased());
+  exec_.ExpectConsistent(true);
+
+  // Asked again, the failed prompts find nothing cached; the good one its 2 blocks.
+  exec_.SetTokenFn(nullptr);
+  EXPECT_EQ(RunOne(overflowed, 2).first.finish.cached_tokens, 0);
+  EXPECT_EQ(RunOne(outside, 2).first.finish.cached_tokens, 0);
+  EXPECT_EQ(RunOne(fine, 2).first.finish.cached_tokens, 32);
+  EXPECT_TRUE(AllReleased());
+  exec_.ExpectConsistent(true);
 }
 
 TEST_F(PrefixCacheTest, EvictsLeastRecentlyUsedUnreferencedBlocksOnlyWhenRoomIsNeeded) {
