@@ -12,6 +12,7 @@ void ServeChannel(shm::Channel& channel, AttentionShard& shard, const ServeOptio
   const shm::AttnShape shape = geometry.shape();
   shm::WaitOptions wait;
   wait.peer_alive = [&options] { return !options.stop(); };
+  std::vector<shm::SeqSlice> slices;  // the frame's batch descriptor, as checked
   while (!options.stop()) {
     absl::StatusOr<shm::Ring::Frame> frame = channel.requests().BeginRead(wait);
     if (!frame.ok()) {
@@ -24,7 +25,7 @@ void ServeChannel(shm::Channel& channel, AttentionShard& shard, const ServeOptio
     absl::Status status;
     bool replied = false;  // a reply slot was taken and committed
     absl::StatusOr<shm::AttnRequestView> request =
-        shm::DecodeAttnRequest(header, frame->payload, shape, geometry.max_positions);
+        shm::DecodeAttnRequest(header, frame->payload, shape, geometry.max_positions, &slices);
     if (!request.ok()) {
       status = request.status();
     } else if (shape.ResultBytes(header.n_tokens) > channel.replies().max_payload_bytes()) {

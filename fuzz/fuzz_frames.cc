@@ -20,7 +20,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint8_t* p = payload.data();
   (void)ellm::shm::DecodeStepPlan(header, p, 2048, 512);
   (void)ellm::shm::DecodeStepResult(header, p);
-  (void)ellm::shm::DecodeAttnRequest(header, p, ellm::shm::AttnShape{4, 2, 8}, 2048);
+  std::vector<ellm::shm::SeqSlice> slices;
+  (void)ellm::shm::DecodeAttnRequest(header, p, ellm::shm::AttnShape{4, 2, 8}, 2048, &slices);
   (void)ellm::shm::DecodeError(header, p);
   return 0;
 }

@@ -158,12 +158,15 @@ uint64_t AttnShape::ResultBytes(uint32_t n_tokens) const {
 
 absl::StatusOr<AttnRequestView> DecodeAttnRequest(const FrameHeader& header,
                                                   const uint8_t* payload, const AttnShape& shape,
-                                                  uint32_t max_positions) {
+                                                  uint32_t max_positions,
+                                                  std::vector<SeqSlice>* slices) {
   RETURN_IF_ERROR(CheckKind(header, FrameKind::kAttnRequest, "attention request"));
   RETURN_IF_ERROR(CheckBytes(header, shape.RequestBytes(header.n_seqs, header.n_tokens),
                              "attention request"));
+  slices->resize(header.n_seqs);
+  CopyBytes(slices->data(), payload, slices->size() * sizeof(SeqSlice));
   AttnRequestView view;
-  view.slices = reinterpret_cast<const SeqSlice*>(payload);
+  view.slices = slices->data();
   RETURN_IF_ERROR(ValidateSlices(view.slices, header.n_seqs, header.n_tokens, max_positions));
   const float* f = reinterpret_cast<const float*>(payload + header.n_seqs * sizeof(SeqSlice));
   view.q = f;

@@ -89,16 +89,20 @@ struct AttnShape {
   uint64_t ResultBytes(uint32_t n_tokens) const;
 };
 
-// A decoded attention request: views into the payload.
+// A decoded attention request: q, k, v are views into the payload.
 struct AttnRequestView {
   const SeqSlice* slices = nullptr;
   const float* q = nullptr;  // [T][q_heads][head_dim]
   const float* k = nullptr;  // [T][kv_heads][head_dim]
   const float* v = nullptr;  // [T][kv_heads][head_dim]
 };
+// The batch descriptor is copied into *slices (the view's `slices` point
+// there) and checked there: the payload lies in memory the peer can still
+// write, and what indexes the KV cache must be what was checked.
 absl::StatusOr<AttnRequestView> DecodeAttnRequest(const FrameHeader& header,
                                                   const uint8_t* payload, const AttnShape& shape,
-                                                  uint32_t max_positions);
+                                                  uint32_t max_positions,
+                                                  std::vector<SeqSlice>* slices);
 
 // An error frame's status.
 absl::Status DecodeError(const FrameHeader& header, const uint8_t* payload);

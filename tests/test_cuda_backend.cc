@@ -797,13 +797,14 @@ class EchoAttention {
   void Serve() {
     shm::WaitOptions wait;
     wait.peer_alive = [this] { return !stop_.load(); };
+    std::vector<shm::SeqSlice> slices;
     while (!stop_) {
       absl::StatusOr<shm::Ring::Frame> frame = channel_->requests().BeginRead(wait);
       if (!frame.ok()) continue;
       ++requests_;  // before the reply, so the count is final once the reply is read
       const shm::FrameHeader h = frame->header;
       absl::StatusOr<shm::AttnRequestView> view =
-          shm::DecodeAttnRequest(h, frame->payload, shape_, 1 << 20);
+          shm::DecodeAttnRequest(h, frame->payload, shape_, 1 << 20, &slices);
       absl::StatusOr<uint8_t*> slot = channel_->replies().BeginWrite(wait);
       if (slot.ok()) {
         if (view.ok()) {

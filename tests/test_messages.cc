@@ -29,6 +29,7 @@ class Payload {
     std::memcpy(words_.data(), bytes.data(), bytes.size());
   }
   const uint8_t* data() const { return reinterpret_cast<const uint8_t*>(words_.data()); }
+  uint8_t* mutable_data() { return reinterpret_cast<uint8_t*>(words_.data()); }
 
  private:
   std::vector<uint64_t> words_;
@@ -303,6 +304,13 @@ struct AttnFixture {
   }
 };
 
+// DecodeAttnRequest's status alone.
+absl::Status AttnRequestStatus(const FrameHeader& header, const uint8_t* payload, const AttnShape& shape,
+                               uint32_t max_positions) {
+  std::vector<SeqSlice> slices;
+  return DecodeAttnRequest(header, payload, shape, max_positions, &slices).status();
+}
+
 TEST(AttnRequest, ShapeByteCounts) {
   const AttnShape shape{6, 2, 4};
   EXPECT_EQ(shape.RequestBytes(3, 6), 3 * 16 + 6 * (6 + 2 * 2) * 4 * 4u);
@@ -315,12 +323,13 @@ TEST(AttnRequest, ShapeByteCounts) {
 TEST(AttnRequest, DecodeGivesViewsAtTheRightOffsets) {
   AttnFixture f;
   ASSERT_EQ(f.bytes.size(), f.shape.RequestBytes(3, f.n_tokens));
-  const Payload payload(f.bytes);
+  Payload payload(f.bytes);
+  std::vector<SeqSlice> slices;
   absl::StatusOr<AttnRequestView> view =
-      DecodeAttnRequest(f.Header(), payload.data(), f.shape, kMaxPositions);
+      DecodeAttnRequest(f.Header(), payload.data(), f.shape, kMaxPositions, &slices);
   ASSERT_TRUE(view.ok()) << view.status();
   const uint8_t* base = payload.data();
-  EXPECT_EQ(reinterpret_cast<const uint8_t*>(view->slices), base);
+  EXPECT_EQ(view->slices, slices.data());
   EXPECT_EQ(reinterpret_cast<const uint8_t*>(view->q), base + 3 * sizeof(SeqSlice));
   EXPECT_EQ(view->k, view->q + 6 * 6 * 4);
   EXPECT_EQ(view->v, view->k + 6 * 2 * 4);
@@ -332,6 +341,14 @@ TEST(AttnRequest, DecodeGivesViewsAtTheRightOffsets) {
   EXPECT_EQ(view->k[0], 144.5f);  // after 6 tokens x 6 heads x 4
   EXPECT_EQ(view->v[0], 192.5f);  // after 6 x 2 x 4 more
   EXPECT_EQ(view->v[6 * 2 * 4 - 1], 239.5f);  // the last float of the payload
+  // The descriptor is the one checked: a peer that rewrites its slot
+  // afterwards (a sequence with positions far past the context) changes
+  // nothing the shard indexes by.
+  const SeqSlice rewritten{11, 1u << 30, 1u << 30};
+  std::memcpy(payload.mutable_data() + sizeof(SeqSlice), &rewritten, sizeof(rewritten));
+  EXPECT_EQ(view->slices[1].seq_id, 12u);
+  EXPECT_EQ(view->slices[1].start_pos, 40u);
+  EXPECT_EQ(view->slices[1].n_tokens, 1u);
 }
 
 TEST(AttnRequest, WrongPayloadSizeIsAnError) {
@@ -340,12 +357,12 @@ TEST(AttnRequest, WrongPayloadSizeIsAnError) {
   for (int64_t delta : {-4, 4, 16}) {
     FrameHeader h = f.Header();
     h.payload_bytes += delta;
-    ExpectDataLoss(DecodeAttnRequest(h, payload.data(), f.shape, kMaxPositions).status(),
+    ExpectDataLoss(AttnRequestStatus(h, payload.data(), f.shape, kMaxPositions),
                    "payload");
   }
   // A shard that expects another geometry sees the wrong size too.
   ExpectDataLoss(
-      DecodeAttnRequest(f.Header(), payload.data(), AttnShape{4, 2, 4}, kMaxPositions).status(),
+      AttnRequestStatus(f.Header(), payload.data(), AttnShape{4, 2, 4}, kMaxPositions),
       "payload");
 }
 
@@ -358,12 +375,12 @@ TEST(AttnRequest, BadBatchDescriptorIsAnError) {
     bytes.replace(2 * sizeof(SeqSlice), sizeof(SeqSlice),
                   std::string(reinterpret_cast<const char*>(&dup), sizeof(dup)));
     const Payload payload(bytes);
-    ExpectDataLoss(DecodeAttnRequest(f.Header(), payload.data(), f.shape, kMaxPositions).status(),
+    ExpectDataLoss(AttnRequestStatus(f.Header(), payload.data(), f.shape, kMaxPositions),
                    "twice");
   }
   const Payload payload(f.bytes);
   // Positions of slice 1 ([40, 41)) beyond a 40-position context.
-  ExpectDataLoss(DecodeAttnRequest(f.Header(), payload.data(), f.shape, 40).status(), "exceed");
+  ExpectDataLoss(AttnRequestStatus(f.Header(), payload.data(), f.shape, 40), "exceed");
   // The fixture's three slices in a frame whose header says `n_tokens`
   // (bytes sized to match), decoded.
   auto decode_with_tokens = [&](uint32_t n_tokens) {
@@ -373,7 +390,7 @@ TEST(AttnRequest, BadBatchDescriptorIsAnError) {
     h.n_tokens = n_tokens;
     h.payload_bytes = bytes.size();
     const Payload p(bytes);
-    return DecodeAttnRequest(h, p.data(), f.shape, kMaxPositions).status();
+    return AttnRequestStatus(h, p.data(), f.shape, kMaxPositions);
   };
   // The header's token count disagrees with the slices.
   ExpectDataLoss(decode_with_tokens(7), "tokens");
@@ -382,7 +399,7 @@ TEST(AttnRequest, BadBatchDescriptorIsAnError) {
   ExpectDataLoss(decode_with_tokens(2), "3 sequences for 2 tokens");
   FrameHeader h = f.Header();
   h.kind = static_cast<uint16_t>(FrameKind::kAttnResult);
-  ExpectDataLoss(DecodeAttnRequest(h, payload.data(), f.shape, kMaxPositions).status(), "kind");
+  ExpectDataLoss(AttnRequestStatus(h, payload.data(), f.shape, kMaxPositions), "kind");
 }
 
 TEST(ErrorFrames, WriteErrorReadsBackAsTheSameStatus) {
