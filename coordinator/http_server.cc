@@ -2,6 +2,7 @@
 
 #include <sys/socket.h>
 
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -36,6 +37,12 @@ constexpr auto kWriteTimeout = std::chrono::seconds(60);    // for one write to 
 // A stream's bytes queued for a client that does not read them: past this,
 // the client is treated as gone (its request is cancelled).
 constexpr size_t kMaxQueuedBytes = size_t{16} << 20;
+// After refusing a request it has not read to its end, the server reads and
+// drops what the client still sends, for this long and this much at most,
+// before it closes: closing on unread bytes resets the connection, and a
+// client still uploading would lose the answer.
+constexpr auto kLingerTime = std::chrono::seconds(5);
+constexpr size_t kLingerBytes = size_t{64} << 20;
 
 }  // namespace
 
@@ -82,6 +89,7 @@ class Session : public std::enable_shared_from_this<Session> {
     if (ec == http::error::end_of_stream || ec == net::error::eof) return Close();
     if (ec == http::error::body_limit) {
       keep_alive_ = false;
+      unread_input_ = true;
       return SendError(absl::ResourceExhaustedError(absl::StrCat(
                            "the body is over the limit of ", server_->options.max_body_bytes >> 20,
                            " MiB (--http-max-body-mb)")),
@@ -89,11 +97,13 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     if (ec == http::error::header_limit) {
       keep_alive_ = false;
+      unread_input_ = true;
       return SendError(absl::InvalidArgumentError("the request's header is too large"), 431);
     }
     if (ec.category() == http::make_error_code(http::error::bad_method).category() &&
         ec != http::error::partial_message) {
       keep_alive_ = false;  // the stream's framing is lost: answer, then close
+      unread_input_ = true;
       return SendError(absl::InvalidArgumentError(absl::StrCat("malformed HTTP request: ", ec.message())), 400);
     }
     if (ec) return Close();  // a timeout, a reset, a request cut short
@@ -325,6 +335,7 @@ class Session : public std::enable_shared_from_this<Session> {
     stream_.expires_after(kWriteTimeout);
     http::async_write(stream_, *res, [self = shared_from_this(), res](beast::error_code ec, size_t) {
       self->writing_ = false;
+      if (!ec && self->unread_input_) return self->Linger();
       if (ec || !res->keep_alive()) return self->Close();
       self->Reset();
       self->Read();
@@ -348,6 +359,24 @@ class Session : public std::enable_shared_from_this<Session> {
     outbox_bytes_ = 0;
     serializer_.reset();
     header_.reset();
+  }
+
+  // The answer is out: end the sending side, then read and drop what the
+  // client still sends until it closes (or kLingerTime, kLingerBytes).
+  void Linger() {
+    beast::error_code ec;
+    stream_.socket().shutdown(tcp::socket::shutdown_send, ec);
+    if (ec) return Close();
+    stream_.expires_after(kLingerTime);
+    DropInput(0);
+  }
+  void DropInput(size_t dropped) {
+    if (dropped > kLingerBytes) return Close();
+    stream_.async_read_some(net::buffer(linger_buffer_),
+                            [self = shared_from_this(), dropped](beast::error_code ec, size_t n) {
+                              if (ec) return self->Close();  // the client's end, the time limit, a reset
+                              self->DropInput(dropped + n);
+                            });
   }
 
   void Close() {
@@ -375,6 +404,8 @@ class Session : public std::enable_shared_from_this<Session> {
   size_t outbox_bytes_ = 0;
   bool chunked_ = false;  // the stream's body is chunked (HTTP/1.1)
   bool writing_ = false, closed_ = false, watching_ = false;
+  bool unread_input_ = false;  // refused before its request was read to the end: Linger, then close
+  std::array<char, 16384> linger_buffer_;
   std::shared_ptr<Session> pinned_;  // set while a generation runs with no wait on the socket
 };
 

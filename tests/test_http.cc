@@ -287,6 +287,30 @@ TEST(Http, ChatCompletionsWithTheModelsTemplate) {
   std::filesystem::remove_all(dir);
 }
 
+// What a client that sends its whole request before it reads (as most do)
+// gets for a POST of a `body_bytes` body to /v1/completions: the reply, read
+// to the connection's end, or "" when the server cut the upload short.
+std::string ReplyAfterSending(int port, size_t body_bytes) {
+  net::io_context ioc;
+  tcp::socket socket(ioc);
+  socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
+  const std::string header = absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\n",
+                                          "Content-Type: application/json\r\nContent-Length: ", body_bytes, "\r\n\r\n");
+  beast::error_code ec;
+  net::write(socket, net::buffer(header), ec);
+  const std::string body(body_bytes, ' ');
+  if (!ec) net::write(socket, net::buffer(body), ec);
+  if (ec) return "";
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    const size_t n = socket.read_some(net::buffer(buf), ec);
+    out.append(buf, n);
+    if (ec) break;
+  }
+  return out;
+}
+
 TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl", "--http-max-body-mb=1",
                      "--max-batch=1", "--max-queue=1", "--no-restart"});
@@ -331,6 +355,10 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   expect(Call(port, http::verb::get, "/v2/nothing"), 404, "no such endpoint");
   expect(Call(port, http::verb::get, "/v1/completions"), 405, "not allowed");
   expect(Call(port, http::verb::post, "/v1/completions", std::string(2 << 20, ' ')), 413, "limit");
+  // A client that sends its whole body before it reads gets the 413 too: the
+  // server reads the rest and drops it rather than reset the upload.
+  const std::string reply = ReplyAfterSending(port, 16 << 20);
+  EXPECT_TRUE(absl::StartsWith(reply, "HTTP/1.1 413")) << "reply: " << reply.substr(0, 200);
   // One request runs (--max-batch=1), one waits (--max-queue=1): a third is 429.
   auto running = std::async(std::launch::async, [&] {
     return Post(port, "/v1/completions", Completion("Once upon a time", 1500, false));
