@@ -83,7 +83,8 @@ Args Flags() {
   a.Flag("connect-timeout-s", "120", "how long to wait for the workers at start-up");
   a.Flag("recover", "true",
          "after a worker dies or freezes, wait for the launcher to restart the workers and resume "
-         "every request (false: end them all with UNAVAILABLE and stop serving)",
+         "every request; if they are not back within --recovery-timeout-s, exit with status 1 so "
+         "that the launcher restarts everything (false: end them all with UNAVAILABLE and stop serving)",
          true);
   a.Flag("recovery-timeout-s", "300", "how long to wait for restarted workers before giving up");
   a.Flag("min-step-timeout-s", "2",
@@ -308,7 +309,11 @@ absl::Status Run(const CoordinatorConfig& config) {
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   health->SetServingStatus(false);  // SERVING once the HTTP API listens too (below)
   scheduler.on_broken = [health](const absl::Status& status) {
-    LogError("not serving any more: %s", status.message());
+    if (status.code() == absl::StatusCode::kCancelled) {
+      LogInfo("stopping: %s", status.message());
+    } else {
+      LogError("not serving any more: %s", status.message());
+    }
     health->SetServingStatus(false);
   };
   scheduler.on_recovering = [health](bool recovering) {
@@ -343,8 +348,15 @@ absl::Status Run(const CoordinatorConfig& config) {
 
   // Heartbeats: a dead or frozen worker pauses every request until the
   // launcher has restarted the workers (or, without --recover, ends them).
+  absl::Status exit_status;
   while (!StopRequested()) {
     std::this_thread::sleep_for(absl::ToChronoMilliseconds(config.heartbeat));
+    if (scheduler.broken() && config.recover && !StopRequested()) {
+      // The workers did not come back (or the KV state is lost): a
+      // launcher that restarts processes starts everything again.
+      exit_status = absl::UnavailableError("not serving any more; exiting so that the launcher restarts ellm");
+      break;
+    }
     if (scheduler.broken() || scheduler.recovering()) continue;
     absl::Status st = workers->Heartbeat();
     if (!st.ok()) {
@@ -360,7 +372,7 @@ absl::Status Run(const CoordinatorConfig& config) {
   scheduler.Stop();
   http.reset();  // after the scheduler: no more events reach its sessions
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  return absl::OkStatus();
+  return exit_status;
 }
 
 }  // namespace

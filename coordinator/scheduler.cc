@@ -300,7 +300,7 @@ void Scheduler::Loop() {
         const absl::Status st = executor_->Recover();
         lock.lock();
         if (!st.ok()) {
-          LogError("recovery failed: %s", st.ToString());
+          if (st.code() != absl::StatusCode::kCancelled) LogError("recovery failed: %s", st.ToString());
           recovering_ = false;
           BreakLocked(st);
           continue;

@@ -123,7 +123,7 @@ absl::Status Workers::Recover() {
   const absl::Time deadline = absl::Now() + options_.recovery_timeout;
   absl::Status last = absl::UnavailableError("no worker answered");
   while (absl::Now() < deadline) {
-    if (options_.stop && options_.stop()) return absl::UnavailableError("the server is shutting down");
+    if (options_.stop && options_.stop()) return absl::CancelledError("the server is shutting down");
     absl::StatusOr<std::unique_ptr<WorkerLink>> link =
         WorkerLink::Connect(options_.mlp_channel, options_.addresses, absl::Seconds(2), options_.control_secret);
     if (link.ok()) {

@@ -346,7 +346,12 @@ absl::Status Launch::Start() {
         secret_flag, api_key_flag, "--tls-cert=" + c_.tls_cert, "--tls-key=" + c_.tls_key,
         "--control-listen=" + coordinator_address, absl::StrCat("--max-queue=", c_.max_queue),
         c_.http_port > 0 ? absl::StrCat("--http-listen=", c_.host, ":", c_.http_port) : "--http-listen=",
-        absl::StrCat("--http-max-body-mb=", c_.http_max_body_mb)};
+        absl::StrCat("--http-max-body-mb=", c_.http_max_body_mb),
+        // The coordinator waits for the workers as long as this launcher
+        // does: at start-up, and for a restarted set (one start and its
+        // longest backoff).
+        absl::StrCat("--connect-timeout-s=", c_.ready_timeout_s),
+        absl::StrCat("--recovery-timeout-s=", c_.ready_timeout_s + 10)};
     children_.push_back({"coordinator", Spawn(argv), coordinator_address, false, 0, argv});
   }
 
@@ -442,9 +447,11 @@ int Launch::Serve() {
   // replaced together when one of them dies, the coordinator resuming its
   // requests on the new set; a dead coordinator takes the workers with it
   // and all start again. A crash loop backs off (0.5, 1, 2 ... 8 s) and ends
-  // the launch after --max-restarts failures in a row; a failure counts
-  // towards it when the processes died starting or within kStable of being
-  // healthy (a killed worker that had been serving restarts at once).
+  // the launch after --max-restarts failures in a row. A failure counts
+  // towards it when a restart does not come up (a process dies starting or
+  // is not healthy within --ready-timeout), or when a set dies within
+  // kStable of being healthy; a killed worker that had been serving
+  // restarts at once.
   constexpr absl::Duration kStable = absl::Seconds(2);
   int streak = 0;
   absl::Time healthy_since = absl::Now();
@@ -452,13 +459,16 @@ int Launch::Serve() {
   while (!StopRequested()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     Reap();
+    // What died since the last pass (the coordinator named first: it takes
+    // everything down with it).
+    const Child* dead = nullptr;
+    bool coordinator = false;
     for (size_t i = 0; i < children_.size(); ++i) {
       Child& c = children_[i];
       if (!c.exited || c.handled) continue;
       c.handled = true;
-      const bool coordinator = i == workers;
       if (!c_.restart) {
-        if (coordinator) {
+        if (i == workers) {
           LogError("the coordinator (pid %d) %s; stopping ellm", c.pid, DescribeExit(c.status));
           return 1;
         }
@@ -466,30 +476,41 @@ int Launch::Serve() {
                  "start it again.", c.name, c.pid, DescribeExit(c.status));
         continue;
       }
-      streak = absl::Now() - healthy_since < kStable ? streak + 1 : 0;
+      if (dead == nullptr || i == workers) dead = &c;
+      coordinator = coordinator || i == workers;
+    }
+    if (dead == nullptr) continue;
+    std::string why = absl::StrCat(dead->name, " (pid ", dead->pid, ") ", DescribeExit(dead->status));
+    size_t end = coordinator ? children_.size() : workers;
+    streak = absl::Now() - healthy_since < kStable ? streak + 1 : 0;
+    // Until the set is healthy again: a restart that fails is one more
+    // failure in a row, and the next try waits longer.
+    for (;;) {
       if (streak >= c_.max_restarts) {
-        LogError("%s (pid %d) %s, failing %d times in a row; giving up (see the logs above for why it "
-                 "keeps failing)", c.name, c.pid, DescribeExit(c.status), streak);
+        LogError("%s, failing %d times in a row; giving up (see the logs above for why it keeps failing)",
+                 why, streak);
         return 1;
       }
       const absl::Duration backoff =
           streak == 0 ? absl::ZeroDuration() : std::min(absl::Seconds(8), absl::Milliseconds(500) * (1 << (streak - 1)));
-      const size_t first = 0, end = coordinator ? children_.size() : workers;
-      LogWarning("%s (pid %d) %s; restarting %s%s", c.name, c.pid, DescribeExit(c.status),
-                 coordinator ? "every process" : "the workers (the coordinator resumes its requests)",
+      LogWarning("%s; restarting %s%s", why,
+                 end == children_.size() ? "every process" : "the workers (the coordinator resumes its requests)",
                  backoff > absl::ZeroDuration() ? absl::StrCat(" in ", absl::FormatDuration(backoff)) : "");
-      KillChildren(first, end);
+      KillChildren(0, end);
       absl::SleepFor(backoff);
       if (StopRequested()) break;
       const absl::Time start = absl::Now();
-      const absl::Status st = Respawn(first, end);
+      const absl::Status st = Respawn(0, end);
       if (st.ok()) {
         healthy_since = absl::Now();
         LogInfo("restarted in %.1f s", absl::ToDoubleSeconds(healthy_since - start));
-      } else {
-        LogError("restart failed: %s", st.message());  // the next pass counts it and tries again
+        break;
       }
-      break;  // children_ changed: look again from the start
+      if (st.code() == absl::StatusCode::kCancelled) break;  // a stop signal
+      why = absl::StrCat("the restart failed: ", st.message());
+      ++streak;
+      Reap();
+      if (children_[workers].exited) end = children_.size();  // the coordinator went too
     }
   }
   LogInfo("stopping ellm");
@@ -589,7 +610,7 @@ int Main(int argc, char** argv) {
   args.Flag("tls-key", "", "PEM private key of --tls-cert");
   args.Flag("no-restart", "", "when a worker dies, stop serving instead of restarting the workers "
             "and resuming", true);
-  args.Flag("max-restarts", "5", "failures in a row (processes dying while starting or right after) "
+  args.Flag("max-restarts", "5", "failures in a row (a restart that does not come up, or processes dying right after one) "
             "before the launch gives up");
   args.Flag("ready-timeout", "180", "seconds to wait for every process to become healthy");
   if (std::optional<int> exit = args.ParseFlagsOnly(argc, argv)) return *exit;

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <string>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/integration_harness.h"
+#include "tests/tests_util.h"
 
 namespace ellm {
 namespace {
@@ -111,22 +113,23 @@ TEST(Faults, KilledOrFrozenWorkersAreReplacedAndStreamsResumeExactly) {
   ExpectCleanShutdown(system);
 }
 
+// Whether process `pid` (a child of this one) has exited: a zombie until it
+// is reaped, as its /proc entry says.
+bool Exited(pid_t pid) {
+  std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  std::getline(stat, line);
+  const size_t paren = line.rfind(')');
+  return paren == std::string::npos || line.substr(paren + 2, 1) == "Z";
+}
+
 // A worker that keeps dying (here: killed again as soon as it is back) ends
 // the launch with a clear message once the restarts run out.
 TEST(Faults, AWorkerThatKeepsDyingEndsTheLaunch) {
   EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl", "--max-restarts=2"});
   ASSERT_TRUE(system.ready()) << system.Log();
-  // The launcher has exited (a zombie until the harness reaps it) once its
-  // /proc entry says so.
-  auto launcher_gone = [&] {
-    std::ifstream stat(absl::StrCat("/proc/", system.pid(), "/stat"));
-    std::string line;
-    std::getline(stat, line);
-    const size_t paren = line.rfind(')');
-    return paren == std::string::npos || line.substr(paren + 2, 1) == "Z";
-  };
   const auto start = std::chrono::steady_clock::now();
-  while (!launcher_gone() && SecondsSince(start) < 60) {
+  while (!Exited(system.pid()) && SecondsSince(start) < 60) {
     const pid_t pid = system.FindChild("ellm-attn-worker");
     if (pid > 0) kill(pid, SIGKILL);
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
@@ -135,6 +138,67 @@ TEST(Faults, AWorkerThatKeepsDyingEndsTheLaunch) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << status;
   EXPECT_NE(system.Log().find("giving up"), std::string::npos) << system.Log();
   EXPECT_TRUE(LeftoverSegments(system.pid()).empty());
+}
+
+// A restart that cannot come up (here: the model file is gone, so every new
+// worker exits while loading) is a failure in a row too: the launcher backs
+// off, tries again, and gives up after --max-restarts instead of respawning
+// the workers forever.
+TEST(Faults, RestartsThatCannotComeUpEndTheLaunch) {
+  const std::string dir = MakeTempDir("faults-gone");
+  const std::string model = dir + "/stories260K.gguf";
+  std::filesystem::copy_file(kStories, model);
+  EllmSystem system({"--model=" + model, "--attn-workers=1", "--no-numactl", "--max-restarts=3"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  std::filesystem::remove(model);
+  kill(system.FindChild("ellm-attn-worker"), SIGKILL);
+  const auto start = std::chrono::steady_clock::now();
+  while (!Exited(system.pid()) && SecondsSince(start) < 60) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(Exited(system.pid())) << "the launcher still restarts after 60 s:\n" << system.Log();
+  const int status = system.WaitExit();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+  const std::string log = system.Log();
+  EXPECT_NE(log.find("the restart failed"), std::string::npos) << log;
+  EXPECT_NE(log.find("failing 3 times in a row; giving up"), std::string::npos) << log;
+  EXPECT_TRUE(LeftoverSegments(system.pid()).empty());
+  std::filesystem::remove_all(dir);
+}
+
+// Workers that do not come back within the coordinator's recovery timeout
+// (here: the model file is gone while the launcher keeps trying) make the
+// coordinator exit rather than stay up refusing every request; the launcher
+// then starts everything again, which serves once the model is back.
+TEST(Faults, WorkersThatStayAwayRestartEverything) {
+  const std::string dir = MakeTempDir("faults-away");
+  const std::string model = dir + "/stories260K.gguf";
+  std::filesystem::copy_file(kStories, model);
+  // --ready-timeout=5: the coordinator waits 15 s for restarted workers.
+  EllmSystem system({"--model=" + model, "--attn-workers=1", "--no-numactl", "--max-restarts=30",
+                     "--ready-timeout=5"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const Generated before = Generate(system.stub(), Greedy("Once upon a time", 30));
+  ASSERT_TRUE(before.status.ok()) << before.status.error_message();
+  std::filesystem::rename(model, model + ".away");
+  kill(system.FindChild("ellm-attn-worker"), SIGKILL);
+  const auto start = std::chrono::steady_clock::now();
+  while (system.Log().find("exiting so that the launcher restarts ellm") == std::string::npos &&
+         SecondsSince(start) < 60) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  ASSERT_NE(system.Log().find("exiting so that the launcher restarts ellm"), std::string::npos) << system.Log();
+  std::filesystem::rename(model + ".away", model);
+  while (system.Health() != grpc::health::v1::HealthCheckResponse::SERVING && SecondsSince(start) < 90) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  ASSERT_EQ(system.Health(), grpc::health::v1::HealthCheckResponse::SERVING) << system.Log();
+  const Generated after = Generate(system.stub(), Greedy("Once upon a time", 30));
+  ASSERT_TRUE(after.status.ok()) << after.status.error_message();
+  EXPECT_EQ(after.text, before.text);
+  EXPECT_NE(system.Log().find("restarting every process"), std::string::npos);
+  ExpectCleanShutdown(system);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
