@@ -315,6 +315,9 @@ absl::Status Run(const AttnWorkerConfig& config) {
   kv.block_tokens = config.block_tokens;
   kv.numa_node = config.numa_node;
   kv.dtype = config.kv_dtype;
+  if (absl::Status st = KvFormat::Make(kv.dtype, kv.head_dim).CheckBlockTokens(kv.block_tokens); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--block-tokens: ", st.message()));
+  }
   kv.blocks = config.kv_cache_bytes / static_cast<int64_t>(KvCache::BlockBytes(kv));
   if (kv.blocks <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("--kv-cache-mb is too small for one block of ",

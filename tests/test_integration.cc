@@ -488,6 +488,30 @@ TEST(Integration, LauncherRefusesBadModelsAndSplits) {
   fs::remove_all(dir);
 }
 
+// An attention worker started by hand with a block size its KV format cannot
+// hold (int8 and f16 store tiles of 16 positions) says so and exits; it died
+// of a division by zero (SIGFPE).
+TEST(Integration, AnAttentionWorkerRefusesABlockSizeItsFormatCannotHold) {
+  const std::string dir = testing::MakeTempDir("blocktokens");
+  std::ofstream(dir + "/secret") << "0123456789abcdef0123456789abcdef";
+  for (const char* dtype : {"int8", "f16"}) {
+    const std::string cmd = absl::StrCat(
+        ELLM_BINARY_DIR, "/ellm-attn-worker --model=", kStories, " --control-secret-file=", dir,
+        "/secret --channel=ellm-test-blocktokens-", getpid(), " --listen=unix:", dir, "/sock --kv-heads=0:",
+        1, " --kv-cache-mb=4 --block-tokens=8 --kv-dtype=", dtype, " 2>&1");
+    FILE* out = popen(cmd.c_str(), "r");
+    ASSERT_NE(out, nullptr);
+    std::string log;
+    char buf[512];
+    while (fgets(buf, sizeof(buf), out) != nullptr) log += buf;
+    const int status = pclose(out);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << dtype << " status " << status << "\n" << log;
+    EXPECT_NE(log.find("--block-tokens: block_tokens must be a positive multiple of 16"), std::string::npos)
+        << dtype << "\n" << log;
+  }
+  fs::remove_all(dir);
+}
+
 // A model whose config reads but whose weights do not (a tensor is missing)
 // fails the launch in about a second: the coordinator, still connecting to
 // the workers, stops at once on SIGTERM (it took 5.5 s).
