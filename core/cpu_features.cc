@@ -31,6 +31,8 @@ CpuFeatures Detect() {
   if (max_leaf < 7) return f;
   __cpuid_count(7, 0, eax, ebx, ecx, edx);
   f.avx2 = (ebx >> 5) & 1;
+  f.bmi1 = (ebx >> 3) & 1;
+  f.bmi2 = (ebx >> 8) & 1;
   if (os_avx512) {
     f.avx512f = (ebx >> 16) & 1;
     f.avx512dq = (ebx >> 17) & 1;

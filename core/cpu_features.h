@@ -12,13 +12,15 @@ namespace ellm {
 
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
+  bool bmi1 = false, bmi2 = false;  // the attention kernels' masks (SHLX and friends)
   bool avx_vnni = false;     // VEX VPDPBUSD on 256-bit vectors
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512_vnni = false;
   bool amx_tile = false, amx_int8 = false;  // CPUID only: the kernel's permission is asked separately
-  // The AVX2 kernels' baseline (AVX2 + FMA + F16C) and the AVX-512 one
-  // (F, BW, VL, DQ, VNNI): what the dispatchers test.
-  bool Avx2Set() const { return avx2 && fma && f16c; }
+  // The AVX2 kernels' baseline (AVX2 + FMA + F16C + BMI1/2, as every AVX2
+  // CPU has, but a VM may hide) and the AVX-512 one (F, BW, VL, DQ, VNNI):
+  // what the dispatchers test.
+  bool Avx2Set() const { return avx2 && fma && f16c && bmi1 && bmi2; }
   bool Avx512Set() const { return Avx2Set() && avx512f && avx512bw && avx512vl && avx512dq && avx512_vnni; }
 };
 
@@ -31,7 +33,7 @@ const CpuFeatures& Cpu();
 //   auto        not a set: the fastest this CPU runs, chosen by each dispatcher
 //   reference   plain C++: the oracle every kernel is tested against, and the
 //               fallback
-//   avx2        AVX2 + FMA + F16C
+//   avx2        AVX2 + FMA + F16C (+ BMI1, BMI2)
 //   avx2-vnni   avx2 and AVX-VNNI (VEX VPDPBUSD on 256-bit vectors)
 //   avx512      AVX-512 F/BW/VL/DQ + VNNI
 //   amx         avx512 and AMX-TILE/INT8 (attention only; Linux must also

@@ -207,7 +207,10 @@ TEST(MatMulDispatch, PicksASimdKernelOnThisCpu) {
   // What the kernel says the CPU has (/proc/cpuinfo), not what the
   // dispatcher itself reads.
   using ellm::testing::CpuinfoHas;
-  const bool avx2 = CpuinfoHas("avx2") && CpuinfoHas("fma") && CpuinfoHas("f16c");
+  const bool avx2 = CpuinfoHas("avx2") && CpuinfoHas("fma") && CpuinfoHas("f16c") && CpuinfoHas("bmi1") &&
+                    CpuinfoHas("bmi2");
+  EXPECT_EQ(Cpu().bmi1, CpuinfoHas("bmi1"));
+  EXPECT_EQ(Cpu().bmi2, CpuinfoHas("bmi2"));
   if (avx2 && CpuinfoHas("avx512_vnni") && CpuinfoHas("avx512bw") && CpuinfoHas("avx512vl") &&
       CpuinfoHas("avx512dq") && CpuinfoHas("avx512f")) {
     EXPECT_EQ(best, Isa::kAvx512);
