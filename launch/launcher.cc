@@ -2,12 +2,14 @@
 // the mlp-worker, the coordinator — waits until all are healthy, and stops
 // them all (removing every shared-memory segment) on Ctrl-C / SIGTERM.
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <cstdlib>
@@ -131,6 +133,61 @@ pid_t Spawn(const std::vector<std::string>& argv) {
   _exit(127);
 }
 
+// Runs argv (no shell: any path works) and returns its standard output
+// (stderr is dropped) and its wait status; a program still running after
+// `timeout` is killed, and the status says so (SIGKILL).
+struct RunResult {
+  int status = -1;
+  std::string output;
+};
+RunResult RunForOutput(const std::vector<std::string>& argv, absl::Duration timeout) {
+  RunResult r;
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return r;
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) {
+    close(fds[0]);
+    close(fds[1]);
+    return r;
+  }
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(1);
+    dup2(fds[1], 1);
+    const int null = open("/dev/null", O_WRONLY);
+    if (null >= 0) dup2(null, 2);
+    std::vector<char*> args;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  const absl::Time deadline = absl::Now() + timeout;
+  bool killed = false;
+  for (;;) {
+    const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+    if (ms <= 0) {
+      kill(pid, SIGKILL);
+      killed = true;
+      break;
+    }
+    pollfd p{fds[0], POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(std::min<int64_t>(ms, 1000))) < 0 && errno != EINTR) break;
+    if (p.revents == 0) continue;
+    char buf[512];
+    const ssize_t n = read(fds[0], buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    r.output.append(buf, static_cast<size_t>(n));
+  }
+  close(fds[0]);
+  waitpid(pid, &r.status, 0);
+  if (killed) r.output = absl::StrCat("no answer within ", absl::FormatDuration(timeout));
+  return r;
+}
+
 // What launchers that were killed (SIGKILL: no clean-up) left behind: run
 // folders /tmp/ellm-<pid>-<hex> and segments /dev/shm/ellm-<pid>-<hex>-*
 // whose launcher pid is gone. Their children died with them (PDEATHSIG).
@@ -222,18 +279,15 @@ absl::Status Launch::Start() {
   // The MLP backend: cuda when asked, or when auto finds a GPU; cpu otherwise.
   MlpBackendKind backend = c_.backend;
   if (backend != MlpBackendKind::kCpu) {
-    const std::string probe = c_.bin_dir + "/ellm-mlp-worker --probe-cuda 2>/dev/null";
-    std::string answer;
-    if (FILE* f = popen(probe.c_str(), "r")) {
-      char buf[512];
-      while (fgets(buf, sizeof(buf), f) != nullptr) answer += buf;
-      const int rc = pclose(f);
-      if (!answer.empty() && answer.back() == '\n') answer.pop_back();
-      if (backend == MlpBackendKind::kAuto) backend = rc == 0 ? MlpBackendKind::kCuda : MlpBackendKind::kCpu;
-      else if (rc != 0) return absl::UnavailableError(absl::StrCat("--backend cuda: ", answer));
-    } else if (backend == MlpBackendKind::kAuto) {
-      backend = MlpBackendKind::kCpu;
-    }
+    // A CUDA driver that hangs must not hang the launch: the probe gets a minute.
+    RunResult probe = RunForOutput({c_.bin_dir + "/ellm-mlp-worker", "--probe-cuda"}, absl::Seconds(60));
+    std::string answer = probe.output;
+    if (!answer.empty() && answer.back() == '\n') answer.pop_back();
+    const bool cuda = WIFEXITED(probe.status) && WEXITSTATUS(probe.status) == 0;
+    if (answer.empty()) answer = absl::StrCat("the probe (", c_.bin_dir, "/ellm-mlp-worker --probe-cuda) ",
+                                              probe.status < 0 ? "could not start" : DescribeExit(probe.status));
+    if (backend == MlpBackendKind::kAuto) backend = cuda ? MlpBackendKind::kCuda : MlpBackendKind::kCpu;
+    else if (!cuda) return absl::UnavailableError(absl::StrCat("--backend cuda: ", answer));
     LogInfo("MLP backend %s (%s)", MlpBackendName(backend), answer.empty() ? "no CUDA probe" : answer);
   }
   LogInfo("model %s: %s", c_.model_path, model.DebugString());
@@ -569,7 +623,8 @@ int Main(int argc, char** argv) {
       "SIGTERM stops every process and removes every shared-memory segment.\n\n"
       "Usage: ellm-launch [--model FILE.gguf] [flags]\n"
       "Model: --model, else $ELLM_MODEL, else ../shared/models/stories260K.gguf.\n"
-      "Binaries: --bin-dir, else $ELLM_BIN_DIR, else the folder of ellm-launch.");
+      "Binaries: --bin-dir, else $ELLM_BIN_DIR, else the folder of ellm-launch when\n"
+      "it holds them, else ./build.");
   args.Flag("model", "", "GGUF model file");
   args.Flag("host", "127.0.0.1", "address the public gRPC API listens on");
   args.Flag("port", "50051", "port of the public gRPC API");
@@ -583,7 +638,8 @@ int Main(int argc, char** argv) {
   args.Flag("max-step-tokens", "256", "most tokens in one step (prompt chunks + decodes)");
   args.Flag("max-queue", "64", "most requests waiting for admission (more: RESOURCE_EXHAUSTED / HTTP 429)");
   args.Flag("mlp-threads", "0", "threads of the CPU MLP backend (0: the cores of node 0)");
-  args.Flag("topology", "", "NUMA topology to use instead of the machine's, e.g. 0:0-7;1:8-15");
+  args.Flag("topology", "", "NUMA topology to use instead of the machine's, e.g. 0:0-7;1:8-15 (numactl "
+            "binds to these nodes: a layout this machine does not have needs --no-numactl)");
   args.Flag("kv-dtype", "int8", "KV cache element type: int8, f16 or f32 ($ELLM_KV_DTYPE sets the default)");
   args.Flag("backend", "auto", "MLP backend: auto (cuda when a GPU is visible, else cpu), cpu or cuda");
   args.Flag("cpu-weights", "native", "cpu backend: native (quantised kernels on the GGUF types) or f32 "
@@ -597,7 +653,8 @@ int Main(int argc, char** argv) {
             "amx (default: the fastest this CPU runs)");
   args.Flag("bin-dir", "", "folder holding ellm-attn-worker, ellm-mlp-worker, ellm-coordinator");
   args.Flag("log-level", "info", "debug, info, warning or error");
-  args.Flag("no-numactl", "", "do not wrap the attention workers in numactl", true);
+  args.Flag("no-numactl", "", "do not wrap the workers in numactl (it binds each attention worker's CPUs and "
+            "memory to its node, and the MLP worker's CPUs to its node)", true);
   args.Flag("no-prefix-cache", "", "do not share KV blocks of equal prompt prefixes across requests",
             true);
   args.Flag("kv-store", "", "folder for the KV store: cached prefixes written to disk and loaded back "

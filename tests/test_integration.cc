@@ -512,6 +512,27 @@ TEST(Integration, AnAttentionWorkerRefusesABlockSizeItsFormatCannotHold) {
   fs::remove_all(dir);
 }
 
+// Binaries in a folder whose name has a space: the workers start, and the
+// CUDA probe runs too (it went through a shell, which split the path: the
+// probe never ran and a GPU server silently got the CPU backend).
+TEST(Integration, TheLauncherRunsBinariesFromAFolderWithASpace) {
+  const std::string dir = testing::MakeTempDir("bin dir");
+  ASSERT_FALSE(dir.empty());
+  for (const char* b : {"ellm-attn-worker", "ellm-mlp-worker", "ellm-coordinator"}) {
+    fs::create_symlink(absl::StrCat(ELLM_BINARY_DIR, "/", b), dir + "/" + b);
+  }
+  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl", "--bin-dir=" + dir});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const std::string log = system.Log();
+  const size_t line = log.find("MLP backend ");
+  ASSERT_NE(line, std::string::npos) << log;
+  // The probe's own answer ("cuda: yes ..." or "cuda: no (why)").
+  const std::string said = log.substr(line, log.find('\n', line) - line);
+  EXPECT_NE(said.find("(cuda: "), std::string::npos) << said;
+  ExpectCleanShutdown(system);
+  fs::remove_all(dir);
+}
+
 // A model whose config reads but whose weights do not (a tensor is missing)
 // fails the launch in about a second: the coordinator, still connecting to
 // the workers, stops at once on SIGTERM (it took 5.5 s).
