@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -304,16 +306,34 @@ absl::Status Run(const AttnWorkerConfig& config) {
   geometry.head_dim = model.head_dim;
   geometry.max_positions = model.context_length;
 
-  if (config.numa_node >= 0 && numa_available() >= 0) {
-    numa_run_on_node(config.numa_node);
-    numa_set_preferred(config.numa_node);
+  // The node's memory for the KV cache and its CPUs for the threads: what
+  // cannot be bound is said, never assumed.
+  bool numa_bound = false;
+  if (config.numa_node >= 0) {
+    if (numa_available() < 0) {
+      LogWarning("--numa-node=%d: this system gives no NUMA support (libnuma: numa_available < 0); the KV cache "
+                 "and threads are not bound to a node", config.numa_node);
+    } else if (config.numa_node > numa_max_node() || !numa_bitmask_isbitset(numa_all_nodes_ptr, config.numa_node)) {
+      return absl::InvalidArgumentError(absl::StrCat("--numa-node=", config.numa_node,
+                                                     ": no such node, or not one this process may use"));
+    } else {
+      numa_bound = true;
+      if (numa_run_on_node(config.numa_node) != 0) {
+        LogWarning("cannot run on NUMA node %d (%s): the threads may run on other nodes", config.numa_node,
+                   strerror(errno));
+      }
+      numa_set_preferred(config.numa_node);
+    }
+    if (config.cpus.empty()) {
+      LogWarning("no CPU of NUMA node %d is known here: one attention thread, not pinned", config.numa_node);
+    }
   }
   KvCacheOptions kv;
   kv.layers = model.n_layers;
   kv.kv_heads = geometry.kv_heads();
   kv.head_dim = model.head_dim;
   kv.block_tokens = config.block_tokens;
-  kv.numa_node = config.numa_node;
+  kv.numa_node = numa_bound ? config.numa_node : -1;
   kv.dtype = config.kv_dtype;
   if (absl::Status st = KvFormat::Make(kv.dtype, kv.head_dim).CheckBlockTokens(kv.block_tokens); !st.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--block-tokens: ", st.message()));
@@ -327,7 +347,7 @@ absl::Status Run(const AttnWorkerConfig& config) {
   LogInfo("KV heads %s of %d layers: %d blocks of %d positions (%.1f MiB %s, %s)",
           config.heads.ToString(), model.n_layers, kv.blocks, kv.block_tokens,
           (KvCache::BlockBytes(kv) * kv.blocks) / 1048576.0, std::string(KvDTypeName(kv.dtype)),
-          config.numa_node >= 0 ? absl::StrCat("NUMA node ", config.numa_node) : "no NUMA binding");
+          numa_bound ? absl::StrCat("NUMA node ", config.numa_node) : "no NUMA binding");
 
   ThreadPool pool(config.threads, config.cpus);
   ASSIGN_OR_RETURN(const AttentionKernel* kernel, SelectKernel(config.kernel));
@@ -345,6 +365,20 @@ absl::Status Run(const AttnWorkerConfig& config) {
       sizeof(shm::FrameHeader) + std::max<uint64_t>(shape.ResultBytes(config.max_step_tokens), 4096);
   ASSIGN_OR_RETURN(auto channel, shm::Channel::Create(config.channel, 4, request_bytes, reply_bytes));
 
+  std::mutex cache_mu;
+  std::atomic<int64_t> steps{0}, busy_ns{0};
+  ASSIGN_OR_RETURN(CallSecret secret,
+                   CallSecret::FromFile(CallSecret::Kind::kControl, config.control_secret_file));
+  double probe_bytes_per_second = 0;
+  if (config.probe_mb > 0) {
+    ReadProbe probe(int64_t{config.probe_mb} << 20);
+    probe_bytes_per_second = probe.Measure(pool) * 1e9;
+    LogInfo("read bandwidth of this node (probe, %d threads): %.1f GB/s", pool.size(), probe_bytes_per_second / 1e9);
+  }
+  // This thread is pool thread 0, pinned to one core; the threads it starts
+  // now (the KV-store writer, gRPC's) inherit its affinity. They get the
+  // shard's CPUs instead, and this thread its core back once they run.
+  if (!config.cpus.empty()) SetCurrentThreadCpus(config.cpus);
   std::unique_ptr<KvStore> store;
   if (!config.kv_store.empty()) {
     KvStoreLayout layout;
@@ -363,16 +397,6 @@ absl::Status Run(const AttnWorkerConfig& config) {
     }
   }
 
-  std::mutex cache_mu;
-  std::atomic<int64_t> steps{0}, busy_ns{0};
-  ASSIGN_OR_RETURN(CallSecret secret,
-                   CallSecret::FromFile(CallSecret::Kind::kControl, config.control_secret_file));
-  double probe_bytes_per_second = 0;
-  if (config.probe_mb > 0) {
-    ReadProbe probe(int64_t{config.probe_mb} << 20);
-    probe_bytes_per_second = probe.Measure(pool) * 1e9;
-    LogInfo("read bandwidth of this node (probe, %d threads): %.1f GB/s", pool.size(), probe_bytes_per_second / 1e9);
-  }
   ControlService control(config, std::move(secret), cache.get(), &cache_mu, store.get(), &shard,
                          probe_bytes_per_second, &steps, &busy_ns);
   grpc::EnableDefaultHealthCheckService(true);
@@ -383,6 +407,7 @@ absl::Status Run(const AttnWorkerConfig& config) {
   if (server == nullptr) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));
   }
+  if (!config.cpus.empty()) PinCurrentThread(config.cpus[0]);
   server->GetHealthCheckService()->SetServingStatus(true);
   LogInfo("serving channel %s, control on %s", config.channel, config.listen);
 

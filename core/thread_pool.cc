@@ -4,7 +4,10 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <atomic>
 #include <chrono>
+
+#include "core/log.h"
 
 namespace ellm {
 namespace {
@@ -34,12 +37,31 @@ bool PinCurrentThread(int cpu) {
   return pthread_setaffinity_np(pthread_self(), sizeof(set), &set) == 0;
 }
 
+bool SetCurrentThreadCpus(const std::vector<int>& cpus) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int cpu : cpus) {
+    if (cpu >= 0 && cpu < CPU_SETSIZE) CPU_SET(cpu, &set);
+  }
+  return pthread_setaffinity_np(pthread_self(), sizeof(set), &set) == 0;
+}
+
+namespace {
+// Pins, and says once per pool when the kernel refuses (a CPU outside this
+// process's cpuset): the thread then runs wherever the scheduler puts it.
+void Pin(int cpu, std::atomic<bool>* warned) {
+  if (PinCurrentThread(cpu) || warned->exchange(true)) return;
+  LogWarning("cannot pin a thread to CPU %d (outside the CPUs this process may use?): its threads run unpinned",
+             cpu);
+}
+}  // namespace
+
 ThreadPool::ThreadPool(int threads, const std::vector<int>& cpus) {
   if (threads < 1) threads = 1;
-  if (!cpus.empty()) PinCurrentThread(cpus[0]);
+  if (!cpus.empty()) Pin(cpus[0], &pin_warned_);
   for (int i = 1; i < threads; ++i) {
     workers_.emplace_back([this, i, cpus] {
-      if (!cpus.empty()) PinCurrentThread(cpus[i % cpus.size()]);
+      if (!cpus.empty()) Pin(cpus[i % cpus.size()], &pin_warned_);
       WorkerLoop(i);
     });
   }

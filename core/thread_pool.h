@@ -45,6 +45,7 @@ class ThreadPool {
   std::atomic<uint64_t> generation_{0};  // written under mu_, read by spinners
   std::atomic<int> pending_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<bool> pin_warned_{false};
 };
 
 // Runs fn(i, thread) for i in [0, n) on `pool`. Each thread owns a
@@ -97,5 +98,9 @@ void ParallelItems(ThreadPool* pool, int64_t n, bool inline_only, const Fn& fn) 
 
 // Pins the calling thread to `cpu`; false when the kernel refuses.
 bool PinCurrentThread(int cpu);
+// Lets the calling thread run on any of `cpus`; false when the kernel
+// refuses. Threads it starts inherit this: a pinned thread that starts
+// service threads (gRPC, writers) widens itself first, then pins again.
+bool SetCurrentThreadCpus(const std::vector<int>& cpus);
 
 }  // namespace ellm

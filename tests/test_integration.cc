@@ -533,6 +533,42 @@ TEST(Integration, TheLauncherRunsBinariesFromAFolderWithASpace) {
   fs::remove_all(dir);
 }
 
+// An attention worker pins its pool threads one per CPU; the threads it
+// starts besides (gRPC's, the KV-store writer) may run on any of its CPUs.
+// They inherited the ring thread's single core, and competed with it.
+TEST(Integration, AnAttentionWorkersServiceThreadsAreNotPinnedToItsRingCore) {
+  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "needs 2 CPUs";
+  const std::string store = testing::MakeTempDir("affinity-store");
+  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl", "--kv-store=" + store});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const std::string log = system.Log();
+  const size_t at = log.find("attention kernel ");
+  ASSERT_NE(at, std::string::npos) << log;
+  const std::string line = log.substr(at, log.find('\n', at) - at);
+  const size_t threads_at = line.find(" threads on cpus ");
+  ASSERT_NE(threads_at, std::string::npos) << line;
+  const int pool = std::stoi(line.substr(line.rfind(' ', threads_at - 1) + 1));
+  const std::string cpus = line.substr(threads_at + 17);
+  const pid_t worker = system.FindChild("ellm-attn-worker");
+  int single = 0, wide = 0, tasks = 0;
+  for (const auto& task : fs::directory_iterator(absl::StrCat("/proc/", worker, "/task"))) {
+    std::ifstream status(task.path() / "status");
+    std::string l;
+    while (std::getline(status, l)) {
+      if (l.rfind("Cpus_allowed_list:", 0) != 0) continue;
+      const std::string list = l.substr(l.find_first_not_of(" \t", 18));
+      ++tasks;
+      if (list.find_first_of("-,") == std::string::npos) ++single;
+      if (list == cpus) ++wide;
+    }
+  }
+  EXPECT_EQ(single, pool) << tasks << " threads; the pool's " << pool << " on cpus " << cpus;
+  EXPECT_EQ(wide, tasks - pool) << line;
+  EXPECT_GE(wide, 2) << "gRPC's threads and the store writer";
+  ExpectCleanShutdown(system);
+  fs::remove_all(store);
+}
+
 // A model whose config reads but whose weights do not (a tensor is missing)
 // fails the launch in about a second: the coordinator, still connecting to
 // the workers, stops at once on SIGTERM (it took 5.5 s).
