@@ -741,6 +741,15 @@ TEST_F(CudaTest, RejectsBadInput) {
   EXPECT_EQ(none.status().code(), absl::StatusCode::kUnavailable) << none.status();
 }
 
+// Without a device too: the per-token kernels' grids hold 65535 tokens on
+// their y axis, so a larger step is refused when the backend is made (it
+// failed every such step with cudaErrorInvalidConfiguration).
+TEST(CudaBackendLimits, AStepOverTheGridsYExtentIsRefusedUpFront) {
+  auto too_many = CreateCudaBackend(RandomWeights(TinyConfig(false), 1, false), 65536, CudaBackendOptions());
+  EXPECT_EQ(too_many.status().code(), absl::StatusCode::kInvalidArgument) << too_many.status();
+  EXPECT_NE(too_many.status().message().find("65535"), absl::string_view::npos) << too_many.status();
+}
+
 TEST_F(CudaTest, RandomBackendRuns) {
   ModelConfig c = TinyConfig(true);
   c.n_layers = 2;

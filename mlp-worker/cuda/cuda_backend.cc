@@ -88,6 +88,11 @@ class CudaBackend final : public MlpBackend {
                                                              bool tied_output) {
     RETURN_IF_ERROR(c.Validate());
     if (max_step_tokens <= 0) return absl::InvalidArgumentError("max_step_tokens must be positive");
+    // The per-token kernels put the step's tokens on the grid's y axis.
+    if (max_step_tokens > 65535) {
+      return absl::InvalidArgumentError(absl::StrCat("--max-step-tokens ", max_step_tokens,
+                                                     " is over the CUDA backend's 65535 (its grids' y extent)"));
+    }
     ASSIGN_OR_RETURN(cudaDeviceProp prop, OpenDevice(options.device));
     std::unique_ptr<CudaBackend> b(new CudaBackend(c, max_step_tokens, options));
     b->device_name_ = prop.name;
