@@ -40,6 +40,7 @@
 #include <cstring>
 
 #include "attn-worker/attention_kernels.h"
+#include "core/amx.h"
 
 #define ELLM_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma,bmi,bmi2")))
@@ -547,14 +548,6 @@ ELLM_TARGET ELLM_INLINE void PartForHeads(int tiles, int g, const TileCtx* t, co
 // tile's codes as stored (u8, one 64-byte line per 4 dims = VNNI format).
 // Tiles: tmm0 C (G rows x 64 bytes), tmm1 / tmm2 A / B for 64 dims, tmm3 /
 // tmm4 A / B for the last hp % 64 dims.
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-static_assert(sizeof(AmxConfig) == 64);
 
 constexpr int kAmxMaxGroup = 16;  // rows of a tile
 // Scores are computed kAmxAhead tiles ahead of their use (a ring of kAmxRing
@@ -562,8 +555,8 @@ constexpr int kAmxMaxGroup = 16;  // rows of a tile
 // the tile store that writes them.
 constexpr int kAmxAhead = 2, kAmxRing = 4;
 
-AmxConfig MakeAmxConfig(int group, int hp) {
-  AmxConfig c;
+AmxTileConfig MakeAmxConfig(int group, int hp) {
+  AmxTileConfig c;
   c.rows[0] = c.rows[1] = static_cast<uint8_t>(group);
   c.colsb[0] = c.colsb[1] = 64;
   c.rows[2] = 16;
@@ -625,7 +618,7 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
   if constexpr (kAmx) {
     // Per thread, per call: the configuration and the tile code share this
     // function, the barrier keeps the configuration's stores before LDTILECFG.
-    const AmxConfig cfg = MakeAmxConfig(a.group, hp);
+    const AmxTileConfig cfg = MakeAmxConfig(a.group, hp);
     __asm__ volatile("" ::: "memory");
     __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
     amx_q = a.q->codes.data() + static_cast<size_t>(a.q_row0) * hp;

@@ -2,9 +2,6 @@
 
 #include "core/cpu_features.h"
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 
@@ -21,18 +18,6 @@ const AttentionKernel kAvx2Vnni{"avx2-vnni", 127, 255, internal::AttendF16Avx2,
 const AttentionKernel kAvx512{"avx512", 127, 255, internal::AttendF16Avx512,
                               internal::AttendInt8Avx512};
 const AttentionKernel kAmx{"amx", 127, 255, internal::AttendF16Avx512, internal::AttendInt8Amx};
-
-// AMX-TILE and AMX-INT8 (core/cpu_features.h), and Linux's permission to
-// use the tile data state, asked once per process (ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA): without it the first tile instruction faults.
-bool HasAmx() {
-  static const bool has = [] {
-    if (!CpuHas(Isa::kAmx)) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return has;
-}
 
 }  // namespace
 
@@ -126,7 +111,7 @@ absl::StatusOr<const AttentionKernel*> SelectKernel(Isa choice) {
       if (CpuHas(Isa::kAvx512)) return &kAvx512;
       return absl::UnavailableError("this CPU lacks AVX-512 F/BW/VL/DQ/VNNI");
     case Isa::kAmx:
-      if (HasAmx()) return &kAmx;
+      if (CpuHas(Isa::kAmx)) return &kAmx;
       return absl::UnavailableError(
           "this CPU lacks AVX-512 or AMX-TILE/INT8, or Linux refused the AMX tile state");
   }

@@ -3,6 +3,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include "bench/peak.h"
 
+#include "core/amx.h"
 #include "core/args.h"
 #include "core/cpu_features.h"
 #include "core/topology.h"
@@ -118,6 +119,36 @@ __attribute__((target("avx2,fma"))) int64_t RunAvx2Fma(int64_t iters) {
   return static_cast<int64_t>(_mm256_cvtss_f32(s));
 }
 
+// TDPBSUD on full tiles: four C tiles (tmm0-3) from two A (tmm4, 5) and two
+// B (tmm6, 7), eight products per iteration. The configuration load and the
+// tile code sit in one function (DESIGN.md "Build facts").
+alignas(64) int8_t g_tile_bytes[16 * 64];
+
+__attribute__((target("amx-tile,amx-int8"))) int64_t RunAmxInt8(int64_t iters) {
+  AmxTileConfig cfg;
+  for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+  const int64_t stride = 64;
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+  __asm__ volatile(
+      "tilezero %%tmm0\n\ttilezero %%tmm1\n\ttilezero %%tmm2\n\ttilezero %%tmm3\n\t"
+      "tileloadd (%0,%1,1), %%tmm4\n\ttileloadd (%0,%1,1), %%tmm5\n\t"
+      "tileloadd (%0,%1,1), %%tmm6\n\ttileloadd (%0,%1,1), %%tmm7"
+      :
+      : "r"(g_tile_bytes), "r"(stride)
+      : "memory");
+  for (int64_t n = 0; n < iters; ++n) {
+    __asm__ volatile(
+        "tdpbsud %%tmm6, %%tmm4, %%tmm0\n\ttdpbsud %%tmm7, %%tmm4, %%tmm1\n\t"
+        "tdpbsud %%tmm6, %%tmm5, %%tmm2\n\ttdpbsud %%tmm7, %%tmm5, %%tmm3\n\t"
+        "tdpbsud %%tmm6, %%tmm4, %%tmm0\n\ttdpbsud %%tmm7, %%tmm4, %%tmm1\n\t"
+        "tdpbsud %%tmm6, %%tmm5, %%tmm2\n\ttdpbsud %%tmm7, %%tmm5, %%tmm3" ::
+            : "memory");
+  }
+  alignas(64) int32_t out[16 * 16];
+  __asm__ volatile("tilestored %%tmm0, (%1,%2,1)\n\ttilerelease" : "=m"(out) : "r"(out), "r"(stride));
+  return out[0];
+}
+
 // VPDPBUSD zmm fed by broadcast 4-byte groups, as the int8 kernels feed it:
 // 10 independent chains, two register operands k0, k1, and per iteration
 // kMode: 0 no broadcast (a register), 1 a VPBROADCASTD from memory per two
@@ -176,6 +207,7 @@ std::string DotUnitName(DotUnit unit) {
     case DotUnit::kAvx2Madd16: return "vpmaddubsw-int16-ymm";
     case DotUnit::kAvx512Fma: return "vfmadd-zmm";
     case DotUnit::kAvx2Fma: return "vfmadd-ymm";
+    case DotUnit::kAmxInt8: return "tdpbsud-tile";
   }
   return "?";
 }
@@ -189,6 +221,7 @@ bool DotUnitSupported(DotUnit unit) {
     case DotUnit::kAvx2Madd16: return cpu.avx2;
     case DotUnit::kAvx512Fma: return cpu.avx512f;
     case DotUnit::kAvx2Fma: return cpu.avx2 && cpu.fma;
+    case DotUnit::kAmxInt8: return CpuHas(Isa::kAmx);
   }
   return false;
 }
@@ -204,6 +237,12 @@ double PeakGmacs(DotUnit unit, ThreadPool& pool) {
     case DotUnit::kAvx2Madd16: run = RunAvx2Madd<false>, macs_per_iter = 8 * 32; break;
     case DotUnit::kAvx512Fma: run = RunAvx512Fma, macs_per_iter = 8 * 16; break;
     case DotUnit::kAvx2Fma: run = RunAvx2Fma, macs_per_iter = 8 * 8; break;
+    case DotUnit::kAmxInt8: run = RunAmxInt8, macs_per_iter = 8 * 16 * 16 * 64; break;
+  }
+  if (unit == DotUnit::kAmxInt8) {
+    // 16 cycles or more per product: a tenth of the iterations takes long enough.
+    const auto tenth = [](int64_t iters) { return RunAmxInt8(iters / 10); };
+    return BestRate(tenth, macs_per_iter / 10, pool);
   }
   return BestRate(run, macs_per_iter, pool);
 }
@@ -236,7 +275,7 @@ int PeakMain(int argc, char** argv) {
   ThreadPool pool(threads);
   const std::string cpu = CpuModelName();
   for (DotUnit unit : {DotUnit::kAvx512Vnni, DotUnit::kAvxVnni, DotUnit::kAvx2Madd, DotUnit::kAvx2Madd16,
-                       DotUnit::kAvx512Fma, DotUnit::kAvx2Fma}) {
+                       DotUnit::kAvx512Fma, DotUnit::kAvx2Fma, DotUnit::kAmxInt8}) {
     if (!DotUnitSupported(unit)) continue;
     std::fprintf(stderr, "[peak] %s on %d threads...\n", DotUnitName(unit).c_str(), threads);
     std::printf("unit=%s threads=%d peak_gmacs=%.1f cpu=\"%s\"\n", DotUnitName(unit).c_str(), threads,
@@ -255,8 +294,9 @@ int PeakMain(int argc, char** argv) {
 DotUnit MatrixDotUnit(Isa isa, DType type) {
   const bool floats = type == DType::kF16 || type == DType::kBF16 || type == DType::kF32;
   switch (isa) {
-    case Isa::kAvx512:
-    case Isa::kAmx: return floats ? DotUnit::kAvx512Fma : DotUnit::kAvx512Vnni;
+    case Isa::kAvx512: return floats ? DotUnit::kAvx512Fma : DotUnit::kAvx512Vnni;
+    case Isa::kAmx:  // Q8_0 on the tile unit (at 16 tokens or more), the rest as avx512
+      return floats ? DotUnit::kAvx512Fma : type == DType::kQ8_0 ? DotUnit::kAmxInt8 : DotUnit::kAvx512Vnni;
     case Isa::kAvx2Vnni: return floats ? DotUnit::kAvx2Fma : DotUnit::kAvxVnni;
     default:
       if (floats) return DotUnit::kAvx2Fma;

@@ -21,6 +21,7 @@ enum class DotUnit {
   kAvx2Madd16,  // VPMADDUBSW + VPADDW ymm (int16 sums, widened now and then): 32 per two
   kAvx512Fma,   // VFMADD zmm f32: 16
   kAvx2Fma,     // VFMADD ymm f32: 8
+  kAmxInt8,     // TDPBSUD on full tiles (16 x 16 x 64): 16384
 };
 
 std::string DotUnitName(DotUnit unit);  // "vpdpbusd-zmm", ...

@@ -1,6 +1,8 @@
 #include "core/cpu_features.h"
 
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cstdint>
 
@@ -87,9 +89,19 @@ bool CpuHas(Isa isa) {
     case Isa::kAvx2: return f.Avx2Set();
     case Isa::kAvx2Vnni: return f.Avx2Set() && f.avx_vnni;
     case Isa::kAvx512: return f.Avx512Set();
-    case Isa::kAmx: return f.Avx512Set() && f.amx_tile && f.amx_int8;
+    case Isa::kAmx: return f.Avx512Set() && f.amx_tile && f.amx_int8 && AmxTileStateGranted();
   }
   return false;
+}
+
+bool AmxTileStateGranted() {
+  static const bool granted = [] {
+    const CpuFeatures& f = Cpu();
+    if (!f.amx_tile || !f.amx_int8) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
 }
 
 }  // namespace ellm

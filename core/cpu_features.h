@@ -16,7 +16,7 @@ struct CpuFeatures {
   bool avx_vnni = false;     // VEX VPDPBUSD on 256-bit vectors
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512_vnni = false;
-  bool amx_tile = false, amx_int8 = false;  // CPUID only: the kernel's permission is asked separately
+  bool amx_tile = false, amx_int8 = false;  // CPUID only (CpuHas(kAmx) also asks Linux)
   // The AVX2 kernels' baseline (AVX2 + FMA + F16C + BMI1/2, as every AVX2
   // CPU has, but a VM may hide) and the AVX-512 one (F, BW, VL, DQ, VNNI):
   // what the dispatchers test.
@@ -36,8 +36,10 @@ const CpuFeatures& Cpu();
 //   avx2        AVX2 + FMA + F16C (+ BMI1, BMI2)
 //   avx2-vnni   avx2 and AVX-VNNI (VEX VPDPBUSD on 256-bit vectors)
 //   avx512      AVX-512 F/BW/VL/DQ + VNNI
-//   amx         avx512 and AMX-TILE/INT8 (attention only; Linux must also
-//               grant the tile state, which the attention dispatcher asks)
+//   amx         avx512 and AMX-TILE/INT8, with Linux's permission for the tile
+//               data state (CpuHas asks it); the matrix kernels run Q8_0
+//               weights on the tile unit and every other type as avx512
+//               (only when asked for: mlp-worker/cpu/matmul.h)
 enum class Isa { kAuto, kReference, kAvx2, kAvx2Vnni, kAvx512, kAmx };
 inline constexpr Isa kAllIsas[] = {Isa::kReference, Isa::kAvx2, Isa::kAvx2Vnni, Isa::kAvx512,
                                    Isa::kAmx};
@@ -46,7 +48,12 @@ inline constexpr int kNumIsas = 6;  // with kAuto: the size of a table indexed b
 std::string_view IsaName(Isa isa);
 // An IsaName; InvalidArgument naming the choices for anything else.
 absl::StatusOr<Isa> ParseIsa(std::string_view name);
-// Whether this CPU has the instructions of `isa` (kAuto, kReference: true).
+// Whether this CPU has the instructions of `isa` (kAuto, kReference: true);
+// for kAmx, also whether this process may use them.
 bool CpuHas(Isa isa);
+// Whether Linux lets this process use the AMX tile data state: asked once per
+// process (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), false
+// without AMX-TILE/INT8. Without it the first tile instruction faults.
+bool AmxTileStateGranted();
 
 }  // namespace ellm

@@ -645,7 +645,7 @@ int Main(int argc, char** argv) {
   args.Flag("cpu-weights", "native", "cpu backend: native (quantised kernels on the GGUF types) or f32 "
             "(dequantised at load; bit-exact with the reference forward)");
   args.Flag("matmul-isa", "auto", "cpu backend: force the matrix kernels' instruction set: reference, avx2, "
-            "avx2-vnni or avx512 (default: the fastest this CPU runs)");
+            "avx2-vnni, avx512 or amx (default: the fastest this CPU runs)");
   args.Flag("q8-act-bits", "8", "cpu backend, plain avx2 matrix kernels: bits of the activation codes Q8_0 "
             "weights are multiplied with: 8, or 7 (prefill's matrix work about 20% faster, at about twice "
             "the activation rounding); the other kernel sets always take 8");
@@ -736,10 +736,6 @@ int Main(int argc, char** argv) {
   c.kv_dtype = *kv;
   c.matmul_isa = *matmul_isa;
   c.attn_kernel = *attn_kernel;
-  if (c.matmul_isa == Isa::kAmx) {
-    LogError("--matmul-isa: there are no amx matrix kernels (amx is an --attn-kernel)");
-    return 2;
-  }
   absl::Status st = args.GetInts({{"port", &c.port}, {"http-port", &c.http_port},
                      {"http-max-body-mb", &c.http_max_body_mb}, {"attn-workers", &c.attn_workers},
                      {"kv-cache-mb", &c.kv_cache_mb}, {"max-batch", &c.max_batch},

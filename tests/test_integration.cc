@@ -468,7 +468,6 @@ TEST(Integration, LauncherRefusesBadModelsAndSplits) {
       {{"--model=" + kStories, "--attn-workers=3"}, "cannot split"},
       // Flags read once, in the launcher, before anything starts.
       {{"--model=" + kStories, "--matmul-isa=avx2vnni"}, "--matmul-isa: unknown instruction set"},
-      {{"--model=" + kStories, "--matmul-isa=amx"}, "no amx matrix kernels"},
       {{"--model=" + kStories, "--q8-act-bits=6"}, "--q8-act-bits: expected 8 or 7, got 6"},
       {{"--model=" + kStories, "--attn-kernel=sse"}, "--attn-kernel: unknown instruction set"},
       {{"--model=" + kStories, "--kv-dtype=q4"}, "--kv-dtype: unknown KV dtype"},

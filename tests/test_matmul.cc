@@ -51,13 +51,13 @@ namespace {
 constexpr DType kTypes[] = {DType::kF32,  DType::kF16,  DType::kBF16, DType::kQ8_0,
                             DType::kQ4_0, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K};
 constexpr int kOuts[] = {1, 3, 17, 129, 300};
-constexpr int kTokens[] = {1, 2, 5, 16};
+constexpr int kTokens[] = {1, 2, 5, 16, 37};  // 16 and more: amx's tiles
 
 std::string Name(DType t) { return std::string(Traits(t).name); }
 
 std::vector<Isa> SupportedIsas() {
   std::vector<Isa> out;
-  for (Isa isa : {Isa::kReference, Isa::kAvx2, Isa::kAvx2Vnni, Isa::kAvx512}) {
+  for (Isa isa : {Isa::kReference, Isa::kAvx2, Isa::kAvx2Vnni, Isa::kAvx512, Isa::kAmx}) {
     if (MatIsaSupported(isa)) out.push_back(isa);
   }
   return out;
@@ -211,8 +211,12 @@ TEST(MatMulDispatch, PicksASimdKernelOnThisCpu) {
                     CpuinfoHas("bmi2");
   EXPECT_EQ(Cpu().bmi1, CpuinfoHas("bmi1"));
   EXPECT_EQ(Cpu().bmi2, CpuinfoHas("bmi2"));
-  if (avx2 && CpuinfoHas("avx512_vnni") && CpuinfoHas("avx512bw") && CpuinfoHas("avx512vl") &&
-      CpuinfoHas("avx512dq") && CpuinfoHas("avx512f")) {
+  const bool avx512 = avx2 && CpuinfoHas("avx512_vnni") && CpuinfoHas("avx512bw") &&
+                      CpuinfoHas("avx512vl") && CpuinfoHas("avx512dq") && CpuinfoHas("avx512f");
+  // AMX also needs Linux's permission (granted by every kernel that lists
+  // the flags, 5.16 and later).
+  EXPECT_EQ(MatIsaSupported(Isa::kAmx), avx512 && CpuinfoHas("amx_tile") && CpuinfoHas("amx_int8"));
+  if (avx512) {  // amx only when asked for (matmul.h)
     EXPECT_EQ(best, Isa::kAvx512);
   } else if (avx2 && CpuinfoHas("avx_vnni")) {
     EXPECT_EQ(best, Isa::kAvx2Vnni);
@@ -224,6 +228,7 @@ TEST(MatMulDispatch, PicksASimdKernelOnThisCpu) {
   EXPECT_EQ(MatIsaSupported(Isa::kAvx2Vnni), avx2 && CpuinfoHas("avx_vnni"));
   std::printf("avx2-vnni supported here: %s\n", MatIsaSupported(Isa::kAvx2Vnni) ? "yes" : "no");
   EXPECT_EQ(KernelName(DType::kQ4_K, Isa::kAvx512), "avx512/q4_K*q8x256");
+  EXPECT_EQ(KernelName(DType::kQ8_0, Isa::kAmx), "amx/q8_0*q8x32");
   EXPECT_EQ(KernelName(DType::kQ8_0, Isa::kAvx2Vnni), "avx2-vnni/q8_0*q8x32");
   EXPECT_EQ(KernelName(DType::kQ8_0, Isa::kAvx2), "avx2/q8_0*q8x32");
   EXPECT_EQ(KernelName(DType::kQ8_0, Isa::kAvx2, 7), "avx2/q8_0*q7x32");
@@ -232,7 +237,7 @@ TEST(MatMulDispatch, PicksASimdKernelOnThisCpu) {
 }
 
 TEST(MatMulDispatch, ParsesKernelSetNames) {
-  for (Isa isa : {Isa::kReference, Isa::kAvx2, Isa::kAvx2Vnni, Isa::kAvx512}) {
+  for (Isa isa : {Isa::kReference, Isa::kAvx2, Isa::kAvx2Vnni, Isa::kAvx512, Isa::kAmx}) {
     auto parsed = ParseMatIsa(IsaName(isa));
     ASSERT_TRUE(parsed.ok()) << parsed.status();
     EXPECT_EQ(*parsed, isa);
@@ -242,8 +247,7 @@ TEST(MatMulDispatch, ParsesKernelSetNames) {
   ASSERT_TRUE(best.ok());
   EXPECT_EQ(*best, BestMatIsa());
   EXPECT_FALSE(ParseMatIsa("avx2vnni").ok());
-  EXPECT_EQ(ParseMatIsa("amx").status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_FALSE(MatIsaSupported(Isa::kAmx));
+  EXPECT_EQ(MatIsaSupported(Isa::kAmx), CpuHas(Isa::kAmx));
   EXPECT_FALSE(MatIsaSupported(Isa::kAuto));
   EXPECT_FALSE(ParseMatIsa("").ok());
 }
@@ -569,6 +573,50 @@ TEST(MatMul, Avx2VnniEqualsAvx2BitForBit) {
     }
   }
   std::printf("%d (type, shape, T) cases identical\n", cases);
+}
+
+// amx computes Q8_0 steps of 16 tokens or more on the tile unit (TDPBSUD on
+// the stored u8 levels, 128 * code sum taken off after) and everything else as
+// avx512; the integer block sums are exact and the float steps are avx512's,
+// so the two sets agree bit for bit: at token counts that fill tiles, leave a
+// partial tile, and cross the kernel's passes of 128 tokens, with groups cut
+// across threads, at saturated activations and at the extreme weight codes.
+TEST(MatMul, AmxEqualsAvx512BitForBit) {
+  if (!MatIsaSupported(Isa::kAmx)) GTEST_SKIP() << "no AMX-INT8 on this CPU (or Linux refused the tile state)";
+  ThreadPool three(3);
+  int cases = 0;
+  for (int64_t cols : {32, 160, 1088}) {
+    for (int rows : {17, 129}) {
+      for (int extreme : {0, 1}) {
+        TestMatrix m = MakeMatrix(DType::kQ8_0, rows, cols, 41 * rows + cols);
+        if (extreme == 1) {  // codes -128 and 127 only: the stored u8 0 and 255
+          auto* blocks = reinterpret_cast<BlockQ8_0*>(m.raw.data());
+          for (int64_t i = 0; i < rows * (cols / 32); ++i) {
+            for (int e = 0; e < 32; ++e) blocks[i].qs[e] = (e * 3 + i) % 2 ? int8_t{-128} : int8_t{127};
+          }
+        }
+        const QuantMatrix q = Repack(m);
+        for (int T : {16, 17, 31, 48, 200, 261}) {
+          std::vector<float> x = RandomActivations(T, cols, 5 * T + cols);
+          if (extreme == 1) {  // every activation code +-127
+            for (size_t i = 0; i < x.size(); ++i) x[i] = (i * 7919) % 3 ? 1.0f : -1.0f;
+          }
+          Activations act;
+          act.Set(x.data(), T, cols);
+          std::vector<float> a(T * rows, NAN), b(T * rows, NAN), c(T * rows, NAN);
+          MatMul(q, act, a.data(), nullptr, Isa::kAvx512);
+          MatMul(q, act, b.data(), nullptr, Isa::kAmx);
+          MatMul(q, act, c.data(), &three, Isa::kAmx);
+          ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+              << "[" << rows << ", " << cols << "] T=" << T << " extreme=" << extreme;
+          ASSERT_EQ(std::memcmp(a.data(), c.data(), a.size() * sizeof(float)), 0)
+              << "3 threads [" << rows << ", " << cols << "] T=" << T << " extreme=" << extreme;
+          ++cases;
+        }
+      }
+    }
+  }
+  std::printf("%d (shape, T) cases identical\n", cases);
 }
 
 // --- The CPU backend's weight modes on random models ------------------------

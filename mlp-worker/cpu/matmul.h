@@ -44,6 +44,17 @@
 //   avx512       AVX-512 F/BW/VL/DQ + VNNI + F16C, 16 rows per vector; int8
 //                products with VPDPBUSD (weight codes u8 x activation codes s8
 //                with an embedded 4-byte broadcast).
+//   amx          avx512, except Q8_0 weights on steps of 16 tokens or more:
+//                their int8 products run on the AMX tile unit (TDPBSUD on
+//                tiles of 16 tokens x 16 rows x 32 columns, matmul_amx.cc).
+//                The same integer sums and float operations as avx512: the
+//                same results bit for bit. Not chosen by auto: each block of
+//                32 has its own scales, so every 16 x 16 x 32 product needs a
+//                tile store and 16 rows of vector conversion, and those bound
+//                it. Measured on the bench model's 5120 x 5120 Q8_0 at T = 256
+//                (Xeon family 6 model 207, 1 thread): 47 ms against avx512's 60;
+//                in ellm-bench prefill on 2 threads, 312-317 G multiply-adds/s
+//                against avx512's 326-335 (the tile unit's peak: 5.8 T).
 // Every kernel computes F32 matrices exactly as core/kernels.h MatVec does (8
 // lanes, no FMA, the same final sum), bit for bit: the fp32 path of the
 // pipeline stays identical to the reference forward.
@@ -65,7 +76,7 @@
 namespace ellm::mlp {
 
 // The matrix kernel sets are named by core/cpu_features.h's Isa: reference,
-// avx2, avx2-vnni and avx512 (there are no amx matrix kernels).
+// avx2, avx2-vnni, avx512 and amx.
 // The set named `name` (an IsaName, or "auto" for BestMatIsa()), to force one
 // from a flag or a test; InvalidArgument for any other name. Whether this CPU
 // runs it is MatIsaSupported's business.
@@ -73,7 +84,7 @@ absl::StatusOr<Isa> ParseMatIsa(std::string_view name);
 // Whether there are matrix kernels for `isa` and this CPU runs them.
 bool MatIsaSupported(Isa isa);
 // The fastest kernel set this CPU supports (decided once): avx512 >
-// avx2-vnni > avx2 > reference.
+// avx2-vnni > avx2 > reference (amx only when asked for).
 Isa BestMatIsa();
 
 enum class ActFormat { kF32, kQ8x32, kQ7x32, kQ8x256 };

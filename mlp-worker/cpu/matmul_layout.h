@@ -108,6 +108,7 @@ MatKernel Avx2Kernel(DType type);
 MatKernel Avx2Q8_0Act7Kernel();  // Q8_0 on kQ7x32 activations (matmul_avx2.cc)
 MatKernel Avx2VnniKernel(DType type);  // matmul_avx2_vnni.cc
 MatKernel Avx512VnniKernel(DType type);
+MatKernel AmxKernel(DType type);  // matmul_amx.cc: Q8_0 on the tile unit, the rest avx512's
 
 // QuantizeActivationRow on AVX2 (matmul_avx2.cc).
 void QuantizeActivationRowAvx2(const float* x, int64_t cols, int block, int max_code, int8_t* codes,
