@@ -124,7 +124,9 @@ __attribute__((target("avx2,fma"))) int64_t RunAvx2Fma(int64_t iters) {
 // tile code sit in one function (DESIGN.md "Build facts").
 alignas(64) int8_t g_tile_bytes[16 * 64];
 
-__attribute__((target("amx-tile,amx-int8"))) int64_t RunAmxInt8(int64_t iters) {
+// kBf16: TDPBF16PS instead (zero operands: no denormals, no overflow).
+template <bool kBf16>
+__attribute__((target("amx-tile,amx-int8,amx-bf16"))) int64_t RunAmx(int64_t iters) {
   AmxTileConfig cfg;
   for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
   const int64_t stride = 64;
@@ -137,6 +139,15 @@ __attribute__((target("amx-tile,amx-int8"))) int64_t RunAmxInt8(int64_t iters) {
       : "r"(g_tile_bytes), "r"(stride)
       : "memory");
   for (int64_t n = 0; n < iters; ++n) {
+    if constexpr (kBf16) {
+      __asm__ volatile(
+          "tdpbf16ps %%tmm6, %%tmm4, %%tmm0\n\ttdpbf16ps %%tmm7, %%tmm4, %%tmm1\n\t"
+          "tdpbf16ps %%tmm6, %%tmm5, %%tmm2\n\ttdpbf16ps %%tmm7, %%tmm5, %%tmm3\n\t"
+          "tdpbf16ps %%tmm6, %%tmm4, %%tmm0\n\ttdpbf16ps %%tmm7, %%tmm4, %%tmm1\n\t"
+          "tdpbf16ps %%tmm6, %%tmm5, %%tmm2\n\ttdpbf16ps %%tmm7, %%tmm5, %%tmm3" ::
+              : "memory");
+      continue;
+    }
     __asm__ volatile(
         "tdpbsud %%tmm6, %%tmm4, %%tmm0\n\ttdpbsud %%tmm7, %%tmm4, %%tmm1\n\t"
         "tdpbsud %%tmm6, %%tmm5, %%tmm2\n\ttdpbsud %%tmm7, %%tmm5, %%tmm3\n\t"
@@ -208,6 +219,7 @@ std::string DotUnitName(DotUnit unit) {
     case DotUnit::kAvx512Fma: return "vfmadd-zmm";
     case DotUnit::kAvx2Fma: return "vfmadd-ymm";
     case DotUnit::kAmxInt8: return "tdpbsud-tile";
+    case DotUnit::kAmxBf16: return "tdpbf16ps-tile";
   }
   return "?";
 }
@@ -221,7 +233,8 @@ bool DotUnitSupported(DotUnit unit) {
     case DotUnit::kAvx2Madd16: return cpu.avx2;
     case DotUnit::kAvx512Fma: return cpu.avx512f;
     case DotUnit::kAvx2Fma: return cpu.avx2 && cpu.fma;
-    case DotUnit::kAmxInt8: return CpuHas(Isa::kAmx);
+    case DotUnit::kAmxInt8:
+    case DotUnit::kAmxBf16: return CpuHas(Isa::kAmx);
   }
   return false;
 }
@@ -237,12 +250,14 @@ double PeakGmacs(DotUnit unit, ThreadPool& pool) {
     case DotUnit::kAvx2Madd16: run = RunAvx2Madd<false>, macs_per_iter = 8 * 32; break;
     case DotUnit::kAvx512Fma: run = RunAvx512Fma, macs_per_iter = 8 * 16; break;
     case DotUnit::kAvx2Fma: run = RunAvx2Fma, macs_per_iter = 8 * 8; break;
-    case DotUnit::kAmxInt8: run = RunAmxInt8, macs_per_iter = 8 * 16 * 16 * 64; break;
+    case DotUnit::kAmxInt8: run = RunAmx<false>, macs_per_iter = 8 * 16 * 16 * 64; break;
+    case DotUnit::kAmxBf16: run = RunAmx<true>, macs_per_iter = 8 * 16 * 16 * 32; break;
   }
-  if (unit == DotUnit::kAmxInt8) {
+  if (unit == DotUnit::kAmxInt8 || unit == DotUnit::kAmxBf16) {
     // 16 cycles or more per product: a tenth of the iterations takes long enough.
-    const auto tenth = [](int64_t iters) { return RunAmxInt8(iters / 10); };
-    return BestRate(tenth, macs_per_iter / 10, pool);
+    const auto tenth_int8 = [](int64_t iters) { return RunAmx<false>(iters / 10); };
+    const auto tenth_bf16 = [](int64_t iters) { return RunAmx<true>(iters / 10); };
+    return BestRate(unit == DotUnit::kAmxInt8 ? +tenth_int8 : +tenth_bf16, macs_per_iter / 10, pool);
   }
   return BestRate(run, macs_per_iter, pool);
 }
@@ -275,7 +290,7 @@ int PeakMain(int argc, char** argv) {
   ThreadPool pool(threads);
   const std::string cpu = CpuModelName();
   for (DotUnit unit : {DotUnit::kAvx512Vnni, DotUnit::kAvxVnni, DotUnit::kAvx2Madd, DotUnit::kAvx2Madd16,
-                       DotUnit::kAvx512Fma, DotUnit::kAvx2Fma, DotUnit::kAmxInt8}) {
+                       DotUnit::kAvx512Fma, DotUnit::kAvx2Fma, DotUnit::kAmxInt8, DotUnit::kAmxBf16}) {
     if (!DotUnitSupported(unit)) continue;
     std::fprintf(stderr, "[peak] %s on %d threads...\n", DotUnitName(unit).c_str(), threads);
     std::printf("unit=%s threads=%d peak_gmacs=%.1f cpu=\"%s\"\n", DotUnitName(unit).c_str(), threads,
@@ -295,8 +310,8 @@ DotUnit MatrixDotUnit(Isa isa, DType type) {
   const bool floats = type == DType::kF16 || type == DType::kBF16 || type == DType::kF32;
   switch (isa) {
     case Isa::kAvx512: return floats ? DotUnit::kAvx512Fma : DotUnit::kAvx512Vnni;
-    case Isa::kAmx:  // Q8_0 on the tile unit (at 16 tokens or more), the rest as avx512
-      return floats ? DotUnit::kAvx512Fma : type == DType::kQ8_0 ? DotUnit::kAmxInt8 : DotUnit::kAvx512Vnni;
+    case Isa::kAmx:  // Q8_0 on the tile unit in bf16 (at 16 tokens or more), the rest as avx512
+      return floats ? DotUnit::kAvx512Fma : type == DType::kQ8_0 ? DotUnit::kAmxBf16 : DotUnit::kAvx512Vnni;
     case Isa::kAvx2Vnni: return floats ? DotUnit::kAvx2Fma : DotUnit::kAvxVnni;
     default:
       if (floats) return DotUnit::kAvx2Fma;

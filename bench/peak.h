@@ -22,6 +22,7 @@ enum class DotUnit {
   kAvx512Fma,   // VFMADD zmm f32: 16
   kAvx2Fma,     // VFMADD ymm f32: 8
   kAmxInt8,     // TDPBSUD on full tiles (16 x 16 x 64): 16384
+  kAmxBf16,     // TDPBF16PS on full tiles (16 x 16 x 32): 8192
 };
 
 std::string DotUnitName(DotUnit unit);  // "vpdpbusd-zmm", ...

@@ -44,10 +44,12 @@ CpuFeatures Detect() {
   }
   f.amx_tile = (edx >> 24) & 1;
   f.amx_int8 = (edx >> 25) & 1;
+  f.amx_bf16 = (edx >> 22) & 1;
   const unsigned subleaves = eax;
   if (subleaves >= 1) {
     __cpuid_count(7, 1, eax, ebx, ecx, edx);
     f.avx_vnni = (eax >> 4) & 1;
+    f.avx512_bf16 = os_avx512 && ((eax >> 5) & 1);
   }
   return f;
 }
@@ -89,7 +91,9 @@ bool CpuHas(Isa isa) {
     case Isa::kAvx2: return f.Avx2Set();
     case Isa::kAvx2Vnni: return f.Avx2Set() && f.avx_vnni;
     case Isa::kAvx512: return f.Avx512Set();
-    case Isa::kAmx: return f.Avx512Set() && f.amx_tile && f.amx_int8 && AmxTileStateGranted();
+    case Isa::kAmx:
+      return f.Avx512Set() && f.avx512_bf16 && f.amx_tile && f.amx_int8 && f.amx_bf16 &&
+             AmxTileStateGranted();
   }
   return false;
 }

@@ -16,7 +16,8 @@ struct CpuFeatures {
   bool avx_vnni = false;     // VEX VPDPBUSD on 256-bit vectors
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512_vnni = false;
-  bool amx_tile = false, amx_int8 = false;  // CPUID only (CpuHas(kAmx) also asks Linux)
+  bool avx512_bf16 = false;  // VCVTNE2PS2BF16 and friends
+  bool amx_tile = false, amx_int8 = false, amx_bf16 = false;  // CPUID only (CpuHas(kAmx) also asks Linux)
   // The AVX2 kernels' baseline (AVX2 + FMA + F16C + BMI1/2, as every AVX2
   // CPU has, but a VM may hide) and the AVX-512 one (F, BW, VL, DQ, VNNI):
   // what the dispatchers test.
@@ -36,10 +37,9 @@ const CpuFeatures& Cpu();
 //   avx2        AVX2 + FMA + F16C (+ BMI1, BMI2)
 //   avx2-vnni   avx2 and AVX-VNNI (VEX VPDPBUSD on 256-bit vectors)
 //   avx512      AVX-512 F/BW/VL/DQ + VNNI
-//   amx         avx512 and AMX-TILE/INT8, with Linux's permission for the tile
-//               data state (CpuHas asks it); the matrix kernels run Q8_0
-//               weights on the tile unit and every other type as avx512
-//               (only when asked for: mlp-worker/cpu/matmul.h)
+//   amx         avx512, AVX512-BF16 and AMX-TILE/INT8/BF16 (Sapphire Rapids and
+//               later), with Linux's permission for the tile data state
+//               (CpuHas asks it)
 enum class Isa { kAuto, kReference, kAvx2, kAvx2Vnni, kAvx512, kAmx };
 inline constexpr Isa kAllIsas[] = {Isa::kReference, Isa::kAvx2, Isa::kAvx2Vnni, Isa::kAvx512,
                                    Isa::kAmx};

@@ -410,6 +410,33 @@ void Activations::Set(const float* x, int T, int64_t cols) {
   T_ = T;
   cols_ = cols;
   for (bool& h : have_) h = false;
+  have_bf16_ = false;
+}
+
+const uint16_t* Activations::bf16(ThreadPool* pool) {
+  ELLM_CHECK(CpuHas(Isa::kAmx), "Activations::bf16: needs a CPU that runs the amx set");
+  if (!have_bf16_) {
+    ELLM_CHECK(cols_ % 32 == 0, "Activations::bf16: cols must be a multiple of 32");
+    const int64_t nb = cols_ / 32, tiles = (T_ + 15) / 16;
+    bf16_.Resize(static_cast<size_t>(tiles) * nb * 1024);
+    auto* out = reinterpret_cast<uint16_t*>(bf16_.data());
+    // The rows past T in the last tile (the buffer may hold an earlier x).
+    for (int t = T_; t < tiles * 16; ++t) {
+      for (int64_t b = 0; b < nb; ++b) std::memset(out + ((t / 16) * nb + b) * 512 + (t % 16) * 32, 0, 64);
+    }
+    const auto rows = [&](int64_t begin, int64_t end, int) {
+      for (int64_t t = begin; t < end; ++t) {
+        internal::ToBf16TileRowAvx512(x_ + t * cols_, nb, out + (t / 16) * nb * 512 + (t % 16) * 32);
+      }
+    };
+    if (pool != nullptr && pool->size() > 1 && T_ >= 8) {
+      pool->ParallelFor(T_, rows);
+    } else {
+      rows(0, T_, 0);
+    }
+    have_bf16_ = true;
+  }
+  return reinterpret_cast<const uint16_t*>(bf16_.data());
 }
 
 namespace {
@@ -516,7 +543,7 @@ bool MatIsaSupported(Isa isa) {
 
 Isa BestMatIsa() {
   static const Isa best = [] {
-    // Not amx: on prefill it measured no faster than avx512 (matmul.h).
+    // Not amx: its prefill rounds differently from its decode (matmul.h).
     for (Isa isa : {Isa::kAvx512, Isa::kAvx2Vnni, Isa::kAvx2}) {
       if (CpuHas(isa)) return isa;
     }
@@ -536,6 +563,7 @@ std::string KernelName(DType type, Isa isa, int q8_act_bits) {
   if (mt == nullptr) return "none";
   const std::string_view tname = Traits(type).name;
   if (type == DType::kF32) return absl::StrCat(ToAbsl(IsaName(isa)), "/f32-exact");
+  if (type == DType::kQ8_0 && isa == Isa::kAmx) return "amx/q8_0*bf16";  // 16 tokens or more
   return absl::StrCat(ToAbsl(IsaName(isa)), "/", ToAbsl(tname), "*",
                       ToAbsl(ActFormatName(ActFormatFor(type, isa, q8_act_bits))));
 }
@@ -556,7 +584,11 @@ void MatMul(const QuantMatrix& w, Activations& x, float* y, ThreadPool* pool, Is
   args.T = x.tokens();
   args.y = y;
   args.ldy = w.rows();
-  if (act != ActFormat::kF32) args.q8 = &x.q8(act, pool);
+  if (isa == Isa::kAmx && w.type() == DType::kQ8_0 && args.T >= internal::kAmxMinTokens) {
+    args.bf16 = x.bf16(pool);  // the tile kernel; fewer tokens run avx512's on int8 codes
+  } else if (act != ActFormat::kF32) {
+    args.q8 = &x.q8(act, pool);
+  }
   const int64_t groups = w.groups();
   // Waking the workers costs some microseconds: small products stay on the
   // calling thread.

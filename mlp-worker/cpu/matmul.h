@@ -44,17 +44,16 @@
 //   avx512       AVX-512 F/BW/VL/DQ + VNNI + F16C, 16 rows per vector; int8
 //                products with VPDPBUSD (weight codes u8 x activation codes s8
 //                with an embedded 4-byte broadcast).
-//   amx          avx512, except Q8_0 weights on steps of 16 tokens or more:
-//                their int8 products run on the AMX tile unit (TDPBSUD on
-//                tiles of 16 tokens x 16 rows x 32 columns, matmul_amx.cc).
-//                The same integer sums and float operations as avx512: the
-//                same results bit for bit. Not chosen by auto: each block of
-//                32 has its own scales, so every 16 x 16 x 32 product needs a
-//                tile store and 16 rows of vector conversion, and those bound
-//                it. Measured on the bench model's 5120 x 5120 Q8_0 at T = 256
-//                (Xeon family 6 model 207, 1 thread): 47 ms against avx512's 60;
-//                in ellm-bench prefill on 2 threads, 312-317 G multiply-adds/s
-//                against avx512's 326-335 (the tile unit's peak: 5.8 T).
+//   amx          avx512, except Q8_0 weights on steps of 16 tokens or more
+//                (prefill): those run on the AMX tile unit in bfloat16 with
+//                fp32 sums (TDPBF16PS; activations and d * code rounded to
+//                bf16, matmul_amx.cc), about 1.4-1.9 times avx512's speed on
+//                the bench model's matrices and closer to fp32 (logits' rms
+//                error 0.8% against avx512's 1.3%). Not chosen by auto: a
+//                token's result then depends on whether its step had 16
+//                tokens or more, i.e. on how the scheduler cut the prompt and
+//                what else ran, where every other set gives the same bits
+//                whatever the batch.
 // Every kernel computes F32 matrices exactly as core/kernels.h MatVec does (8
 // lanes, no FMA, the same final sum), bit for bit: the fp32 path of the
 // pipeline stays identical to the reference forward.
@@ -84,7 +83,7 @@ absl::StatusOr<Isa> ParseMatIsa(std::string_view name);
 // Whether there are matrix kernels for `isa` and this CPU runs them.
 bool MatIsaSupported(Isa isa);
 // The fastest kernel set this CPU supports (decided once): avx512 >
-// avx2-vnni > avx2 > reference (amx only when asked for).
+// avx2-vnni > avx2 > reference (amx only when asked for: see above).
 Isa BestMatIsa();
 
 enum class ActFormat { kF32, kQ8x32, kQ7x32, kQ8x256 };
@@ -176,6 +175,12 @@ class Activations {
   };
   // The int8 form `f` (not kF32).
   const Q8& q8(ActFormat f, ThreadPool* pool = nullptr);
+  // x rounded to bfloat16 (nearest even) in the amx set's tile order: per
+  // tile of 16 tokens and block of 32 columns, 16 rows of 32 (1 KiB; rows
+  // past T are zero), tiles [T / 16 rounded up][cols / 32]. What the amx
+  // set's Q8_0 products read (cols % 32 == 0). Converted once per Set; needs
+  // a CPU that runs the amx set.
+  const uint16_t* bf16(ThreadPool* pool = nullptr);
 
  private:
   const float* x_ = nullptr;
@@ -185,6 +190,8 @@ class Activations {
   static constexpr int kForms = static_cast<int>(ActFormat::kQ8x256) + 1;
   bool have_[kForms] = {};
   Q8 forms_[kForms];
+  bool have_bf16_ = false;
+  AlignedBytes bf16_;
 };
 
 // Quantises one token's row x[cols] to the int8 form (the one rule every

@@ -1,25 +1,38 @@
-// AMX matrix kernels (AMX-TILE + AMX-INT8, with the AVX-512 set for the
-// float side). The "amx" kernel set is avx512 except for Q8_0 weights on
-// steps of at least kTileTokens tokens (prefill), whose integer dot products
-// run on the tile unit:
+// AMX matrix kernels (AMX-TILE + AMX-BF16, with AVX-512 and AVX512-BF16 for
+// the conversions). The "amx" kernel set is avx512 except for Q8_0 weights on
+// steps of at least kAmxMinTokens tokens (prefill), which run on the tile
+// unit in bfloat16 with fp32 sums:
 //
-//   per group of 16 rows, tile of up to 16 tokens and block b of 32 columns,
-//   C[t][r] = sum_k a[t][k] * w[k][r] with TDPBSUD: A = the tokens' int8
-//   activation codes of the block (one 32-byte row per token, straight from
-//   Activations::Q8), B = the group's block as stored (matmul_layout.h: 8
-//   lines of [16 r][4 j] u8 = code + 128, which is TDPBSUD's B layout).
-//   Then s = C - 128 * sum(codes) is the exact integer dot, and
-//   y += float(s) * d_act * d_w in the same operations and order as avx512's
-//   Q8_0 tile: the two sets give the same results bit for bit.
+//   y[t][r] = sum_k bf16(x[t][k]) * bf16(d_w * code[r][k])
 //
-// Each block needs its own C (the scales change per block), so each 16 x 16
-// x 32 product is followed by a tile store and 16 rows of vector conversion
-// (add, convert, multiply, FMA). The tile unit multiplies block j + 1 while
-// block j is stored, and the vector units convert block j - kAhead. Measured
-// (Xeon family 6 model 207, 5120 x 5120, T = 256, 1 thread): the tile side
-// alone 15-18 ms, the conversion alone 14 ms, both 31-47 ms against avx512's
-// 33-60 ms as the VM's speed moved; on 2 threads in ellm-bench prefill no
-// faster than avx512, so auto does not choose this set (matmul.h).
+// with TDPBF16PS on tiles of 16 tokens x 16 rows x 32 columns: A = the
+// tokens' bf16 activations (Activations::bf16, one 64-byte row per token and
+// block), B = the group's block dequantised once into the VNNI pair layout
+// (row k2 = [16 r][2 j]: elements 2 k2 + j), C = the fp32 sums, carried in
+// the tile across all blocks of a chunk of kChunkBlocks and in y between
+// chunks. d_w * code is exact in fp32 (8 x 11 bits); both operands are then
+// rounded to bfloat16 (8 bits of mantissa, nearest even), and the products
+// (exact in fp32) are summed in fp32 by the tile unit. So the results differ
+// from avx512's (int8 activation codes per block of 32) by rounding, and the
+// same token gives a slightly different y in a step of 16 tokens or more than
+// in a smaller one; within either kind, a token's y depends neither on the
+// other tokens nor on the thread count.
+//
+// Why bf16 and not int8 (TDPBSUD): Q8_0 scales every block of 32 by its own
+// activation and weight scales, so int8 sums cannot run across blocks; each
+// 16 x 16 x 32 product then needed a tile store and 16 rows of vector
+// conversion, and on a Xeon (family 6 model 207) that ran no faster than
+// avx512's VPDPBUSD (ellm-bench prefill on 2 threads: 312-317 against 326-335
+// G multiply-adds/s). In bf16 the scales are folded into the operands and the
+// sums stay in the tile.
+//
+// Order of work per kernel call (a range of groups): chunks of kChunkBlocks
+// blocks (1024 columns) outside, so the chunk's activations (T x 2 KiB) stay
+// in L2 while every group of the range uses them; per group the chunk's
+// weights, dequantised into 32 KiB, serve every token tile, while the vector
+// units dequantise the next group's a line per block step (two buffers).
+// Measured on 5120 x 5120 at T = 256, 1 thread, Xeon family 6 model 207:
+// 0.52-0.55 of avx512's time; chunks of 16 or 8 blocks, 0.55-0.70.
 //
 // The tile instructions are inline assembly in the one function that loads
 // the tile configuration (DESIGN.md "Build facts": GCC 12 can drop a
@@ -28,7 +41,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <cstring>
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -37,173 +50,227 @@
 #include "core/amx.h"
 #include "mlp-worker/cpu/matmul_layout.h"
 
-#define ELLM_AMX_TARGET                                                                      \
-  __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni," \
-                        "f16c,fma")))
+#define ELLM_AVX512_BF16_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma")))
 #define ELLM_INLINE inline __attribute__((always_inline))
+#define ELLM_AMX_TARGET                                                                     \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16," \
+                        "f16c,fma")))
 
 namespace ellm::mlp::internal {
+
+ELLM_AVX512_BF16_TARGET void ToBf16TileRowAvx512(const float* x, int64_t nb, uint16_t* out) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 32 * b + 16), _mm512_loadu_ps(x + 32 * b));
+    std::memcpy(out + 512 * b, &h, 64);
+  }
+}
+
 namespace {
 
-constexpr int kTileTokens = 16;  // rows of A and C
-// Blocks the tile unit runs ahead of the conversion, and the ring of score
-// buffers that allows (a buffer is read kRing - kAhead blocks after its store
-// issued, so no vector load waits on a tile store still in flight).
-constexpr int kAhead = 2, kRing = 4;
-// Tokens per pass over a thread's groups: their codes (640 KiB at 5120
-// columns) stay in L2 while each group's weights serve all of them.
-constexpr int kAmxTokenPass = 128;
+constexpr int kTileTokens = 16;   // rows of A and C
+constexpr int kChunkBlocks = 32;  // blocks of 32 columns per chunk
+constexpr int kBlockBytes = 1024;  // one block of a group as a bf16 B tile
 
-// tmm0, tmm1: C of alternate blocks (n tokens x 16 int32); tmm2, tmm3: A
-// (n x 32 codes); tmm4, tmm5: B (8 lines x 64 bytes).
+// Tiles: tmm0, tmm1 C of two token tiles; tmm4, tmm5 their A; tmm6 B.
+// n: rows of C and A (16, or the last tile's).
 AmxTileConfig MakeConfig(int n) {
   AmxTileConfig c;
-  for (int i = 0; i < 2; ++i) {
+  for (int i : {0, 1, 4, 5}) {
     c.rows[i] = static_cast<uint8_t>(n);
     c.colsb[i] = 64;
-    c.rows[2 + i] = static_cast<uint8_t>(n);
-    c.colsb[2 + i] = 32;
-    c.rows[4 + i] = 8;
-    c.colsb[4 + i] = 64;
   }
+  c.rows[6] = 16;
+  c.colsb[6] = 64;
   return c;
 }
 
-// One block's integer dots for the tile's tokens (n rows; rows past n unused).
-struct alignas(64) Scores {
-  int32_t v[kTileTokens][16];
-};
-// Per token tile and block: -128 * the tokens' code sums and their scales,
-// laid out for one broadcast operand per row.
-struct alignas(64) BlockScales {
-  int32_t neg_sum[kTileTokens];
-  float d[kTileTokens];
+// The permutes of the dequantiser (below): kSpread[q] spreads rows 4q..4q+3
+// of a 16-row vector over (r, j) lanes; kPick[p] gathers the pairs p.
+alignas(64) constexpr int32_t kSpread[4][16] = {
+    {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},
+    {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7},
+    {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11},
+    {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15}};
+// Row r = 4q + rr: dword (q < 2 ? 0 : 16) + 8 (q % 2) + 2 rr + p.
+alignas(64) constexpr int32_t kPick[2][16] = {
+    {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+    {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+
+// Blocks [b0, b1) of group g (Q8_0 layout, matmul_layout.h) as bf16 B tiles,
+// one 64-byte line of weight codes per Step, so that the tile kernel can run
+// it between its tile instructions: out + (b - b0) * 512 is block b, row k2
+// = 2k + p (elements 4k + 2p, 4k + 2p + 1 of the 16 rows, as 16 pairs). Line
+// k of the stored block is [16 r][4 j] u8 = code + 128: four quarters of 4
+// rows, each widened to 16 floats in (r, j) order and scaled by its rows' d
+// (d * u8 - 128 d = d * code, exact), then two quarters at a time rounded to
+// bf16, whose dword 8 q + 2 r + p holds the pair p of row 4 q + r.
+struct Bf16Dequantizer {
+  const uint8_t* quant = nullptr;  // the group's blocks
+  const uint16_t* dh = nullptr;    // their d[16 r] halves
+  int64_t b0 = 0;
+  int line = 0, lines = 0;  // next, and all (8 per block)
+  uint16_t* out = nullptr;
+  __m512 s[4], o[4];  // the current block's d and -128 d, spread per quarter
+
+  void Start(const QuantMatrix& w, int64_t g, int64_t first, int64_t end, uint16_t* dst) {
+    const int64_t nb = w.cols() / 32;
+    quant = w.group(g);
+    dh = reinterpret_cast<const uint16_t*>(quant + nb * 512);
+    b0 = first;
+    line = 0;
+    lines = static_cast<int>(8 * (end - first));
+    out = dst;
+  }
+  bool done() const { return line >= lines; }
+
+  ELLM_AVX512_BF16_TARGET ELLM_INLINE void Step() {
+    if (line >= lines) return;
+    const int64_t b = b0 + line / 8;
+    const int k = line % 8;
+    if (k == 0) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dh + 16 * b)));
+      const __m512 neg = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
+      for (int q = 0; q < 4; ++q) {
+        const __m512i spread = _mm512_load_si512(kSpread[q]);
+        s[q] = _mm512_permutexvar_ps(spread, d);
+        o[q] = _mm512_permutexvar_ps(spread, neg);
+      }
+    }
+    const uint8_t* src = quant + 512 * b + 64 * k;
+    __m512 f[4];
+    for (int q = 0; q < 4; ++q) {
+      const __m128i u8 = _mm_load_si128(reinterpret_cast<const __m128i*>(src + 16 * q));
+      f[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u8)), s[q], o[q]);
+    }
+    const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+    const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+    uint16_t* dst = out + (line / 8) * (kBlockBytes / 2) + 64 * k;
+    _mm512_store_si512(dst, _mm512_permutex2var_epi32(lo, _mm512_load_si512(kPick[0]), hi));
+    _mm512_store_si512(dst + 32, _mm512_permutex2var_epi32(lo, _mm512_load_si512(kPick[1]), hi));
+    ++line;
+  }
 };
 
-// Block b's product into C tile `slot`, and that tile's store to *out. The
-// store is an output operand, so the compiler orders the vector loads of
-// *out after it and the next store to *out after them; no "memory" clobber,
-// which would keep the accumulators in memory. (The tile loads read codes and
-// weights that nothing in these kernels writes.)
-#define ELLM_AMX_COMPUTE(slot, a_ptr, a_stride, b_ptr)                          \
-  __asm__ volatile("tilezero %%tmm" #slot "\n\t"                                \
-                   "tileloadd (%0,%1,1), %%tmm" ELLM_AMX_A##slot "\n\t"         \
-                   "tileloadd (%2,%3,1), %%tmm" ELLM_AMX_B##slot "\n\t"         \
-                   "tdpbsud %%tmm" ELLM_AMX_B##slot ", %%tmm" ELLM_AMX_A##slot  \
-                   ", %%tmm" #slot                                              \
-                   :                                                            \
-                   : "r"(a_ptr), "r"(a_stride), "r"(b_ptr), "r"(int64_t{64}))
-#define ELLM_AMX_STORE(slot, out)                            \
-  __asm__ volatile("tilestored %%tmm" #slot ", (%1,%2,1)"    \
-                   : "=m"(*(out))                            \
-                   : "r"((out)->v), "r"(int64_t{64}))
-#define ELLM_AMX_A0 "2"
-#define ELLM_AMX_A1 "3"
-#define ELLM_AMX_B0 "4"
-#define ELLM_AMX_B1 "5"
-
-// Rows of group g for tokens [t0, t0 + n), n <= 16 (kFull: n == 16, the
-// accumulators in registers); sc[b]: the tokens' block scales.
-template <bool kFull>
-ELLM_AMX_TARGET void Q8_0TileAmx(const KernelArgs& a, int64_t g, int t0, int n, const BlockScales* sc) {
-  const AmxTileConfig cfg = MakeConfig(n);
-  __asm__ volatile("" ::: "memory");
-  __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+// Q8_0, T >= kAmxMinTokens, groups [g_begin, g_end).
+ELLM_AMX_TARGET void Q8_0KernelAmxTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
   const QuantMatrix& w = *a.w;
   const int64_t nb = w.cols() / 32;
-  const uint8_t* quant = w.group(g);
-  const uint16_t* dh = reinterpret_cast<const uint16_t*>(quant + nb * 512);
-  const int8_t* codes = a.q8->codes(t0);
-  const int64_t stride = a.q8->token_stride;
-  Scores c[kRing];
-  __m512 acc[kTileTokens];
-  for (int i = 0; i < kTileTokens; ++i) acc[i] = _mm512_setzero_ps();
-  const auto compute = [&](int64_t b) {
-    const int8_t* ap = codes + 32 * b;
-    const uint8_t* bp = quant + 512 * b;
-    if ((b & 1) == 0) {
-      ELLM_AMX_COMPUTE(0, ap, stride, bp);
-    } else {
-      ELLM_AMX_COMPUTE(1, ap, stride, bp);
-    }
+  const int T = a.T;
+  const int64_t a_stride = 64;  // bytes per token row of a tile
+  const auto a_tile = [&](int tile, int64_t b) {
+    return reinterpret_cast<const uint8_t*>(a.bf16) + (tile * nb + b) * 1024;
   };
-  const auto store = [&](int64_t b) {
-    Scores* out = &c[b % kRing];
-    if ((b & 1) == 0) {
-      ELLM_AMX_STORE(0, out);
-    } else {
-      ELLM_AMX_STORE(1, out);
-    }
+  const int full_tiles = T / kTileTokens, rest = T % kTileTokens;
+  // One chunk of one group as B tiles, twice: the tile unit reads one while
+  // the vector units fill the other with the next group's, a line per block
+  // step of the tile loop (the two run side by side).
+  AlignedBytes b_tiles[2];
+  for (AlignedBytes& bt : b_tiles) bt.Resize(kChunkBlocks * kBlockBytes);
+  const auto b_buffer = [&](int64_t g) {
+    return reinterpret_cast<uint16_t*>(b_tiles[(g - g_begin) & 1].data());
   };
-  // Step j: the tile unit multiplies block j + 1 while block j's scores are
-  // stored, and the vector units convert block j - kAhead.
-  compute(0);
-  for (int64_t j = 0; j < nb + kAhead; ++j) {
-    if (j < nb) {
-      if (j + 1 < nb) compute(j + 1);
-      store(j);
-    }
-    const int64_t b = j - kAhead;
-    if (b < 0) continue;
-    const Scores& cb = c[b % kRing];
-    const BlockScales& s = sc[b];
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dh + 16 * b)));
-    const int rows = kFull ? kTileTokens : n;
-#pragma GCC unroll 16
-    for (int i = 0; i < rows; ++i) {
-      const __m512i dot = _mm512_add_epi32(_mm512_load_si512(cb.v[i]), _mm512_set1_epi32(s.neg_sum[i]));
-      const __m512 f = _mm512_cvtepi32_ps(dot);
-      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(s.d[i])), dw, acc[i]);
-    }
-  }
-  const int valid = ValidRows(w, g);
-  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-  const int rows = kFull ? kTileTokens : n;
-  for (int i = 0; i < rows; ++i) {
-    _mm512_mask_storeu_ps(a.y + (t0 + i) * a.ldy + g * kGroupRows, mask, acc[i]);
-  }
-}
-
-#undef ELLM_AMX_COMPUTE
-#undef ELLM_AMX_STORE
-#undef ELLM_AMX_A0
-#undef ELLM_AMX_A1
-#undef ELLM_AMX_B0
-#undef ELLM_AMX_B1
-
-ELLM_AMX_TARGET void Q8_0KernelAmx(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
-  if (a.T < kTileTokens) {  // decode and short steps: the tile unit would idle
-    Avx512VnniKernel(DType::kQ8_0)(a, g_begin, g_end);
-    return;
-  }
-  const int64_t nb = a.w->cols() / 32;
-  constexpr int kPassTiles = kAmxTokenPass / kTileTokens;
-  std::vector<BlockScales> scales(static_cast<size_t>(kPassTiles * nb));
-  for (int tc = 0; tc < a.T; tc += kAmxTokenPass) {
-    const int t_end = std::min(a.T, tc + kAmxTokenPass);
-    const int tiles = (t_end - tc + kTileTokens - 1) / kTileTokens;
-    for (int k = 0; k < tiles; ++k) {
-      const int t0 = tc + k * kTileTokens, n = std::min(kTileTokens, t_end - t0);
-      for (int64_t b = 0; b < nb; ++b) {
-        BlockScales& s = scales[k * nb + b];
-        for (int i = 0; i < kTileTokens; ++i) {
-          s.neg_sum[i] = i < n ? -128 * a.q8->sum[(t0 + i) * nb + b] : 0;
-          s.d[i] = i < n ? a.q8->d[(t0 + i) * nb + b] : 0.0f;
-        }
-      }
-    }
+  // The sums of a group with fewer than 16 rows live here, not in y.
+  AlignedBytes partial;
+  const bool has_partial = ValidRows(w, g_end - 1) < kGroupRows;
+  if (has_partial) partial.Resize(static_cast<size_t>(T) * kGroupRows * sizeof(float));
+  float* partial_sums = reinterpret_cast<float*>(partial.data());
+  const AmxTileConfig full_cfg = MakeConfig(kTileTokens), rest_cfg = MakeConfig(rest == 0 ? 1 : rest);
+  Bf16Dequantizer next;
+  for (int64_t b0 = 0; b0 < nb; b0 += kChunkBlocks) {
+    const int64_t b1 = std::min(nb, b0 + kChunkBlocks);
+    const bool first = b0 == 0;
+    next.Start(w, g_begin, b0, b1, b_buffer(g_begin));
+    while (!next.done()) next.Step();
     for (int64_t g = g_begin; g < g_end; ++g) {
-      for (int k = 0; k < tiles; ++k) {
-        const int t0 = tc + k * kTileTokens, n = std::min(kTileTokens, t_end - t0);
-        if (n == kTileTokens) {
-          Q8_0TileAmx<true>(a, g, t0, n, &scales[k * nb]);
+      if (g + 1 < g_end) next.Start(w, g + 1, b0, b1, b_buffer(g + 1));
+      const bool in_y = ValidRows(w, g) == kGroupRows;
+      float* c_base = in_y ? a.y + g * kGroupRows : partial_sums;
+      const int64_t c_stride = (in_y ? a.ldy : kGroupRows) * 4;  // bytes per token
+      const uint8_t* bt = reinterpret_cast<const uint8_t*>(b_buffer(g));
+      const int64_t b_stride = 64;
+      // Token tiles in pairs (one B load serves both), then a single full
+      // tile, then the last partial one under its own configuration.
+      __asm__ volatile("" ::: "memory");
+      __asm__ volatile("ldtilecfg %0" : : "m"(full_cfg) : "memory");
+      int tile = 0;
+      for (; tile + 2 <= full_tiles; tile += 2) {
+        float* c0 = c_base + static_cast<int64_t>(tile) * kTileTokens * (c_stride / 4);
+        float* c1 = c0 + kTileTokens * (c_stride / 4);
+        const uint8_t* a0 = a_tile(tile, b0);
+        const uint8_t* a1 = a_tile(tile + 1, b0);
+        if (first) {
+          __asm__ volatile("tilezero %%tmm0\n\ttilezero %%tmm1" ::: "memory");
         } else {
-          Q8_0TileAmx<false>(a, g, t0, n, &scales[k * nb]);
+          __asm__ volatile("tileloadd (%0,%2,1), %%tmm0\n\ttileloadd (%1,%2,1), %%tmm1"
+                           :
+                           : "r"(c0), "r"(c1), "r"(c_stride)
+                           : "memory");
         }
+        for (int64_t b = b0; b < b1; ++b) {
+          __asm__ volatile(
+              "tileloadd (%0,%3,1), %%tmm6\n\t"
+              "tileloadd (%1,%4,1), %%tmm4\n\t"
+              "tileloadd (%2,%4,1), %%tmm5\n\t"
+              "tdpbf16ps %%tmm6, %%tmm4, %%tmm0\n\t"
+              "tdpbf16ps %%tmm6, %%tmm5, %%tmm1"
+              :
+              : "r"(bt + (b - b0) * kBlockBytes), "r"(a0 + 1024 * (b - b0)), "r"(a1 + 1024 * (b - b0)),
+                "r"(b_stride), "r"(a_stride)
+              : "memory");
+          next.Step();
+        }
+        __asm__ volatile("tilestored %%tmm0, (%0,%2,1)\n\ttilestored %%tmm1, (%1,%2,1)"
+                         :
+                         : "r"(c0), "r"(c1), "r"(c_stride)
+                         : "memory");
       }
+      // One tile alone: the full one left over (n = 16), then the partial one.
+      for (int pass = 0; pass < 2; ++pass) {
+        if (pass == 0 && tile == full_tiles) continue;
+        if (pass == 1) {
+          if (rest == 0) break;
+          __asm__ volatile("ldtilecfg %0" : : "m"(rest_cfg) : "memory");
+          tile = full_tiles;
+        }
+        float* c0 = c_base + static_cast<int64_t>(tile) * kTileTokens * (c_stride / 4);
+        const uint8_t* a0 = a_tile(tile, b0);
+        if (first) {
+          __asm__ volatile("tilezero %%tmm0" ::: "memory");
+        } else {
+          __asm__ volatile("tileloadd (%0,%1,1), %%tmm0" : : "r"(c0), "r"(c_stride) : "memory");
+        }
+        for (int64_t b = b0; b < b1; ++b) {
+          __asm__ volatile(
+              "tileloadd (%0,%2,1), %%tmm6\n\t"
+              "tileloadd (%1,%3,1), %%tmm4\n\t"
+              "tdpbf16ps %%tmm6, %%tmm4, %%tmm0"
+              :
+              : "r"(bt + (b - b0) * kBlockBytes), "r"(a0 + 1024 * (b - b0)), "r"(b_stride), "r"(a_stride)
+              : "memory");
+          next.Step();
+        }
+        __asm__ volatile("tilestored %%tmm0, (%0,%1,1)" : : "r"(c0), "r"(c_stride) : "memory");
+      }
+      while (!next.done()) next.Step();  // few token tiles: the rest of the next group's lines
     }
   }
   __asm__ volatile("tilerelease" ::: "memory");
+  if (has_partial) {
+    const int valid = ValidRows(w, g_end - 1);
+    for (int t = 0; t < T; ++t) {
+      std::memcpy(a.y + t * a.ldy + (g_end - 1) * kGroupRows, partial_sums + t * kGroupRows,
+                  valid * sizeof(float));
+    }
+  }
+}
+
+void Q8_0KernelAmx(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
+  if (a.bf16 == nullptr) {  // fewer than kAmxMinTokens tokens: int8 codes, avx512's kernel
+    Avx512VnniKernel(DType::kQ8_0)(a, g_begin, g_end);
+    return;
+  }
+  Q8_0KernelAmxTiles(a, g_begin, g_end);
 }
 
 }  // namespace

@@ -73,6 +73,7 @@ struct KernelArgs {
   const QuantMatrix* w = nullptr;
   const float* x = nullptr;             // kF32: [T][cols]
   const Activations::Q8* q8 = nullptr;  // the int8 forms; null for kF32
+  const uint16_t* bf16 = nullptr;       // amx, Q8_0, T >= kAmxMinTokens: Activations::bf16
   int T = 0;
   float* y = nullptr;  // [T][ldy], rows [0, w->rows())
   int64_t ldy = 0;
@@ -109,6 +110,12 @@ MatKernel Avx2Q8_0Act7Kernel();  // Q8_0 on kQ7x32 activations (matmul_avx2.cc)
 MatKernel Avx2VnniKernel(DType type);  // matmul_avx2_vnni.cc
 MatKernel Avx512VnniKernel(DType type);
 MatKernel AmxKernel(DType type);  // matmul_amx.cc: Q8_0 on the tile unit, the rest avx512's
+// Steps of at least this many tokens run amx's Q8_0 tile kernel (on bf16
+// activations); fewer run avx512's (on int8 codes).
+inline constexpr int kAmxMinTokens = 16;
+// One token's x[32 nb] rounded to bfloat16 (nearest even): block b's 32 to
+// out + 512 b (its row in each tile of Activations::bf16).
+void ToBf16TileRowAvx512(const float* x, int64_t nb, uint16_t* out);
 
 // QuantizeActivationRow on AVX2 (matmul_avx2.cc).
 void QuantizeActivationRowAvx2(const float* x, int64_t cols, int block, int max_code, int8_t* codes,
