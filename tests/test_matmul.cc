@@ -351,9 +351,9 @@ TEST(MatMul, EveryKernelMatchesTheFp64OracleAtAwkwardSizes) {
           std::vector<float> yref;
           for (size_t k = 0; k < sets.size(); ++k) {
             const KernelSet& set = sets[k];
-            // amx's Q8_0 tiles (16 tokens or more) compute in bfloat16:
-            // AmxQ8_0MatchesItsBf16Oracle.
-            if (set.isa == Isa::kAmx && type == DType::kQ8_0 && T >= 16) continue;
+            // amx's tiles (block types, 16 tokens or more) compute in
+            // bfloat16: AmxTilesMatchTheirBf16Oracle.
+            if (set.isa == Isa::kAmx && internal::AmxTileType(type) && T >= 16) continue;
             const ActFormat f = set.Form(type);
             auto it = absl::c_find_if(oracles, [&](const auto& p) { return p.first == f; });
             if (it == oracles.end()) {
@@ -452,9 +452,9 @@ TEST(MatMul, ManyTokensGiveWhatFewAtATimeGive) {
       all.Set(x.data(), kT, cols);
       std::vector<float> y_all(kT * rows, NAN), y_few(kT * rows, NAN);
       MatMul(q, all, y_all.data(), nullptr, set.isa, set.q8_act_bits);
-      // amx's Q8_0 tiles take 16 tokens or more (fewer run avx512's int8
+      // amx's tiles take 16 tokens or more (fewer run avx512's int8
       // kernel, with other rounding): slices of 30 there.
-      const int slice = set.isa == Isa::kAmx && type == DType::kQ8_0 ? 30 : kSlice;
+      const int slice = set.isa == Isa::kAmx && internal::AmxTileType(type) ? 30 : kSlice;
       for (int t0 = 0; t0 < kT; t0 += slice) {
         const int n = std::min(slice, kT - t0);
         Activations few;
@@ -590,23 +590,28 @@ float RoundBf16(float x) {
   return x;
 }
 
-// amx runs Q8_0 steps of 16 tokens or more on the tile unit in bfloat16:
-// y = sum bf16(x) * bf16(d * code), the products exact in fp32 and summed in
-// fp32. Against that sum in fp64, the error is the fp32 summation's alone:
-// at most (K + 2) 2^-24 sum |products| (K = cols). A misplaced element, a
-// wrong row or pair order, a lost chunk (1088 and 2080 columns cross the
-// kernel's chunks of 1024) or a missed scale costs a whole product or more.
+// amx runs the block types' steps of 16 tokens or more on the tile unit in
+// bfloat16: y = sum bf16(x) * bf16(w), w the reference dequantisation
+// (Traits(type).dequantize), the products exact in fp32 and summed in fp32.
+// Against that sum in fp64, the error is the fp32 summation's alone: at most
+// (K + 2) 2^-24 sum |products| (K = cols). A misplaced element, a wrong
+// row, pair, nibble or sub-block scale, or a lost chunk (1088, 2080 and 2560
+// columns cross the kernel's chunks of 1024) costs a whole product or more.
 // Checked at token counts that fill tile pairs, leave a single and a partial
 // tile, with a partial group (17, 129 rows), on 1 and 3 threads; below 16
 // tokens the set is avx512 bit for bit.
-TEST(MatMul, AmxQ8_0MatchesItsBf16Oracle) {
+TEST(MatMul, AmxTilesMatchTheirBf16Oracle) {
   if (!MatIsaSupported(Isa::kAmx)) GTEST_SKIP() << "no AMX-BF16 on this CPU (or Linux refused the tile state)";
   ThreadPool three(3);
+  for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
+  ASSERT_TRUE(internal::AmxTileType(type));
   int cases = 0;
   double worst = 0;
-  for (int64_t cols : {32, 160, 1088, 2080}) {
+  std::vector<int64_t> all_cols = ColsFor(type);
+  if (Traits(type).block_elements == 32) all_cols.push_back(2080);
+  for (int64_t cols : all_cols) {
     for (int rows : {16, 17, 129}) {
-      const TestMatrix m = MakeMatrix(DType::kQ8_0, rows, cols, 41 * rows + cols);
+      const TestMatrix m = MakeMatrix(type, rows, cols, 41 * rows + cols);
       const QuantMatrix q = Repack(m);
       for (int T : {5, 16, 17, 31, 40, 77}) {
         const std::vector<float> x = RandomActivations(T, cols, 5 * T + cols);
@@ -643,7 +648,8 @@ TEST(MatMul, AmxQ8_0MatchesItsBf16Oracle) {
       }
     }
   }
-  std::printf("%d (shape, T) cases; worst error / budget %.3f\n", cases, worst);
+  std::printf("%s: %d (shape, T) cases; worst error / budget %.3f\n", Name(type).c_str(), cases, worst);
+  }
 }
 
 // --- The CPU backend's weight modes on random models ------------------------
@@ -821,8 +827,8 @@ TEST(CpuBackend, NativeModeIsCloseToF32ForEveryWeightType) {
                      DType::kQ5_K, DType::kQ6_K}) {
     std::vector<std::pair<std::string, int>> sets = {{"auto", 8}};
     if (type == DType::kQ8_0 && MatIsaSupported(Isa::kAvx2)) sets.push_back({"avx2", 7});
-    // amx: Q8_0 on the tile unit in bfloat16, from 16 tokens in a step.
-    if (type == DType::kQ8_0 && MatIsaSupported(Isa::kAmx)) sets.push_back({"amx", 8});
+    // amx: the block types on the tile unit in bfloat16, from 16 tokens in a step.
+    if (internal::AmxTileType(type) && MatIsaSupported(Isa::kAmx)) sets.push_back({"amx", 8});
     for (const std::string arch : {"llama", "qwen2"})
     for (const auto& [isa, bits] : sets) {
       std::vector<int32_t> tokens = tokens5;

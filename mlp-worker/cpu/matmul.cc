@@ -563,7 +563,9 @@ std::string KernelName(DType type, Isa isa, int q8_act_bits) {
   if (mt == nullptr) return "none";
   const std::string_view tname = Traits(type).name;
   if (type == DType::kF32) return absl::StrCat(ToAbsl(IsaName(isa)), "/f32-exact");
-  if (type == DType::kQ8_0 && isa == Isa::kAmx) return "amx/q8_0*bf16";  // 16 tokens or more
+  if (isa == Isa::kAmx && internal::AmxTileType(type)) {  // 16 tokens or more
+    return absl::StrCat("amx/", ToAbsl(tname), "*bf16");
+  }
   return absl::StrCat(ToAbsl(IsaName(isa)), "/", ToAbsl(tname), "*",
                       ToAbsl(ActFormatName(ActFormatFor(type, isa, q8_act_bits))));
 }
@@ -584,7 +586,7 @@ void MatMul(const QuantMatrix& w, Activations& x, float* y, ThreadPool* pool, Is
   args.T = x.tokens();
   args.y = y;
   args.ldy = w.rows();
-  if (isa == Isa::kAmx && w.type() == DType::kQ8_0 && args.T >= internal::kAmxMinTokens) {
+  if (isa == Isa::kAmx && internal::AmxTileType(w.type()) && args.T >= internal::kAmxMinTokens) {
     args.bf16 = x.bf16(pool);  // the tile kernel; fewer tokens run avx512's on int8 codes
   } else if (act != ActFormat::kF32) {
     args.q8 = &x.q8(act, pool);

@@ -44,12 +44,13 @@
 //   avx512       AVX-512 F/BW/VL/DQ + VNNI + F16C, 16 rows per vector; int8
 //                products with VPDPBUSD (weight codes u8 x activation codes s8
 //                with an embedded 4-byte broadcast).
-//   amx          avx512, except Q8_0 weights on steps of 16 tokens or more
-//                (prefill): those run on the AMX tile unit in bfloat16 with
-//                fp32 sums (TDPBF16PS; activations and d * code rounded to
-//                bf16, matmul_amx.cc), about 1.4-1.9 times avx512's speed on
-//                the bench model's matrices and closer to fp32 (logits' rms
-//                error 0.8% against avx512's 1.3%). Not chosen by auto: a
+//   amx          avx512, except the block types (Q8_0, Q4_0, Q4_K, Q5_K,
+//                Q6_K) on steps of 16 tokens or more (prefill): those run on
+//                the AMX tile unit in bfloat16 with fp32 sums (TDPBF16PS;
+//                activations and dequantised weights rounded to bf16,
+//                matmul_amx.cc), about 1.4-1.9 times avx512's speed on the
+//                bench model's Q8_0 matrices and closer to fp32 (Q8_0
+//                logits' rms error 0.8% against avx512's 1.3%). Not chosen by auto: a
 //                token's result then depends on whether its step had 16
 //                tokens or more, i.e. on how the scheduler cut the prompt and
 //                what else ran, where every other set gives the same bits

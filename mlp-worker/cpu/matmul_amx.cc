@@ -1,19 +1,20 @@
 // AMX matrix kernels (AMX-TILE + AMX-BF16, with AVX-512 and AVX512-BF16 for
-// the conversions). The "amx" kernel set is avx512 except for Q8_0 weights on
-// steps of at least kAmxMinTokens tokens (prefill), which run on the tile
-// unit in bfloat16 with fp32 sums:
+// the conversions). The "amx" kernel set is avx512 except for the block
+// types (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) on steps of at least kAmxMinTokens
+// tokens (prefill), which run on the tile unit in bfloat16 with fp32 sums:
 //
-//   y[t][r] = sum_k bf16(x[t][k]) * bf16(d_w * code[r][k])
+//   y[t][r] = sum_k bf16(x[t][k]) * bf16(w[r][k]),  w = the dequantised weight
 //
 // with TDPBF16PS on tiles of 16 tokens x 16 rows x 32 columns: A = the
 // tokens' bf16 activations (Activations::bf16, one 64-byte row per token and
 // block), B = the group's block dequantised once into the VNNI pair layout
 // (row k2 = [16 r][2 j]: elements 2 k2 + j), C = the fp32 sums, carried in
 // the tile across all blocks of a chunk of kChunkBlocks and in y between
-// chunks. d_w * code is exact in fp32 (8 x 11 bits); both operands are then
-// rounded to bfloat16 (8 bits of mantissa, nearest even), and the products
+// chunks. w is the reference dequantisation's fp32 value (BlockSource);
+// both operands are then rounded to bfloat16 (8 bits of mantissa, nearest
+// even), and the products
 // (exact in fp32) are summed in fp32 by the tile unit. So the results differ
-// from avx512's (int8 activation codes per block of 32) by rounding, and the
+// from avx512's (int8 activation codes per block) by rounding, and the
 // same token gives a slightly different y in a step of 16 tokens or more than
 // in a smaller one; within either kind, a token's y depends neither on the
 // other tokens nor on the thread count.
@@ -97,26 +98,131 @@ alignas(64) constexpr int32_t kPick[2][16] = {
     {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
     {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
 
-// Blocks [b0, b1) of group g (Q8_0 layout, matmul_layout.h) as bf16 B tiles,
-// one 64-byte line of weight codes per Step, so that the tile kernel can run
-// it between its tile instructions: out + (b - b0) * 512 is block b, row k2
-// = 2k + p (elements 4k + 2p, 4k + 2p + 1 of the 16 rows, as 16 pairs). Line
-// k of the stored block is [16 r][4 j] u8 = code + 128: four quarters of 4
-// rows, each widened to 16 floats in (r, j) order and scaled by its rows' d
-// (d * u8 - 128 d = d * code, exact), then two quarters at a time rounded to
-// bf16, whose dword 8 q + 2 r + p holds the pair p of row 4 q + r.
+// The 16 rows' scale and offset of one block of 32 columns (x = scale *
+// level + offset), for its first and its second 16 columns (the same but for
+// Q6_K), and the 64 levels (u8, [16 r][4 j]) of its virtual line v (elements
+// 4v + j), for each block type in its repacked layout (matmul_layout.h). The
+// arithmetic is the reference dequantisation's (matmul.cc Dequant*): the
+// products are exact in fp32 and FMA rounds once, as it does.
+template <DType kType>
+struct BlockSource;
+
+// Q8_0: level = code + 128, x = d level - 128 d.
+template <>
+struct BlockSource<DType::kQ8_0> {
+  static constexpr int kQuant = 512, kMeta = 32, kSuper = 1;  // per block of kSuper x 32
+  ELLM_AVX512_BF16_TARGET ELLM_INLINE static void Scales(const uint8_t*, const uint8_t* meta, int,
+                                                         __m512 scale[2], __m512 offset[2]) {
+    scale[0] = scale[1] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta)));
+    offset[0] = offset[1] = _mm512_mul_ps(scale[0], _mm512_set1_ps(-128.0f));
+  }
+  ELLM_AVX512_BF16_TARGET ELLM_INLINE static __m512i Levels(const uint8_t* quant, int, int v) {
+    return _mm512_load_si512(quant + 64 * v);
+  }
+};
+
+// Nibble lines (Q4_0, Q4_K, Q5_K): line v % 4, low nibble for v < 4.
+ELLM_AVX512_BF16_TARGET ELLM_INLINE __m512i Nibbles(const uint8_t* lines, int v) {
+  const __m512i line = _mm512_load_si512(lines + 64 * (v % 4));
+  return _mm512_and_si512(v < 4 ? line : _mm512_srli_epi16(line, 4), _mm512_set1_epi8(0x0F));
+}
+
+// Q4_0: x = d level - 8 d.
+template <>
+struct BlockSource<DType::kQ4_0> {
+  static constexpr int kQuant = 256, kMeta = 32, kSuper = 1;
+  ELLM_AVX512_BF16_TARGET ELLM_INLINE static void Scales(const uint8_t*, const uint8_t* meta, int,
+                                                         __m512 scale[2], __m512 offset[2]) {
+    scale[0] = scale[1] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta)));
+    offset[0] = offset[1] = _mm512_mul_ps(scale[0], _mm512_set1_ps(-8.0f));
+  }
+  ELLM_AVX512_BF16_TARGET ELLM_INLINE static __m512i Levels(const uint8_t* quant, int, int v) {
+    return Nibbles(quant, v);
+  }
+};
+
+// Q4_K, Q5_K (kFive): sub-block s of the super-block; x = (d sc) level - dmin m.
+template <bool kFive>
+struct BlockSourceK4 {
+  static constexpr int kQuant = kFive ? 2560 : 2048, kMeta = 320, kSuper = 8;
+  ELLM_AVX512_BF16_TARGET ELLM_INLINE static void Scales(const uint8_t*, const uint8_t* meta, int s,
+                                                         __m512 scale[2], __m512 offset[2]) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 32)));
+    const __m512 sc = _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 64 + 16 * s))));
+    // m[s / 2][16 r][2 h], h = s % 2.
+    const __m512i mm = _mm512_cvtepu16_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 192 + 32 * (s / 2))));
+    const __m512i m = s % 2 ? _mm512_srli_epi32(mm, 8) : _mm512_and_si512(mm, _mm512_set1_epi32(0xFF));
+    scale[0] = scale[1] = _mm512_mul_ps(d, sc);
+    offset[0] = offset[1] = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m)));
+  }
+  ELLM_AVX512_BF16_TARGET ELLM_INLINE static __m512i Levels(const uint8_t* quant, int s, int v) {
+    __m512i level = Nibbles(quant + 256 * s, v);
+    if constexpr (kFive) {  // bit v of qh byte (s, r, j) is the level's bit 4
+      const __m512i qh = _mm512_load_si512(quant + 2048 + 64 * s);
+      const __m512i bit = _mm512_and_si512(_mm512_srli_epi16(qh, v), _mm512_set1_epi8(1));
+      level = _mm512_or_si512(level, _mm512_slli_epi16(bit, 4));
+    }
+    return level;
+  }
+};
+template <>
+struct BlockSource<DType::kQ4_K> : BlockSourceK4<false> {};
+template <>
+struct BlockSource<DType::kQ5_K> : BlockSourceK4<true> {};
+
+// Q6_K: 32-block s covers 16-sub-blocks 2s (v < 4) and 2s + 1;
+// x = (d sc) level - 32 (d sc).
+template <>
+struct BlockSource<DType::kQ6_K> {
+  static constexpr int kQuant = 3072, kMeta = 288, kSuper = 8;
+  ELLM_AVX512_BF16_TARGET ELLM_INLINE static void Scales(const uint8_t*, const uint8_t* meta, int s,
+                                                         __m512 scale[2], __m512 offset[2]) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta)));
+    // sc[s][16 r][2 h] int8 at 32: each row's pair as one int16.
+    const __m512i pair = _mm512_cvtepi16_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 32 + 32 * s)));
+    const __m512i sc0 = _mm512_srai_epi32(_mm512_slli_epi32(pair, 24), 24);
+    const __m512i sc1 = _mm512_srai_epi32(pair, 8);
+    scale[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc0));
+    scale[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc1));
+    for (int h = 0; h < 2; ++h) offset[h] = _mm512_mul_ps(scale[h], _mm512_set1_ps(-32.0f));
+  }
+  ELLM_AVX512_BF16_TARGET ELLM_INLINE static __m512i Levels(const uint8_t* quant, int s, int v) {
+    const int half = v / 4, k = v % 4;
+    const __m512i ql = _mm512_load_si512(quant + 256 * s + 64 * k);
+    const __m512i lo = _mm512_and_si512(half ? _mm512_srli_epi16(ql, 4) : ql, _mm512_set1_epi8(0x0F));
+    const __m512i qh = _mm512_load_si512(quant + 2048 + 256 * (s / 2) + 64 * k);
+    const int shift = 2 * ((2 * s + half) % 4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qh, shift), _mm512_set1_epi8(3));
+    return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+  }
+};
+
+// Blocks [b0, b1) of 32 columns of group g as bf16 B tiles, one virtual
+// line per Step, so that the tile kernel can run it between its tile
+// instructions: out + (b - b0) * 512 is block b, row k2 = 2v + p (elements
+// 4v + 2p, 4v + 2p + 1 of the 16 rows, as 16 pairs). A virtual line's 64
+// levels ([16 r][4 j]) go as four quarters of 4 rows, each widened to 16
+// floats in (r, j) order and scaled by its rows' scale and offset (spread
+// over the quarter's lanes), then two quarters at a time rounded to bf16,
+// whose dword 8 q + 2 r + p holds the pair p of row 4 q + r.
+template <DType kType>
 struct Bf16Dequantizer {
-  const uint8_t* quant = nullptr;  // the group's blocks
-  const uint16_t* dh = nullptr;    // their d[16 r] halves
+  using Source = BlockSource<kType>;
+  const uint8_t* quant = nullptr;  // the group's quant region
+  const uint8_t* meta = nullptr;   // its meta region
   int64_t b0 = 0;
   int line = 0, lines = 0;  // next, and all (8 per block)
   uint16_t* out = nullptr;
-  __m512 s[4], o[4];  // the current block's d and -128 d, spread per quarter
+  __m512 s[2][4], o[2][4];  // the current block's scales and offsets, per half and quarter
 
   void Start(const QuantMatrix& w, int64_t g, int64_t first, int64_t end, uint16_t* dst) {
-    const int64_t nb = w.cols() / 32;
+    const int64_t supers = w.cols() / (32 * Source::kSuper);
     quant = w.group(g);
-    dh = reinterpret_cast<const uint16_t*>(quant + nb * 512);
+    meta = quant + supers * Source::kQuant;
     b0 = first;
     line = 0;
     lines = static_cast<int>(8 * (end - first));
@@ -127,33 +233,44 @@ struct Bf16Dequantizer {
   ELLM_AVX512_BF16_TARGET ELLM_INLINE void Step() {
     if (line >= lines) return;
     const int64_t b = b0 + line / 8;
-    const int k = line % 8;
-    if (k == 0) {
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dh + 16 * b)));
-      const __m512 neg = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
-      for (int q = 0; q < 4; ++q) {
-        const __m512i spread = _mm512_load_si512(kSpread[q]);
-        s[q] = _mm512_permutexvar_ps(spread, d);
-        o[q] = _mm512_permutexvar_ps(spread, neg);
+    const int v = line % 8;
+    const int64_t super = b / Source::kSuper;
+    const int sub = static_cast<int>(b % Source::kSuper);
+    const uint8_t* q = quant + super * Source::kQuant;
+    if (v == 0) {
+      __m512 scale[2], offset[2];
+      Source::Scales(q, meta + super * Source::kMeta, sub, scale, offset);
+      for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < 4; ++i) {
+          const __m512i spread = _mm512_load_si512(kSpread[i]);
+          s[h][i] = _mm512_permutexvar_ps(spread, scale[h]);
+          o[h][i] = _mm512_permutexvar_ps(spread, offset[h]);
+        }
       }
     }
-    const uint8_t* src = quant + 512 * b + 64 * k;
+    const __m512i levels = Source::Levels(q, sub, v);
+    const int h = v / 4;
     __m512 f[4];
-    for (int q = 0; q < 4; ++q) {
-      const __m128i u8 = _mm_load_si128(reinterpret_cast<const __m128i*>(src + 16 * q));
-      f[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u8)), s[q], o[q]);
-    }
+    f[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(levels))), s[h][0],
+                           o[h][0]);
+    f[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(levels, 1))),
+                           s[h][1], o[h][1]);
+    f[2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(levels, 2))),
+                           s[h][2], o[h][2]);
+    f[3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(levels, 3))),
+                           s[h][3], o[h][3]);
     const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
     const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
-    uint16_t* dst = out + (line / 8) * (kBlockBytes / 2) + 64 * k;
+    uint16_t* dst = out + (line / 8) * (kBlockBytes / 2) + 64 * v;
     _mm512_store_si512(dst, _mm512_permutex2var_epi32(lo, _mm512_load_si512(kPick[0]), hi));
     _mm512_store_si512(dst + 32, _mm512_permutex2var_epi32(lo, _mm512_load_si512(kPick[1]), hi));
     ++line;
   }
 };
 
-// Q8_0, T >= kAmxMinTokens, groups [g_begin, g_end).
-ELLM_AMX_TARGET void Q8_0KernelAmxTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
+// A block type, T >= kAmxMinTokens, groups [g_begin, g_end).
+template <DType kType>
+ELLM_AMX_TARGET void KernelAmxTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
   const QuantMatrix& w = *a.w;
   const int64_t nb = w.cols() / 32;
   const int T = a.T;
@@ -176,7 +293,7 @@ ELLM_AMX_TARGET void Q8_0KernelAmxTiles(const KernelArgs& a, int64_t g_begin, in
   if (has_partial) partial.Resize(static_cast<size_t>(T) * kGroupRows * sizeof(float));
   float* partial_sums = reinterpret_cast<float*>(partial.data());
   const AmxTileConfig full_cfg = MakeConfig(kTileTokens), rest_cfg = MakeConfig(rest == 0 ? 1 : rest);
-  Bf16Dequantizer next;
+  Bf16Dequantizer<kType> next;
   for (int64_t b0 = 0; b0 < nb; b0 += kChunkBlocks) {
     const int64_t b1 = std::min(nb, b0 + kChunkBlocks);
     const bool first = b0 == 0;
@@ -265,19 +382,37 @@ ELLM_AMX_TARGET void Q8_0KernelAmxTiles(const KernelArgs& a, int64_t g_begin, in
   }
 }
 
-void Q8_0KernelAmx(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
+template <DType kType>
+void KernelAmx(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
   if (a.bf16 == nullptr) {  // fewer than kAmxMinTokens tokens: int8 codes, avx512's kernel
-    Avx512VnniKernel(DType::kQ8_0)(a, g_begin, g_end);
+    Avx512VnniKernel(kType)(a, g_begin, g_end);
     return;
   }
-  Q8_0KernelAmxTiles(a, g_begin, g_end);
+  KernelAmxTiles<kType>(a, g_begin, g_end);
 }
 
 }  // namespace
 
+bool AmxTileType(DType type) {
+  switch (type) {
+    case DType::kQ8_0:
+    case DType::kQ4_0:
+    case DType::kQ4_K:
+    case DType::kQ5_K:
+    case DType::kQ6_K: return true;
+    default: return false;
+  }
+}
+
 MatKernel AmxKernel(DType type) {
-  if (type == DType::kQ8_0) return Q8_0KernelAmx;
-  return Avx512VnniKernel(type);
+  switch (type) {
+    case DType::kQ8_0: return KernelAmx<DType::kQ8_0>;
+    case DType::kQ4_0: return KernelAmx<DType::kQ4_0>;
+    case DType::kQ4_K: return KernelAmx<DType::kQ4_K>;
+    case DType::kQ5_K: return KernelAmx<DType::kQ5_K>;
+    case DType::kQ6_K: return KernelAmx<DType::kQ6_K>;
+    default: return Avx512VnniKernel(type);
+  }
 }
 
 }  // namespace ellm::mlp::internal

@@ -109,8 +109,10 @@ MatKernel Avx2Kernel(DType type);
 MatKernel Avx2Q8_0Act7Kernel();  // Q8_0 on kQ7x32 activations (matmul_avx2.cc)
 MatKernel Avx2VnniKernel(DType type);  // matmul_avx2_vnni.cc
 MatKernel Avx512VnniKernel(DType type);
-MatKernel AmxKernel(DType type);  // matmul_amx.cc: Q8_0 on the tile unit, the rest avx512's
-// Steps of at least this many tokens run amx's Q8_0 tile kernel (on bf16
+MatKernel AmxKernel(DType type);  // matmul_amx.cc: block types on the tile unit, the rest avx512's
+// Whether amx runs `type` on the tile unit (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K).
+bool AmxTileType(DType type);
+// Steps of at least this many tokens run amx's tile kernels (on bf16
 // activations); fewer run avx512's (on int8 codes).
 inline constexpr int kAmxMinTokens = 16;
 // One token's x[32 nb] rounded to bfloat16 (nearest even): block b's 32 to
