@@ -52,7 +52,7 @@ int PrefillMain(int argc, char** argv) {
   args.Flag("threads", "0", "threads for each part (0: the machine's cores)");
   args.Flag("step-tokens", "256", "tokens per step (the launcher's --max-step-tokens)");
   args.Flag("kv-dtype", "int8", "KV cache dtype: int8 or f16");
-  args.Flag("matmul-isa", "auto", "matrix kernels: auto, reference, avx2, avx2-vnni or avx512");
+  args.Flag("matmul-isa", "auto", "matrix kernels: auto, reference, avx2, avx2-vnni, avx512 or amx");
   args.Flag("q8-act-bits", "8",
             "plain avx2 matrix kernels: bits of Q8_0's activation codes, 8 or 7 (see ellm-launch --help)");
   args.Flag("kernel", "auto", "attention kernel: auto, reference, avx2, avx2-vnni, avx512 or amx");
