@@ -310,8 +310,8 @@ DotUnit MatrixDotUnit(Isa isa, DType type) {
   const bool floats = type == DType::kF16 || type == DType::kBF16 || type == DType::kF32;
   switch (isa) {
     case Isa::kAvx512: return floats ? DotUnit::kAvx512Fma : DotUnit::kAvx512Vnni;
-    case Isa::kAmx:  // Q8_0 on the tile unit in bf16 (at 16 tokens or more), the rest as avx512
-      return floats ? DotUnit::kAvx512Fma : type == DType::kQ8_0 ? DotUnit::kAmxBf16 : DotUnit::kAvx512Vnni;
+    case Isa::kAmx:  // every block type on the tile unit in bf16 (at 16 tokens or more)
+      return floats ? DotUnit::kAvx512Fma : DotUnit::kAmxBf16;
     case Isa::kAvx2Vnni: return floats ? DotUnit::kAvx2Fma : DotUnit::kAvxVnni;
     default:
       if (floats) return DotUnit::kAvx2Fma;

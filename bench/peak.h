@@ -37,7 +37,7 @@ int PeakMain(int argc, char** argv);
 
 // The instruction the matrix kernels of `isa` (resolved: not kAuto) run
 // their inner loops on for weights of `type`: integer dot products for the
-// quantized types, f32 FMAs for F16, BF16 and F32.
+// quantized types (amx: the bf16 tile unit), f32 FMAs for F16, BF16 and F32.
 DotUnit MatrixDotUnit(Isa isa, DType type);
 
 // The instruction the inner loops of the attention kernel named `kernel`
