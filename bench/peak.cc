@@ -125,8 +125,12 @@ __attribute__((target("avx2,fma"))) int64_t RunAvx2Fma(int64_t iters) {
 alignas(64) int8_t g_tile_bytes[16 * 64];
 
 // kBf16: TDPBF16PS instead (zero operands: no denormals, no overflow).
+// A product takes 16 cycles or more: a tenth of kIters' iterations runs long
+// enough (kAmxIterFraction).
+constexpr int kAmxIterFraction = 10;
 template <bool kBf16>
 __attribute__((target("amx-tile,amx-int8,amx-bf16"))) int64_t RunAmx(int64_t iters) {
+  iters /= kAmxIterFraction;
   AmxTileConfig cfg;
   for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
   const int64_t stride = 64;
@@ -250,14 +254,8 @@ double PeakGmacs(DotUnit unit, ThreadPool& pool) {
     case DotUnit::kAvx2Madd16: run = RunAvx2Madd<false>, macs_per_iter = 8 * 32; break;
     case DotUnit::kAvx512Fma: run = RunAvx512Fma, macs_per_iter = 8 * 16; break;
     case DotUnit::kAvx2Fma: run = RunAvx2Fma, macs_per_iter = 8 * 8; break;
-    case DotUnit::kAmxInt8: run = RunAmx<false>, macs_per_iter = 8 * 16 * 16 * 64; break;
-    case DotUnit::kAmxBf16: run = RunAmx<true>, macs_per_iter = 8 * 16 * 16 * 32; break;
-  }
-  if (unit == DotUnit::kAmxInt8 || unit == DotUnit::kAmxBf16) {
-    // 16 cycles or more per product: a tenth of the iterations takes long enough.
-    const auto tenth_int8 = [](int64_t iters) { return RunAmx<false>(iters / 10); };
-    const auto tenth_bf16 = [](int64_t iters) { return RunAmx<true>(iters / 10); };
-    return BestRate(unit == DotUnit::kAmxInt8 ? +tenth_int8 : +tenth_bf16, macs_per_iter / 10, pool);
+    case DotUnit::kAmxInt8: run = RunAmx<false>, macs_per_iter = 8.0 * 16 * 16 * 64 / kAmxIterFraction; break;
+    case DotUnit::kAmxBf16: run = RunAmx<true>, macs_per_iter = 8.0 * 16 * 16 * 32 / kAmxIterFraction; break;
   }
   return BestRate(run, macs_per_iter, pool);
 }

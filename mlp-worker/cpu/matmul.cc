@@ -420,10 +420,6 @@ const uint16_t* Activations::bf16(ThreadPool* pool) {
     const int64_t nb = cols_ / 32, tiles = (T_ + 15) / 16;
     bf16_.Resize(static_cast<size_t>(tiles) * nb * 1024);
     auto* out = reinterpret_cast<uint16_t*>(bf16_.data());
-    // The rows past T in the last tile (the buffer may hold an earlier x).
-    for (int t = T_; t < tiles * 16; ++t) {
-      for (int64_t b = 0; b < nb; ++b) std::memset(out + ((t / 16) * nb + b) * 512 + (t % 16) * 32, 0, 64);
-    }
     const auto rows = [&](int64_t begin, int64_t end, int) {
       for (int64_t t = begin; t < end; ++t) {
         internal::ToBf16TileRowAvx512(x_ + t * cols_, nb, out + (t / 16) * nb * 512 + (t % 16) * 32);

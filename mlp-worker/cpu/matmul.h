@@ -178,7 +178,8 @@ class Activations {
   const Q8& q8(ActFormat f, ThreadPool* pool = nullptr);
   // x rounded to bfloat16 (nearest even) in the amx set's tile order: per
   // tile of 16 tokens and block of 32 columns, 16 rows of 32 (1 KiB; rows
-  // past T are zero), tiles [T / 16 rounded up][cols / 32]. What the amx
+  // past T are left as they are: the last tile's loads take T % 16 rows),
+  // tiles [T / 16 rounded up][cols / 32]. What the amx
   // set's Q8_0 products read (cols % 32 == 0). Converted once per Set; needs
   // a CPU that runs the amx set.
   const uint16_t* bf16(ThreadPool* pool = nullptr);
