@@ -598,7 +598,8 @@ float RoundBf16(float x) {
 // row, pair, nibble or sub-block scale, or a lost chunk (1088, 2080 and 2560
 // columns cross the kernel's chunks of 1024) costs a whole product or more.
 // Checked at token counts that fill tile pairs, leave a single and a partial
-// tile, with a partial group (17, 129 rows), on 1 and 3 threads; below 16
+// tile, with a partial group (17, 129 rows), with groups in pairs and one
+// left over (48, 129 rows), on 1 and 3 threads; below 16
 // tokens the set is avx512 bit for bit.
 TEST(MatMul, AmxTilesMatchTheirBf16Oracle) {
   if (!MatIsaSupported(Isa::kAmx)) GTEST_SKIP() << "no AMX-BF16 on this CPU (or Linux refused the tile state)";
@@ -610,7 +611,7 @@ TEST(MatMul, AmxTilesMatchTheirBf16Oracle) {
   std::vector<int64_t> all_cols = ColsFor(type);
   if (Traits(type).block_elements == 32) all_cols.push_back(2080);
   for (int64_t cols : all_cols) {
-    for (int rows : {16, 17, 129}) {
+    for (int rows : {16, 17, 48, 129}) {
       const TestMatrix m = MakeMatrix(type, rows, cols, 41 * rows + cols);
       const QuantMatrix q = Repack(m);
       for (int T : {5, 16, 17, 31, 40, 77}) {

@@ -29,11 +29,17 @@
 //
 // Order of work per kernel call (a range of groups): chunks of kChunkBlocks
 // blocks (1024 columns) outside, so the chunk's activations (T x 2 KiB) stay
-// in L2 while every group of the range uses them; per group the chunk's
-// weights, dequantised into 32 KiB, serve every token tile, while the vector
-// units dequantise the next group's a line per block step (two buffers).
-// Measured on 5120 x 5120 at T = 256, 1 thread, Xeon family 6 model 207:
-// 0.52-0.55 of avx512's time; chunks of 16 or 8 blocks, 0.55-0.70.
+// in L2 while every group of the range uses them; per pair of groups the
+// chunk's weights, dequantised into 2 x 32 KiB, serve every token tile,
+// two token tiles at a time (2 x 2 C tiles), while the vector units
+// dequantise the next pair's, a line of each group per block step (two
+// buffers). Measured on 5120 x 5120 at T = 256, 1 thread, Xeon family 6
+// model 207, one group at a time: 0.52-0.55 of avx512's time; chunks of 16
+// or 8 blocks, 0.55-0.70. Pairs of groups (ellm-bench prefill, README
+// benchmark model, 4096 tokens, 2 threads, alternating with one group at a
+// time): matrix work 676-749 against 586-642 G multiply-adds/s (1.12-1.21x);
+// chunks of 16 blocks then ran no faster than single groups, chunks of 64
+// within the noise of 32, and prefetching the next A tiles slower.
 //
 // The tile instructions are inline assembly in the one function that loads
 // the tile configuration (DESIGN.md "Build facts": GCC 12 can drop a
@@ -73,16 +79,19 @@ constexpr int kTileTokens = 16;   // rows of A and C
 constexpr int kChunkBlocks = 32;  // blocks of 32 columns per chunk
 constexpr int kBlockBytes = 1024;  // one block of a group as a bf16 B tile
 
-// Tiles: tmm0, tmm1 C of two token tiles; tmm4, tmm5 their A; tmm6 B.
-// n: rows of C and A (16, or the last tile's).
+// Tiles: tmm0-tmm3 C, tile (x, y) = tmm(x + 2 y) for token tile x and group
+// y of a pair of each; tmm4, tmm5 A of the two token tiles; tmm6, tmm7 B of
+// the two groups. n: rows of C and A (16, or the last token tile's).
 AmxTileConfig MakeConfig(int n) {
   AmxTileConfig c;
-  for (int i : {0, 1, 4, 5}) {
+  for (int i = 0; i < 6; ++i) {
     c.rows[i] = static_cast<uint8_t>(n);
     c.colsb[i] = 64;
   }
-  c.rows[6] = 16;
-  c.colsb[6] = 64;
+  for (int i : {6, 7}) {
+    c.rows[i] = 16;
+    c.colsb[i] = 64;
+  }
   return c;
 }
 
@@ -228,6 +237,7 @@ struct Bf16Dequantizer {
     lines = static_cast<int>(8 * (end - first));
     out = dst;
   }
+  void Stop() { line = lines = 0; }  // nothing to do
   bool done() const { return line >= lines; }
 
   ELLM_AVX512_BF16_TARGET ELLM_INLINE void Step() {
@@ -268,24 +278,57 @@ struct Bf16Dequantizer {
   }
 };
 
+// The C tile `reg` (0-3) loaded from, stored to, or zeroed.
+ELLM_AMX_TARGET ELLM_INLINE void LoadC(int reg, const float* c, int64_t stride) {
+  switch (reg) {
+    case 0: __asm__ volatile("tileloadd (%0,%1,1), %%tmm0" : : "r"(c), "r"(stride) : "memory"); break;
+    case 1: __asm__ volatile("tileloadd (%0,%1,1), %%tmm1" : : "r"(c), "r"(stride) : "memory"); break;
+    case 2: __asm__ volatile("tileloadd (%0,%1,1), %%tmm2" : : "r"(c), "r"(stride) : "memory"); break;
+    default: __asm__ volatile("tileloadd (%0,%1,1), %%tmm3" : : "r"(c), "r"(stride) : "memory"); break;
+  }
+}
+ELLM_AMX_TARGET ELLM_INLINE void StoreC(int reg, float* c, int64_t stride) {
+  switch (reg) {
+    case 0: __asm__ volatile("tilestored %%tmm0, (%0,%1,1)" : : "r"(c), "r"(stride) : "memory"); break;
+    case 1: __asm__ volatile("tilestored %%tmm1, (%0,%1,1)" : : "r"(c), "r"(stride) : "memory"); break;
+    case 2: __asm__ volatile("tilestored %%tmm2, (%0,%1,1)" : : "r"(c), "r"(stride) : "memory"); break;
+    default: __asm__ volatile("tilestored %%tmm3, (%0,%1,1)" : : "r"(c), "r"(stride) : "memory"); break;
+  }
+}
+ELLM_AMX_TARGET ELLM_INLINE void ZeroC(int reg) {
+  switch (reg) {
+    case 0: __asm__ volatile("tilezero %%tmm0" ::: "memory"); break;
+    case 1: __asm__ volatile("tilezero %%tmm1" ::: "memory"); break;
+    case 2: __asm__ volatile("tilezero %%tmm2" ::: "memory"); break;
+    default: __asm__ volatile("tilezero %%tmm3" ::: "memory"); break;
+  }
+}
+
 // A block type, T >= kAmxMinTokens, groups [g_begin, g_end).
+//
+// Groups go in pairs (the last alone when their count is odd) and token
+// tiles in pairs (then a single full tile, then the partial one): each block
+// step loads two A and two B tiles for four products, so the A tiles, which
+// come from L2, are read once per two groups. Each C tile still sums its
+// blocks in column order, so the pairing changes no bit of y.
 template <DType kType>
 ELLM_AMX_TARGET void KernelAmxTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
   const QuantMatrix& w = *a.w;
   const int64_t nb = w.cols() / 32;
   const int T = a.T;
-  const int64_t a_stride = 64;  // bytes per token row of a tile
+  const int64_t ab_stride = 64;  // bytes per row of an A tile (a token) and of a B tile (a pair of columns)
   const auto a_tile = [&](int tile, int64_t b) {
     return reinterpret_cast<const uint8_t*>(a.bf16) + (tile * nb + b) * 1024;
   };
   const int full_tiles = T / kTileTokens, rest = T % kTileTokens;
-  // One chunk of one group as B tiles, twice: the tile unit reads one while
-  // the vector units fill the other with the next group's, a line per block
-  // step of the tile loop (the two run side by side).
-  AlignedBytes b_tiles[2];
+  // One chunk of each group of a pair as B tiles, twice: the tile unit reads
+  // one pair's while the vector units fill the other with the next pair's,
+  // a line of each group per block step of the tile loop.
+  AlignedBytes b_tiles[4];
   for (AlignedBytes& bt : b_tiles) bt.Resize(kChunkBlocks * kBlockBytes);
   const auto b_buffer = [&](int64_t g) {
-    return reinterpret_cast<uint16_t*>(b_tiles[(g - g_begin) & 1].data());
+    const int64_t i = g - g_begin;
+    return reinterpret_cast<uint16_t*>(b_tiles[((i / 2) & 1) * 2 + (i & 1)].data());
   };
   // The sums of a group with fewer than 16 rows live here, not in y.
   AlignedBytes partial;
@@ -293,56 +336,96 @@ ELLM_AMX_TARGET void KernelAmxTiles(const KernelArgs& a, int64_t g_begin, int64_
   if (has_partial) partial.Resize(static_cast<size_t>(T) * kGroupRows * sizeof(float));
   float* partial_sums = reinterpret_cast<float*>(partial.data());
   const AmxTileConfig full_cfg = MakeConfig(kTileTokens), rest_cfg = MakeConfig(rest == 0 ? 1 : rest);
-  Bf16Dequantizer<kType> next;
+  Bf16Dequantizer<kType> next[2];
+  // Starts dequantising the pair of groups from g (nothing past g_end).
+  const auto start_pair = [&](int64_t g, int64_t b0, int64_t b1) {
+    for (int y = 0; y < 2; ++y) {
+      if (g + y < g_end) {
+        next[y].Start(w, g + y, b0, b1, b_buffer(g + y));
+      } else {
+        next[y].Stop();
+      }
+    }
+  };
+  const auto step = [&]() ELLM_AMX_TARGET __attribute__((always_inline)) {
+    next[0].Step();
+    next[1].Step();
+  };
   for (int64_t b0 = 0; b0 < nb; b0 += kChunkBlocks) {
     const int64_t b1 = std::min(nb, b0 + kChunkBlocks);
     const bool first = b0 == 0;
-    next.Start(w, g_begin, b0, b1, b_buffer(g_begin));
-    while (!next.done()) next.Step();
-    for (int64_t g = g_begin; g < g_end; ++g) {
-      if (g + 1 < g_end) next.Start(w, g + 1, b0, b1, b_buffer(g + 1));
-      const bool in_y = ValidRows(w, g) == kGroupRows;
-      float* c_base = in_y ? a.y + g * kGroupRows : partial_sums;
-      const int64_t c_stride = (in_y ? a.ldy : kGroupRows) * 4;  // bytes per token
-      const uint8_t* bt = reinterpret_cast<const uint8_t*>(b_buffer(g));
-      const int64_t b_stride = 64;
-      // Token tiles in pairs (one B load serves both), then a single full
-      // tile, then the last partial one under its own configuration.
+    start_pair(g_begin, b0, b1);
+    while (!next[0].done() || !next[1].done()) step();
+    for (int64_t g = g_begin; g < g_end; g += 2) {
+      const int ng = g + 1 < g_end ? 2 : 1;  // groups of this pair
+      start_pair(g + 2, b0, b1);
+      float* c_base[2] = {};
+      int64_t c_stride[2] = {};  // bytes per token
+      const uint8_t* bt[2] = {};
+      for (int y = 0; y < ng; ++y) {
+        const bool in_y = ValidRows(w, g + y) == kGroupRows;
+        c_base[y] = in_y ? a.y + (g + y) * kGroupRows : partial_sums;
+        c_stride[y] = (in_y ? a.ldy : kGroupRows) * 4;
+        bt[y] = reinterpret_cast<const uint8_t*>(b_buffer(g + y));
+      }
+      // C tiles of token tiles [tile, tile + nt) and the pair's groups: in
+      // from y (zero on the first chunk) or out to it.
+      const auto c_tiles = [&](int tile, int nt, bool store) ELLM_AMX_TARGET __attribute__((always_inline)) {
+        for (int y = 0; y < ng; ++y) {
+          for (int x = 0; x < nt; ++x) {
+            float* c = c_base[y] + static_cast<int64_t>(tile + x) * kTileTokens * (c_stride[y] / 4);
+            if (store) {
+              StoreC(x + 2 * y, c, c_stride[y]);
+            } else if (first) {
+              ZeroC(x + 2 * y);
+            } else {
+              LoadC(x + 2 * y, c, c_stride[y]);
+            }
+          }
+        }
+      };
       __asm__ volatile("" ::: "memory");
       __asm__ volatile("ldtilecfg %0" : : "m"(full_cfg) : "memory");
       int tile = 0;
       for (; tile + 2 <= full_tiles; tile += 2) {
-        float* c0 = c_base + static_cast<int64_t>(tile) * kTileTokens * (c_stride / 4);
-        float* c1 = c0 + kTileTokens * (c_stride / 4);
         const uint8_t* a0 = a_tile(tile, b0);
         const uint8_t* a1 = a_tile(tile + 1, b0);
-        if (first) {
-          __asm__ volatile("tilezero %%tmm0\n\ttilezero %%tmm1" ::: "memory");
+        c_tiles(tile, 2, false);
+        if (ng == 2) {
+          for (int64_t i = 0; i < b1 - b0; ++i) {
+            __asm__ volatile(
+                "tileloadd (%0,%4,1), %%tmm6\n\t"
+                "tileloadd (%1,%4,1), %%tmm7\n\t"
+                "tileloadd (%2,%4,1), %%tmm4\n\t"
+                "tdpbf16ps %%tmm6, %%tmm4, %%tmm0\n\t"
+                "tdpbf16ps %%tmm7, %%tmm4, %%tmm2\n\t"
+                "tileloadd (%3,%4,1), %%tmm5\n\t"
+                "tdpbf16ps %%tmm6, %%tmm5, %%tmm1\n\t"
+                "tdpbf16ps %%tmm7, %%tmm5, %%tmm3"
+                :
+                : "r"(bt[0] + i * kBlockBytes), "r"(bt[1] + i * kBlockBytes), "r"(a0 + 1024 * i),
+                  "r"(a1 + 1024 * i), "r"(ab_stride)
+                : "memory");
+            step();
+          }
         } else {
-          __asm__ volatile("tileloadd (%0,%2,1), %%tmm0\n\ttileloadd (%1,%2,1), %%tmm1"
-                           :
-                           : "r"(c0), "r"(c1), "r"(c_stride)
-                           : "memory");
+          for (int64_t i = 0; i < b1 - b0; ++i) {
+            __asm__ volatile(
+                "tileloadd (%0,%3,1), %%tmm6\n\t"
+                "tileloadd (%1,%3,1), %%tmm4\n\t"
+                "tileloadd (%2,%3,1), %%tmm5\n\t"
+                "tdpbf16ps %%tmm6, %%tmm4, %%tmm0\n\t"
+                "tdpbf16ps %%tmm6, %%tmm5, %%tmm1"
+                :
+                : "r"(bt[0] + i * kBlockBytes), "r"(a0 + 1024 * i), "r"(a1 + 1024 * i), "r"(ab_stride)
+                : "memory");
+            step();
+          }
         }
-        for (int64_t b = b0; b < b1; ++b) {
-          __asm__ volatile(
-              "tileloadd (%0,%3,1), %%tmm6\n\t"
-              "tileloadd (%1,%4,1), %%tmm4\n\t"
-              "tileloadd (%2,%4,1), %%tmm5\n\t"
-              "tdpbf16ps %%tmm6, %%tmm4, %%tmm0\n\t"
-              "tdpbf16ps %%tmm6, %%tmm5, %%tmm1"
-              :
-              : "r"(bt + (b - b0) * kBlockBytes), "r"(a0 + 1024 * (b - b0)), "r"(a1 + 1024 * (b - b0)),
-                "r"(b_stride), "r"(a_stride)
-              : "memory");
-          next.Step();
-        }
-        __asm__ volatile("tilestored %%tmm0, (%0,%2,1)\n\ttilestored %%tmm1, (%1,%2,1)"
-                         :
-                         : "r"(c0), "r"(c1), "r"(c_stride)
-                         : "memory");
+        c_tiles(tile, 2, true);
       }
-      // One tile alone: the full one left over (n = 16), then the partial one.
+      // One token tile alone: the full one left over (n = 16), then the
+      // partial one.
       for (int pass = 0; pass < 2; ++pass) {
         if (pass == 0 && tile == full_tiles) continue;
         if (pass == 1) {
@@ -350,26 +433,35 @@ ELLM_AMX_TARGET void KernelAmxTiles(const KernelArgs& a, int64_t g_begin, int64_
           __asm__ volatile("ldtilecfg %0" : : "m"(rest_cfg) : "memory");
           tile = full_tiles;
         }
-        float* c0 = c_base + static_cast<int64_t>(tile) * kTileTokens * (c_stride / 4);
         const uint8_t* a0 = a_tile(tile, b0);
-        if (first) {
-          __asm__ volatile("tilezero %%tmm0" ::: "memory");
-        } else {
-          __asm__ volatile("tileloadd (%0,%1,1), %%tmm0" : : "r"(c0), "r"(c_stride) : "memory");
+        c_tiles(tile, 1, false);
+        for (int64_t i = 0; i < b1 - b0; ++i) {
+          if (ng == 2) {
+            __asm__ volatile(
+                "tileloadd (%0,%3,1), %%tmm6\n\t"
+                "tileloadd (%1,%3,1), %%tmm7\n\t"
+                "tileloadd (%2,%3,1), %%tmm4\n\t"
+                "tdpbf16ps %%tmm6, %%tmm4, %%tmm0\n\t"
+                "tdpbf16ps %%tmm7, %%tmm4, %%tmm2"
+                :
+                : "r"(bt[0] + i * kBlockBytes), "r"(bt[1] + i * kBlockBytes), "r"(a0 + 1024 * i),
+                  "r"(ab_stride)
+                : "memory");
+          } else {
+            __asm__ volatile(
+                "tileloadd (%0,%2,1), %%tmm6\n\t"
+                "tileloadd (%1,%2,1), %%tmm4\n\t"
+                "tdpbf16ps %%tmm6, %%tmm4, %%tmm0"
+                :
+                : "r"(bt[0] + i * kBlockBytes), "r"(a0 + 1024 * i), "r"(ab_stride)
+                : "memory");
+          }
+          step();
         }
-        for (int64_t b = b0; b < b1; ++b) {
-          __asm__ volatile(
-              "tileloadd (%0,%2,1), %%tmm6\n\t"
-              "tileloadd (%1,%3,1), %%tmm4\n\t"
-              "tdpbf16ps %%tmm6, %%tmm4, %%tmm0"
-              :
-              : "r"(bt + (b - b0) * kBlockBytes), "r"(a0 + 1024 * (b - b0)), "r"(b_stride), "r"(a_stride)
-              : "memory");
-          next.Step();
-        }
-        __asm__ volatile("tilestored %%tmm0, (%0,%1,1)" : : "r"(c0), "r"(c_stride) : "memory");
+        c_tiles(tile, 1, true);
       }
-      while (!next.done()) next.Step();  // few token tiles: the rest of the next group's lines
+      // Few token tiles: the rest of the next pair's lines.
+      while (!next[0].done() || !next[1].done()) step();
     }
   }
   __asm__ volatile("tilerelease" ::: "memory");
