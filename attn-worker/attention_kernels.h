@@ -29,7 +29,15 @@
 //              it measured slower than avx512 (TILELOADD of K lines that are
 //              not yet in L1 stalls far longer than vector loads do, and the
 //              VNNI score loop is only part of the per-tile work), so auto
-//              never picks it.
+//              never picks it. Prefill items (16 tokens x 5 heads, hd 128)
+//              with both products on tiles, 16 (token, head) rows at a time
+//              (tried, not kept): only 5% faster than avx512 in `ellm-bench
+//              prefill` at 16K on Xeon family 6 model 207 (attention 15.3-
+//              15.7 against 16.1-16.4 s). What remains is vector work that
+//              this int8 scheme needs per pair of tiles and row (softmax,
+//              weight codes, and o += C x scale: 29% of the item time), and
+//              each hand-over between the units waits for the other's
+//              stores.
 //   avx2-vnni  AVX2 + FMA + F16C + AVX-VNNI (VEX VPDPBUSD), 8 lanes.
 //   avx2       AVX2 + FMA + F16C; int8 products with VPMADDUBSW + VPMADDWD,
 //              whose int16 pair sums need query codes within ±63 and weight

@@ -567,7 +567,10 @@ TEST(AttentionKernels, FewTokensAreCausal) {
 // amx computes the same int32 dot products as avx512 on the tile unit and
 // shares every other step with it, so its int8 results are bit-identical:
 // head dims with a tail of 16, 32 and 48 dims past the last 64, groups up to
-// a full tile (16 rows) and past it (the VNNI fallback), several tokens.
+// a full tile (16 rows) and past it (the VNNI fallback), several tokens: 3
+// tokens 37 positions apart, 7 tokens 9 apart (some see only the first tile
+// of a pair, some none of a chunk's last pair) and 16 consecutive ones (a
+// prefill step).
 TEST(AttentionKernels, AmxInt8IsBitIdenticalToAvx512) {
   absl::StatusOr<const AttentionKernel*> amx = SelectKernel(Isa::kAmx);
   if (!amx.ok()) GTEST_SKIP() << amx.status().message();
@@ -577,9 +580,10 @@ TEST(AttentionKernels, AmxInt8IsBitIdenticalToAvx512) {
     const int positions = 333;
     PagedKv kv(KvDType::kInt8, hd, positions, 32, gen);
     for (int group : {1, 5, 7, 12, 16, 20}) {
-      for (int n_tokens : {1, 3}) {
+      for (int n_tokens : {1, 3, 7, 16}) {
+        const int apart = n_tokens == 16 ? 1 : n_tokens == 7 ? 9 : 37;
         std::vector<int32_t> last(n_tokens);
-        for (int i = 0; i < n_tokens; ++i) last[i] = positions - 1 - 37 * (n_tokens - 1 - i);
+        for (int i = 0; i < n_tokens; ++i) last[i] = positions - 1 - apart * (n_tokens - 1 - i);
         const std::vector<float> q = Normal(static_cast<size_t>(n_tokens) * group * hd, gen, 3.0f);
         for (int chunk : {32, 160}) {
           const std::vector<float> a = RunChunks(avx512, kv.view(), q.data(), n_tokens, group, last, chunk);
