@@ -54,6 +54,11 @@
 #define ELLM_AMX_TARGET                                                                        \
   __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c," \
                         "fma,bmi,bmi2")))
+// The prefill part of the amx kernel (AttendRowsBf16) also converts to
+// bfloat16 and runs TDPBF16PS: CpuHas(amx) includes AVX512-BF16 and AMX-BF16.
+#define ELLM_AMX_BF16_TARGET                                                                   \
+  __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,"      \
+                        "avx512vnni,avx512bf16,f16c,fma,bmi,bmi2")))
 
 namespace ellm::attn::internal {
 namespace {
@@ -606,6 +611,329 @@ ELLM_TARGET ELLM_INLINE void AmxScores(const uint8_t* k, const int8_t* q, int64_
   }
 }
 
+// --- amx prefill chunks: p·V in bfloat16 on the tile unit --------------------
+//
+// A chunk of several tokens (prefill; hp % 64 == 0, hp <= kAmxRowsMaxDim,
+// group <= 16) takes its rows r = (token, head), 16 at a time, through both
+// products on the tile unit, kQuad = 4 tiles (64 positions) a step:
+//   scores  C[row][position] = sum over dims of query code x K code: TDPBSUD
+//           as in decode (exact int32), A = the rows' query codes;
+//   softmax per row in vectors, as avx512's: s, the running reference m,
+//           p = 2^(s - m), d += p;
+//   p·V     o[row][dim] += sum over the step's 64 positions of p x v in
+//           bfloat16 with fp32 sums: TDPBF16PS with A = the rows' p (bf16,
+//           two tiles of 32 positions), B = the step's V dequantised once for
+//           all rows (v = scale x (code + 128) + min, rounded to bf16), C =
+//           o itself, carried across the chunk in memory (o_rows).
+// So there are no int8 weight codes, no per-pair weight scale and no vector
+// update of o per pair: the tile unit adds p·V straight into o, the vector
+// units do the softmax and the V conversion (shared by every row). Results
+// differ from avx512's by rounding (p and v in bf16, 8 bits of mantissa,
+// where avx512 codes p x vscale in 8 bits against the pair's maximum). A
+// token's result depends only on its own row, so not on the other tokens of
+// its chunk nor on the thread count; but a token alone in its chunk (decode,
+// or a one-token piece of a prompt) takes the int8 path, so a prompt's
+// rounding depends on how its prefill was cut into steps.
+// Measured (the prefill item bench, hd 128 and 64, one thread; ellm-bench
+// prefill at 16K), see attention_kernels.h.
+
+constexpr int kAmxRowsMaxDim = 256;
+constexpr int kQuad = 4;  // tiles a step
+constexpr int kRowsRing = kQuad + kAmxAhead + 2;  // score slots: a step's tiles and those computed ahead
+
+// The step's V (tiles t[0 .. n_tiles)) as bf16 B tiles, vbf + 1024 * dg for
+// dims [16 dg, 16 dg + 16): row k2 holds positions 2 k2 and 2 k2 + 1 of the
+// step as [16 dims][2] (rows 0-15 the first B tile, 16-31 the second). A
+// line of V codes (16 dims x 4 positions, [dim][position % 4]) becomes rows
+// 2 q and 2 q + 1 of its tile's 8: its 64 values as 4 vectors of 4 dims x 4
+// positions, scaled per position, rounded to bf16 in pairs of positions
+// (one dword per dim and pair), the even dwords row 2 q and the odd ones row
+// 2 q + 1. Positions from `valid` on (past every token of the chunk: their
+// bytes may be anything) and tiles past n_tiles are zero.
+ELLM_AMX_BF16_TARGET ELLM_INLINE void AmxBf16Values(const TileCtx* t, int n_tiles, int valid, int hp,
+                                                     uint16_t* vbf) {
+  alignas(64) static constexpr int32_t kPick[2][16] = {
+      {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+      {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+  const __m512i pick0 = _mm512_load_si512(kPick[0]), pick1 = _mm512_load_si512(kPick[1]);
+  const __m512i lane_pos = _mm512_and_si512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(3));
+  const int n_dg = hp / 16;
+  for (int x = 0; x < kQuad; ++x) {
+    if (x >= n_tiles) {
+      for (int dg = 0; dg < n_dg; ++dg) {
+        for (int row = 8 * x; row < 8 * x + 8; ++row) {
+          _mm512_store_si512(vbf + 1024 * dg + 32 * row, _mm512_setzero_si512());
+        }
+      }
+      continue;
+    }
+    for (int q = 0; q < 4; ++q) {
+      // Lane l: position 4 q + l % 4 of the tile.
+      const __m512i pos = _mm512_add_epi32(lane_pos, _mm512_set1_epi32(4 * q));
+      const __mmask16 ok = _mm512_cmplt_epi32_mask(_mm512_add_epi32(pos, _mm512_set1_epi32(16 * x)),
+                                                   _mm512_set1_epi32(valid));
+      const __m512 scale = _mm512_permutexvar_ps(pos, t[x].vscale);
+      const __m512 bias = _mm512_permutexvar_ps(pos, t[x].vbias);
+      for (int dg = 0; dg < n_dg; ++dg) {
+        const __m512i line = _mm512_loadu_si512(t[x].v + 64 * (4 * dg + q));
+        __m512 f[4];
+        for (int c = 0; c < 4; ++c) {
+          const __m512i codes = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(line, c));
+          f[c] = _mm512_maskz_fmadd_ps(ok, _mm512_cvtepi32_ps(codes), scale, bias);
+        }
+        const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+        const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+        uint16_t* rows = vbf + 1024 * dg + 32 * (8 * x + 2 * q);
+        _mm512_store_si512(rows, _mm512_permutex2var_epi32(lo, pick0, hi));
+        _mm512_store_si512(rows + 32, _mm512_permutex2var_epi32(lo, pick1, hi));
+      }
+    }
+  }
+}
+
+// The tile configuration of AttendRowsBf16: tmm0 A (16 rows x 64 query
+// codes), tmm1 B (a K tile's 16 lines of 64 dims), tmm2 / tmm3 A (16 rows
+// x 32 p in bf16: the step's first and last 32 positions), tmm4-tmm7 C (16
+// rows x 16 int32 scores or fp32 o); in p·V, tmm0 and tmm1 hold the B tiles
+// (16 rows x 64 bytes of V in bf16). All of 16 rows x 64 bytes.
+AmxTileConfig MakeAmxRowsConfig() {
+  AmxTileConfig c;
+  for (int i = 0; i < 8; ++i) {
+    c.rows[i] = 16;
+    c.colsb[i] = 64;
+  }
+  return c;
+}
+
+// Scores of one K tile (codes at k) for every row, 16 at a time (C in tmm4
+// to tmm7 in turn, so that the tile unit need not wait for a store before
+// the next product): scores[row][16] int32. qbuf: [rows][hp] query codes,
+// zero past n_rows up to a multiple of 16.
+ELLM_TARGET ELLM_INLINE void AmxRowScores(const uint8_t* k, const int8_t* qbuf, int n_rows, int hp,
+                                          int32_t* scores) {
+  const int64_t hp64 = hp, line = 64;
+#define ELLM_ROW_SCORES(C)                                                       \
+  do {                                                                           \
+    __asm__ volatile("tilezero %%" C ::: "memory");                              \
+    for (int kb = 0; kb < hp / 64; ++kb) {                                       \
+      __asm__ volatile("tileloadd (%0,%1,1), %%tmm0\n\t"                         \
+                       "tileloadd (%2,%3,1), %%tmm1\n\t"                         \
+                       "tdpbsud %%tmm1, %%tmm0, %%" C                            \
+                       :                                                         \
+                       : "r"(qbuf + static_cast<int64_t>(r0) * hp + 64 * kb),   \
+                         "r"(hp64), "r"(k + 1024 * kb), "r"(line)                \
+                       : "memory");                                              \
+    }                                                                            \
+    __asm__ volatile("tilestored %%" C ", (%0,%1,1)"                             \
+                     :                                                           \
+                     : "r"(scores + 16 * r0), "r"(line)                          \
+                     : "memory");                                                \
+  } while (0)
+  for (int r0 = 0; r0 < n_rows; r0 += 16) {
+    switch (r0 / 16 % 4) {
+      case 0: ELLM_ROW_SCORES("tmm4"); break;
+      case 1: ELLM_ROW_SCORES("tmm5"); break;
+      case 2: ELLM_ROW_SCORES("tmm6"); break;
+      default: ELLM_ROW_SCORES("tmm7"); break;
+    }
+  }
+#undef ELLM_ROW_SCORES
+}
+
+// o[16 rows][hp] (o_rows + r0 * hp, fp32) += p[16 rows][64] (pbuf + r0 * 64,
+// bf16) x the step's V (vbf), 2 groups of 16 dims per asm statement: C in
+// tmm4-tmm7, B in tmm0 and tmm1.
+ELLM_TARGET ELLM_INLINE void AmxRowValues(int r0, const uint16_t* pbuf, const uint16_t* vbf, float* o_rows,
+                                          int hp) {
+  const int64_t line = 64, p_stride = 128, c_stride = static_cast<int64_t>(hp) * 4;
+  __asm__ volatile(
+      "tileloadd (%0,%1,1), %%tmm2\n\t"
+      "tileloadd 64(%0,%1,1), %%tmm3"
+      :
+      : "r"(pbuf + 64 * r0), "r"(p_stride)
+      : "memory");
+  for (int dg = 0; dg < hp / 16; dg += 2) {
+    if (dg % 4 == 0) {
+      __asm__ volatile(
+          "tileloadd (%0,%2,1), %%tmm4\n\t"
+          "tileloadd 64(%0,%2,1), %%tmm5\n\t"
+          "tileloadd (%1,%3,1), %%tmm0\n\t"
+          "tileloadd 1024(%1,%3,1), %%tmm1\n\t"
+          "tdpbf16ps %%tmm0, %%tmm2, %%tmm4\n\t"
+          "tdpbf16ps %%tmm1, %%tmm3, %%tmm4\n\t"
+          "tileloadd 2048(%1,%3,1), %%tmm0\n\t"
+          "tileloadd 3072(%1,%3,1), %%tmm1\n\t"
+          "tdpbf16ps %%tmm0, %%tmm2, %%tmm5\n\t"
+          "tdpbf16ps %%tmm1, %%tmm3, %%tmm5\n\t"
+          "tilestored %%tmm4, (%0,%2,1)\n\t"
+          "tilestored %%tmm5, 64(%0,%2,1)"
+          :
+          : "r"(o_rows + static_cast<int64_t>(r0) * hp + 16 * dg), "r"(vbf + 1024 * dg), "r"(c_stride),
+            "r"(line)
+          : "memory");
+    } else {
+      __asm__ volatile(
+          "tileloadd (%0,%2,1), %%tmm6\n\t"
+          "tileloadd 64(%0,%2,1), %%tmm7\n\t"
+          "tileloadd (%1,%3,1), %%tmm0\n\t"
+          "tileloadd 1024(%1,%3,1), %%tmm1\n\t"
+          "tdpbf16ps %%tmm0, %%tmm2, %%tmm6\n\t"
+          "tdpbf16ps %%tmm1, %%tmm3, %%tmm6\n\t"
+          "tileloadd 2048(%1,%3,1), %%tmm0\n\t"
+          "tileloadd 3072(%1,%3,1), %%tmm1\n\t"
+          "tdpbf16ps %%tmm0, %%tmm2, %%tmm7\n\t"
+          "tdpbf16ps %%tmm1, %%tmm3, %%tmm7\n\t"
+          "tilestored %%tmm6, (%0,%2,1)\n\t"
+          "tilestored %%tmm7, 64(%0,%2,1)"
+          :
+          : "r"(o_rows + static_cast<int64_t>(r0) * hp + 16 * dg), "r"(vbf + 1024 * dg), "r"(c_stride),
+            "r"(line)
+          : "memory");
+    }
+  }
+}
+
+// One row's softmax step over the step's tiles (dots[x]: tile x's 16 int32
+// dot products; tiles the row's token does not see, and positions past its
+// last, are masked): raises the reference score m (part[hp]) when a score
+// passes it by more than kMaxSlack, rescaling the row's o and d's lanes;
+// then p = 2^(s - m), added to d's lanes and written to prow as 64 bf16.
+ELLM_AMX_BF16_TARGET ELLM_INLINE void AmxRowWeights(const TileCtx* t, int mine, const int32_t* const* dots,
+                                                     float code_scale, int32_t code_sum, float* part, float* o,
+                                                     int hp, HeadScratch* h, uint16_t* prow) {
+  __m512 s[kQuad];
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int x = 0; x < kQuad; ++x) {
+    if (x >= mine) {
+      s[x] = _mm512_set1_ps(-INFINITY);
+      continue;
+    }
+    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[x])), t[x].kscale,
+                                     _mm512_mul_ps(t[x].kmin, _mm512_set1_ps(static_cast<float>(code_sum))));
+    s[x] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), t[x].valid, v, _mm512_set1_ps(code_scale));
+    top = _mm512_max_ps(top, s[x]);
+  }
+  float& m = part[hp];
+  if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(m + kMaxSlack), _CMP_GT_OQ) != 0) {
+    const float tmax = _mm512_reduce_max_ps(top);
+    if (m != -INFINITY) {
+      const __m512 alpha = Exp2(_mm512_set1_ps(m - tmax));
+      for (int i = 0; i < hp; i += 16) _mm512_store_ps(o + i, _mm512_mul_ps(_mm512_load_ps(o + i), alpha));
+      _mm512_storeu_ps(h->dvec, _mm512_mul_ps(_mm512_loadu_ps(h->dvec), alpha));
+    }
+    m = tmax;
+  }
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 p[kQuad];
+  __m512 d = _mm512_loadu_ps(h->dvec);
+  for (int x = 0; x < kQuad; ++x) {
+    p[x] = x < mine ? _mm512_maskz_mov_ps(t[x].valid, Exp2(_mm512_sub_ps(s[x], mv))) : _mm512_setzero_ps();
+    d = _mm512_add_ps(d, p[x]);
+  }
+  _mm512_storeu_ps(h->dvec, d);
+  _mm512_store_si512(prow, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+  _mm512_store_si512(prow + 32, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
+}
+
+// The per-thread buffers of AttendRowsBf16 (512 KiB at most: 256 rows, hp 256).
+struct RowsBuffers {
+  AlignedArray<float> o_rows;     // [rows][hp] o, summed by the tile unit
+  AlignedArray<int8_t> qbuf;      // [rows][hp] query codes
+  AlignedArray<int32_t> scores;   // kRowsRing slots of [rows][16] int32
+  AlignedArray<uint16_t> pbuf;    // [rows][64] p in bf16
+  AlignedArray<uint16_t> vbf;     // [hp / 16][32][32] V in bf16
+};
+
+// A prefill chunk, as the header of this part says.
+ELLM_AMX_BF16_TARGET void AttendRowsBf16(const ChunkArgs& a) {
+  const int hp = a.kv.format.padded_dim, pf = PartialFloats(hp);
+  const int n_rows = a.n_tokens * a.group, rows16 = (n_rows + 15) / 16 * 16;
+  const QueryPrep& prep = *a.q;
+  HeadScratch* scratch = reinterpret_cast<HeadScratch*>(a.scratch);
+  const ChunkStart c = StartChunk(a);
+  const int end = c.end, prefetch_end = c.prefetch_end, dist = c.prefetch_tiles + kAmxAhead;
+  thread_local RowsBuffers buf;
+  buf.o_rows.Resize(static_cast<size_t>(rows16) * hp);
+  buf.qbuf.Resize(static_cast<size_t>(rows16) * hp);
+  buf.scores.Resize(static_cast<size_t>(kRowsRing) * rows16 * 16);
+  buf.pbuf.Resize(static_cast<size_t>(rows16) * 64);
+  buf.vbf.Resize(static_cast<size_t>(hp) / 16 * 1024);
+  float* o_rows = buf.o_rows.data();
+  int8_t* qbuf = buf.qbuf.data();
+  uint16_t* pbuf = buf.pbuf.data();
+  std::fill_n(o_rows, static_cast<size_t>(rows16) * hp, 0.0f);
+  const int8_t* q0 = prep.codes.data() + static_cast<size_t>(a.q_row0) * hp;
+  for (int i = 0; i < a.n_tokens; ++i) {
+    std::memcpy(qbuf + static_cast<size_t>(i) * a.group * hp, q0 + static_cast<size_t>(i) * a.q_token_stride * hp,
+                static_cast<size_t>(a.group) * hp);
+  }
+  std::memset(qbuf + static_cast<size_t>(n_rows) * hp, 0, static_cast<size_t>(rows16 - n_rows) * hp);
+  std::memset(pbuf + static_cast<size_t>(n_rows) * 64, 0, static_cast<size_t>(rows16 - n_rows) * 128);
+  const auto slot = [&](int tile) { return buf.scores.data() + static_cast<size_t>(tile % kRowsRing) * rows16 * 16; };
+  const AmxTileConfig cfg = MakeAmxRowsConfig();
+  __asm__ volatile("" ::: "memory");
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+  int scored = 0;  // tiles of the chunk whose scores are computed (kAmxAhead ahead of use)
+  TileCtx t[kQuad];
+  for (int pos = a.pos_begin, n = 0; pos < end;) {
+    const int n_tiles = std::min(kQuad, (end - pos + kTile - 1) / kTile);
+    for (; scored < n + n_tiles + kAmxAhead && a.pos_begin + scored * kTile < end; ++scored) {
+      AmxRowScores(a.kv.KeyTile(a.pos_begin + scored * kTile) + 64, qbuf, n_rows, hp, slot(scored));
+    }
+    for (int x = 0; x < n_tiles; ++x) {
+      TileCtx& tx = t[x];
+      const int p = pos + x * kTile;
+      tx.hp = hp;
+      tx.k = a.kv.KeyTile(p) + 64;  // codes after the scale and min line
+      tx.v = tx.k + a.kv.value_offset;
+      tx.kscale = LoadHalves(tx.k - 64);
+      tx.kmin = LoadHalves(tx.k - 32);
+      tx.vscale = LoadHalves(tx.v - 64);
+      tx.vbias = _mm512_fmadd_ps(tx.vscale, _mm512_set1_ps(128.0f), LoadHalves(tx.v - 32));
+      const int ahead = p + n_tiles * dist * kTile;  // as far ahead in steps as a tile in decode
+      tx.pk = tx.pv = nullptr;
+      if (ahead < prefetch_end) {
+        tx.pk = reinterpret_cast<const char*>(a.kv.KeyTile(ahead));
+        tx.pv = tx.pk + a.kv.value_offset;
+        for (int l = 0; l <= hp / 4; ++l) PrefetchLine(tx, l);
+      }
+    }
+    AmxBf16Values(t, n_tiles, end - pos, hp, buf.vbf.data());
+    for (int i = 0; i < a.n_tokens; ++i) {
+      const int seen = std::min(a.pos_end, a.last_pos[i] + 1) - pos;
+      const int mine = seen <= 0 ? 0 : std::min(n_tiles, (seen + kTile - 1) / kTile);
+      for (int x = 0; x < mine; ++x) {
+        t[x].nvalid = std::min(seen - x * kTile, kTile);
+        t[x].valid = static_cast<__mmask16>((1u << t[x].nvalid) - 1);
+      }
+      for (int j = 0; j < a.group; ++j) {
+        const int r = i * a.group + j;
+        if (mine == 0) {
+          _mm512_store_si512(pbuf + 64 * r, _mm512_setzero_si512());
+          _mm512_store_si512(pbuf + 64 * r + 32, _mm512_setzero_si512());
+          continue;
+        }
+        const int32_t* dots[kQuad];
+        for (int x = 0; x < kQuad; ++x) dots[x] = slot(n + x) + 16 * r;
+        const int row = a.q_row0 + i * a.q_token_stride + j;
+        AmxRowWeights(t, mine, dots, prep.code_scale[row], prep.code_sum[row],
+                      a.partials + static_cast<size_t>(r) * pf, o_rows + static_cast<size_t>(r) * hp, hp,
+                      scratch + r, pbuf + 64 * r);
+      }
+    }
+    for (int r0 = 0; r0 < n_rows; r0 += 16) AmxRowValues(r0, pbuf, buf.vbf.data(), o_rows, hp);
+    pos += n_tiles * kTile;
+    n += n_tiles;
+  }
+  // o from the tile sums, d from its lanes.
+  for (int r = 0; r < n_rows; ++r) {
+    const Partial part(a.partials + static_cast<size_t>(r) * pf, hp);
+    std::memcpy(part.o(), o_rows + static_cast<size_t>(r) * hp, static_cast<size_t>(hp) * sizeof(float));
+    part.d() = _mm512_reduce_add_ps(_mm512_loadu_ps(scratch[r].dvec));
+  }
+}
+
 template <bool kInt8, bool kAmx = false>
 ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
   const int hp = a.kv.format.padded_dim, pf = PartialFloats(hp);
@@ -773,12 +1101,17 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
 void AttendF16Avx512(const ChunkArgs& args) { AttendChunk<false>(args); }
 void AttendInt8Avx512(const ChunkArgs& args) { AttendChunk<true>(args); }
 
-ELLM_AMX_TARGET void AttendInt8Amx(const ChunkArgs& args) {
+ELLM_AMX_BF16_TARGET void AttendInt8Amx(const ChunkArgs& args) {
   if (args.group > kAmxMaxGroup || args.n_tokens > kMaxChunkTokens) {
     AttendChunk<true>(args);  // more heads than tile rows: the VNNI path
     return;
   }
-  AttendChunk<true, true>(args);
+  const int hp = args.kv.format.padded_dim;
+  if (args.n_tokens > 1 && hp % 64 == 0 && hp <= kAmxRowsMaxDim) {
+    AttendRowsBf16(args);  // prefill
+  } else {
+    AttendChunk<true, true>(args);
+  }
   __asm__ volatile("tilerelease" ::: "memory");
 }
 

@@ -17,27 +17,33 @@
 //   avx512     AVX-512 F/BW/VL/VNNI + F16C. int8: scores with VPDPBUSD
 //              (K codes u8 x query codes s8), p·V with VPDPBUSD (weights u8
 //              x V codes s8); f16: VCVTPH2PS + FMA.
-//   amx        avx512 with the int8 scores (q·K) on the AMX tile unit:
-//              TDPBSUD with A = the query codes of the group's heads (s8,
-//              one row per head, up to 16) and B = the K tile's code lines as
-//              stored (u8, the VNNI layout), C = int32 scores [heads][16
-//              positions]; everything else (softmax, p·V) is avx512's code.
-//              f16 is avx512's. Needs AMX-TILE/INT8 and the kernel's
+//   amx        decode (one token a chunk): avx512 with the int8 scores
+//              (q·K) on the AMX tile unit: TDPBSUD with A = the query codes
+//              of the group's heads (s8, one row per head, up to 16) and B =
+//              the K tile's code lines as stored (u8, the VNNI layout), C =
+//              int32 scores [heads][16 positions]; everything else (softmax,
+//              p·V) is avx512's code. Bit-identical to avx512 (the int32 dot
+//              products are exact). On its own it measured slower than
+//              avx512 on the Sapphire Rapids VM (TILELOADD of K lines that
+//              are not yet in L1 stalls far longer than vector loads do, and
+//              the VNNI score loop is only part of the per-tile work).
+//              Prefill (several tokens a chunk, head dims a multiple of 64 up
+//              to 256, up to 16 heads): both products on tiles, 16 rows
+//              (token, head) at a time, p·V in bfloat16 with o summed by the
+//              tile unit (attention_avx512.cc, AttendRowsBf16). Its results
+//              differ from avx512's by rounding, and a token alone in its
+//              chunk takes the decode path, so a prompt's rounding depends
+//              on how its prefill was cut into steps: auto never picks amx.
+//              Measured on Xeon family 6 model 207, 2 threads, ellm-bench
+//              prefill at 16K with --matmul-isa amx: attention 11.4-12.9 s
+//              against avx512's 15.5-15.9 (784-873 against 696-708 tokens/s);
+//              the prefill item bench (one thread, hd 128 / 64): 298-316 /
+//              224 against 216 / 168 G multiply-adds/s. Kept the int8 scheme
+//              with p·V on tiles first (tried, not kept): 5% faster at 16K,
+//              as the per-pair weight codes and the vector update of o per
+//              pair and row (29% of the item time) stayed.
+//              Needs AMX-TILE/INT8/BF16, AVX512-BF16 and the kernel's
 //              permission for the tile state (arch_prctl, asked once).
-//              Bit-identical to avx512 (the int32 dot products are exact).
-//              Only used when forced: on this project's Sapphire Rapids VM
-//              it measured slower than avx512 (TILELOADD of K lines that are
-//              not yet in L1 stalls far longer than vector loads do, and the
-//              VNNI score loop is only part of the per-tile work), so auto
-//              never picks it. Prefill items (16 tokens x 5 heads, hd 128)
-//              with both products on tiles, 16 (token, head) rows at a time
-//              (tried, not kept): only 5% faster than avx512 in `ellm-bench
-//              prefill` at 16K on Xeon family 6 model 207 (attention 15.3-
-//              15.7 against 16.1-16.4 s). What remains is vector work that
-//              this int8 scheme needs per pair of tiles and row (softmax,
-//              weight codes, and o += C x scale: 29% of the item time), and
-//              each hand-over between the units waits for the other's
-//              stores.
 //   avx2-vnni  AVX2 + FMA + F16C + AVX-VNNI (VEX VPDPBUSD), 8 lanes.
 //   avx2       AVX2 + FMA + F16C; int8 products with VPMADDUBSW + VPMADDWD,
 //              whose int16 pair sums need query codes within ±63 and weight

@@ -85,8 +85,9 @@ Args Flags() {
          "KV cache element type: int8 (per-position asymmetric codes, f16 scale and min), "
          "f16, or f32 (bit-exact with the fp32 reference forward)");
   a.Flag("attn-kernel", "auto",
-         "attention kernel for int8/f16: auto (the fastest this CPU runs), reference, avx2, "
-         "avx2-vnni, avx512 or amx");
+         "attention kernel for int8/f16: auto (the fastest batch-independent one this CPU runs), "
+         "reference, avx2, avx2-vnni, avx512 or amx (int8 prefill on the AMX tile unit, p·V in bf16: "
+         "a token's rounding then depends on how its prompt was cut into steps)");
   a.Flag("kv-store", "",
          "folder of the KV store: prefix-cache blocks written to disk, loaded back on a match "
          "(empty: none)");

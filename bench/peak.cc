@@ -319,8 +319,9 @@ DotUnit MatrixDotUnit(Isa isa, DType type) {
   }
 }
 
-DotUnit AttentionDotUnit(std::string_view kernel, KvDType dtype) {
+DotUnit AttentionDotUnit(std::string_view kernel, KvDType dtype, bool prefill) {
   const bool f16 = dtype != KvDType::kInt8;
+  if (prefill && !f16 && kernel.substr(0, 3) == "amx") return DotUnit::kAmxBf16;
   if (kernel.substr(0, 6) == "avx512" || kernel.substr(0, 3) == "amx") {
     return f16 ? DotUnit::kAvx512Fma : DotUnit::kAvx512Vnni;
   }

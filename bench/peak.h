@@ -43,6 +43,8 @@ DotUnit MatrixDotUnit(Isa isa, DType type);
 // The instruction the inner loops of the attention kernel named `kernel`
 // (AttentionKernel::name, e.g. "avx2-vnni") run for `dtype`: int8 on integer
 // dot products, f16 on f32 FMAs. The reference kernel is judged as avx2.
-DotUnit AttentionDotUnit(std::string_view kernel, KvDType dtype);
+// amx's int8 prefill (`prefill`: chunks of several tokens) runs q·K on
+// TDPBSUD and p·V on TDPBF16PS: it is held against the slower, TDPBF16PS.
+DotUnit AttentionDotUnit(std::string_view kernel, KvDType dtype, bool prefill = false);
 
 }  // namespace ellm::bench

@@ -122,7 +122,7 @@ int PrefillMain(int argc, char** argv) {
   attn::AttentionShard shard(geometry, cache->get(), &attn_pool, *kernel);
 
   const DotUnit matrix_unit = MatrixDotUnit(*isa, matrix_type);  // ParseMatIsa resolved "auto"
-  const DotUnit attention_unit = AttentionDotUnit(shard.kernel_name(), *dtype);
+  const DotUnit attention_unit = AttentionDotUnit(shard.kernel_name(), *dtype, /*prefill=*/true);
   // The peaks are measured before the first prompt and again after each, and
   // a prompt is held against the mean of the measurements around it: on a
   // shared VM they moved from 480 to 880 GMAC/s within minutes.

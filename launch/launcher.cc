@@ -651,7 +651,8 @@ int Main(int argc, char** argv) {
             "weights are multiplied with: 8, or 7 (prefill's matrix work about 20% faster, at about twice "
             "the activation rounding); the other kernel sets always take 8");
   args.Flag("attn-kernel", "auto", "force the attention kernel: reference, avx2, avx2-vnni, avx512 or "
-            "amx (default: the fastest this CPU runs)");
+            "amx (int8 prefill on the AMX tile unit with p·V in bf16; results then depend on how prompts "
+            "are cut into steps) (default: the fastest batch-independent kernel this CPU runs)");
   args.Flag("bin-dir", "", "folder holding ellm-attn-worker, ellm-mlp-worker, ellm-coordinator");
   args.Flag("log-level", "info", "debug, info, warning or error");
   args.Flag("no-numactl", "", "do not wrap the workers in numactl (it binds each attention worker's CPUs and "

@@ -564,23 +564,26 @@ TEST(AttentionKernels, FewTokensAreCausal) {
   }
 }
 
-// amx computes the same int32 dot products as avx512 on the tile unit and
-// shares every other step with it, so its int8 results are bit-identical:
-// head dims with a tail of 16, 32 and 48 dims past the last 64, groups up to
-// a full tile (16 rows) and past it (the VNNI fallback), several tokens: 3
+// amx on one token (decode) computes the same int32 dot products as avx512
+// on the tile unit and shares every other step with it, so its int8 results
+// are bit-identical: head dims with a tail of 16, 32 and 48 dims past the
+// last 64, groups up to a full tile (16 rows) and past it (the VNNI
+// fallback). Several tokens take the same path where the bf16 prefill path
+// does not apply (head dims not a multiple of 64, more than 16 heads): 3
 // tokens 37 positions apart, 7 tokens 9 apart (some see only the first tile
-// of a pair, some none of a chunk's last pair) and 16 consecutive ones (a
-// prefill step).
+// of a pair, some none of a chunk's last pair) and 16 consecutive ones.
 TEST(AttentionKernels, AmxInt8IsBitIdenticalToAvx512) {
   absl::StatusOr<const AttentionKernel*> amx = SelectKernel(Isa::kAmx);
   if (!amx.ok()) GTEST_SKIP() << amx.status().message();
   const AttentionKernel& avx512 = **SelectKernel(Isa::kAvx512);
   std::mt19937 gen(8);
+  int compared = 0;
   for (int hd : {40, 64, 80, 128, 176, 256}) {
     const int positions = 333;
     PagedKv kv(KvDType::kInt8, hd, positions, 32, gen);
     for (int group : {1, 5, 7, 12, 16, 20}) {
       for (int n_tokens : {1, 3, 7, 16}) {
+        if (n_tokens > 1 && hd % 64 == 0 && hd <= 256 && group <= 16) continue;  // bf16 prefill
         const int apart = n_tokens == 16 ? 1 : n_tokens == 7 ? 9 : 37;
         std::vector<int32_t> last(n_tokens);
         for (int i = 0; i < n_tokens; ++i) last[i] = positions - 1 - apart * (n_tokens - 1 - i);
@@ -590,10 +593,63 @@ TEST(AttentionKernels, AmxInt8IsBitIdenticalToAvx512) {
           const std::vector<float> b = RunChunks(**amx, kv.view(), q.data(), n_tokens, group, last, chunk);
           ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)))
               << "hd " << hd << " gqa " << group << " tokens " << n_tokens << " chunk " << chunk;
+          ++compared;
         }
       }
     }
   }
+  EXPECT_GT(compared, 100);
+}
+
+// amx on several tokens with head dims a multiple of 64 (prefill) runs p·V
+// in bf16 on tiles, row (token, head) by row: within the oracle's budget at
+// head dims 64, 128 and 256, 1 to 16 heads, 2 to 16 tokens (runs of
+// consecutive positions, and tokens that see only part of a step of 64
+// positions or none of a chunk), scores that rise so that o is rescaled,
+// chunks of 64 and 1024 positions; and each token's result is its own: the
+// same bits when it is computed alone with one other token (the row
+// independence the shard's batching relies on).
+TEST(AttentionKernels, AmxPrefillRowsMatchTheOracleAndEachOther) {
+  absl::StatusOr<const AttentionKernel*> amx = SelectKernel(Isa::kAmx);
+  if (!amx.ok()) GTEST_SKIP() << amx.status().message();
+  std::mt19937 gen(9);
+  double worst = 0;
+  for (int hd : {64, 128, 256}) {
+    for (float rise : {0.0f, 0.2f}) {  // base-2 units per position, as RisingAndFalling...
+      const float trend = rise * std::sqrt(static_cast<float>(hd)) / static_cast<float>(M_LOG2E);
+      const int positions = 1000;
+      PagedKv kv(KvDType::kInt8, hd, positions, 32, gen, trend);
+      for (int group : {1, 5, 16}) {
+        for (int n_tokens : {2, 9, 16}) {
+          std::vector<int32_t> last(n_tokens);
+          for (int i = 0; i < n_tokens; ++i) {
+            last[i] = n_tokens == 9 ? 37 * i + 600 : positions - n_tokens + i;  // 9: spread out
+          }
+          std::vector<float> q = Normal(static_cast<size_t>(n_tokens) * group * hd, gen, rise > 0 ? 1.0f : 2.0f);
+          if (rise > 0) {
+            for (int r = 0; r < n_tokens * group; ++r) q[static_cast<size_t>(r) * hd] = 1.0f;
+          }
+          for (int chunk : {64, 1024}) {
+            const std::vector<float> out = RunChunks(**amx, kv.view(), q.data(), n_tokens, group, last, chunk);
+            const double err = WorstError(out, q.data(), kv.k_stored(), kv.v_stored(), last, group, hd);
+            worst = std::max(worst, err);
+            ASSERT_LE(err, Budget(**amx, KvDType::kInt8))
+                << "hd " << hd << " gqa " << group << " tokens " << n_tokens << " chunk " << chunk;
+            // Tokens 0 and n - 1 again, as a chunk of their own.
+            const size_t row = static_cast<size_t>(group) * hd;
+            std::vector<float> q2(q.begin(), q.begin() + row);
+            q2.insert(q2.end(), q.end() - row, q.end());
+            const std::vector<int32_t> last2 = {last.front(), last.back()};
+            const std::vector<float> out2 = RunChunks(**amx, kv.view(), q2.data(), 2, group, last2, chunk);
+            ASSERT_EQ(0, std::memcmp(out2.data(), out.data(), row * sizeof(float))) << "first token, hd " << hd;
+            ASSERT_EQ(0, std::memcmp(out2.data() + row, out.data() + out.size() - row, row * sizeof(float)))
+                << "last token, hd " << hd << " gqa " << group << " tokens " << n_tokens;
+          }
+        }
+      }
+    }
+  }
+  std::printf("amx prefill rows: worst error / max|v| %.2e\n", worst);
 }
 
 TEST(AttentionKernels, Int8CacheStaysCloseToTheFp32Data) {
@@ -731,12 +787,15 @@ TEST(AttentionShardKernels, ResultsDoNotDependOnBatchingOrThreads) {
         alone.insert(alone.end(), o.begin(), o.end());
       }
       // Run 2: A next to B, three threads, in different pieces: prefill chunks
-      // of 16 and 9 tokens (parallel chunk items), then decodes.
+      // of 16 and 9 tokens (parallel chunk items), then decodes. (amx int8
+      // computes a token in a chunk of several in bf16 and one alone in int8:
+      // for it the prefill pieces end where run 1's does.)
+      const bool by_chunk_size = k->name == "amx" && dtype == KvDType::kInt8;
       ShardRun r2 = MakeShard(g, dtype, 3, k);
       std::vector<float> together;
       int pa = 0, pb = 0;
       while (pa < n) {
-        const int na = pa < 200 ? std::min(pa % 2 ? 9 : 16, n - pa) : 1;
+        const int na = pa < 200 ? std::min(pa % 2 ? 9 : 16, (by_chunk_size ? 200 : n) - pa) : 1;
         const int nb = std::min(pb < 100 ? 13 : 1, n - pb);
         std::vector<std::tuple<uint64_t, const SeqData*, int, int>> slices;
         if (nb > 0) slices.emplace_back(3, &b, pb, nb);
