@@ -324,6 +324,7 @@ int E2eMain(int argc, char** argv) {
   args.Flag("kv-dtype", "int8", "KV cache dtype of the launched system (int8, f16, f32)");
   args.Flag("attn-workers", "0", "attention workers of the launched system (0: one per node)");
   args.Flag("matmul-isa", "auto", "matrix kernels of the launched system (ellm-launch --matmul-isa)");
+  args.Flag("attn-kernel", "auto", "attention kernel of the launched system (ellm-launch --attn-kernel)");
   args.Flag("server", "", "use a running ellm at HOST:PORT instead of launching one");
   args.Flag("prefill-tokens", "512", "prompt length of the prefill-throughput measurement (0: skip)");
   args.Flag("plot", "", "write a PNG of ms/token against context with the bound (needs gnuplot)");
@@ -429,7 +430,8 @@ int E2eMain(int argc, char** argv) {
         bin_dir + "/ellm-launch", "--bin-dir=" + bin_dir, "--model=" + model_path,
         absl::StrCat("--port=", *port), "--kv-dtype=" + args.Get("kv-dtype"),
         absl::StrCat("--kv-cache-mb=", kv_mb), "--max-batch=2", "--ready-timeout=600",
-        absl::StrCat("--attn-workers=", args.Get("attn-workers")), "--matmul-isa=" + args.Get("matmul-isa")};
+        absl::StrCat("--attn-workers=", args.Get("attn-workers")), "--matmul-isa=" + args.Get("matmul-isa"),
+        "--attn-kernel=" + args.Get("attn-kernel")};
     std::printf("# cpu=%s probe_gb_per_s=%.1f\n", CpuModelName().c_str(), probe_gb_per_s);
     const std::string input = args.Get("turn-input");
     if (input != "text" && input != "ids") {
@@ -458,7 +460,8 @@ int E2eMain(int argc, char** argv) {
         bin_dir + "/ellm-launch", "--bin-dir=" + bin_dir, "--model=" + model_path,
         absl::StrCat("--port=", *port), "--kv-dtype=" + args.Get("kv-dtype"),
         absl::StrCat("--kv-cache-mb=", kv_mb), "--max-batch=2", "--ready-timeout=600",
-        absl::StrCat("--attn-workers=", args.Get("attn-workers")), "--matmul-isa=" + args.Get("matmul-isa")};
+        absl::StrCat("--attn-workers=", args.Get("attn-workers")), "--matmul-isa=" + args.Get("matmul-isa"),
+        "--attn-kernel=" + args.Get("attn-kernel")};
     if (args.GetBool("no-prefix-cache")) launch.push_back("--no-prefix-cache");
     absl::Status st = launched.Start(launch);
     if (!st.ok()) {
