@@ -677,10 +677,11 @@ ELLM_AMX_BF16_TARGET ELLM_INLINE void AmxBf16Values(const TileCtx* t, int n_tile
       const __m512 bias = _mm512_permutexvar_ps(pos, t[x].vbias);
       for (int dg = 0; dg < n_dg; ++dg) {
         const __m512i line = _mm512_loadu_si512(t[x].v + 64 * (4 * dg + q));
+        const __m128i quarter[4] = {_mm512_castsi512_si128(line), _mm512_extracti32x4_epi32(line, 1),
+                                    _mm512_extracti32x4_epi32(line, 2), _mm512_extracti32x4_epi32(line, 3)};
         __m512 f[4];
         for (int c = 0; c < 4; ++c) {
-          const __m512i codes = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(line, c));
-          f[c] = _mm512_maskz_fmadd_ps(ok, _mm512_cvtepi32_ps(codes), scale, bias);
+          f[c] = _mm512_maskz_fmadd_ps(ok, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(quarter[c])), scale, bias);
         }
         const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
         const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
