@@ -34,6 +34,10 @@
 //              differ from avx512's by rounding, and a token alone in its
 //              chunk takes the decode path, so a prompt's rounding depends
 //              on how its prefill was cut into steps: auto never picks amx.
+//              (Decode through the same bf16 path, which would make amx's
+//              results batch-independent, read 0.40-0.49 of the read probe
+//              in `ellm-bench attention --positions 16K,64K --threads all`,
+//              against avx512's 0.71-0.98.)
 //              Measured on Xeon family 6 model 207, 2 threads, ellm-bench
 //              prefill at 16K with --matmul-isa amx: attention 11.4-12.9 s
 //              against avx512's 15.5-15.9 (784-873 against 696-708 tokens/s);
