@@ -45,18 +45,16 @@
 #define ELLM_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma,bmi,bmi2")))
 #define ELLM_INLINE inline __attribute__((always_inline))
-// The AMX entry point. The tile instructions themselves are written as inline
+// The AMX entry point and its prefill part (AttendRowsBf16, which also
+// converts to bfloat16 and runs TDPBF16PS: CpuHas(amx) includes AVX512-BF16
+// and AMX-BF16). The tile instructions themselves are written as inline
 // assembly (volatile, with memory operands or clobbers), not GCC 12's AMX
 // intrinsics: those are asm statements that do not tell the compiler which
 // memory they read or write, and GCC 12 has a known bug that can drop the tile
 // configuration load (see DESIGN.md "Build facts"). The configuration load and
-// every tile instruction sit in one function, AttendChunk<true, true>.
+// every tile instruction sit in one function: AttendChunk<true, true>
+// (decode) or AttendRowsBf16 (prefill), with their tile helpers inlined.
 #define ELLM_AMX_TARGET                                                                        \
-  __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c," \
-                        "fma,bmi,bmi2")))
-// The prefill part of the amx kernel (AttendRowsBf16) also converts to
-// bfloat16 and runs TDPBF16PS: CpuHas(amx) includes AVX512-BF16 and AMX-BF16.
-#define ELLM_AMX_BF16_TARGET                                                                   \
   __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,"      \
                         "avx512vnni,avx512bf16,f16c,fma,bmi,bmi2")))
 
@@ -650,12 +648,9 @@ constexpr int kRowsRing = kQuad + kAmxAhead + 2;  // score slots: a step's tiles
 // (one dword per dim and pair), the even dwords row 2 q and the odd ones row
 // 2 q + 1. Positions from `valid` on (past every token of the chunk: their
 // bytes may be anything) and tiles past n_tiles are zero.
-ELLM_AMX_BF16_TARGET ELLM_INLINE void AmxBf16Values(const TileCtx* t, int n_tiles, int valid, int hp,
+ELLM_AMX_TARGET ELLM_INLINE void AmxBf16Values(const TileCtx* t, int n_tiles, int valid, int hp,
                                                      uint16_t* vbf) {
-  alignas(64) static constexpr int32_t kPick[2][16] = {
-      {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
-      {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
-  const __m512i pick0 = _mm512_load_si512(kPick[0]), pick1 = _mm512_load_si512(kPick[1]);
+  const __m512i pick0 = _mm512_load_si512(kAmxEvenOddDwords[0]), pick1 = _mm512_load_si512(kAmxEvenOddDwords[1]);
   const __m512i lane_pos = _mm512_and_si512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(3));
   const int n_dg = hp / 16;
@@ -754,45 +749,32 @@ ELLM_TARGET ELLM_INLINE void AmxRowValues(int r0, const uint16_t* pbuf, const ui
       :
       : "r"(pbuf + 64 * r0), "r"(p_stride)
       : "memory");
+  // Dims [16 dg, 16 dg + 32): C tiles C0 and C1 (tmm4/5 and tmm6/7 in turn).
+#define ELLM_ROW_VALUES(C0, C1)                                                                    \
+  __asm__ volatile("tileloadd (%0,%2,1), %%" C0 "\n\t"                                            \
+                   "tileloadd 64(%0,%2,1), %%" C1 "\n\t"                                          \
+                   "tileloadd (%1,%3,1), %%tmm0\n\t"                                              \
+                   "tileloadd 1024(%1,%3,1), %%tmm1\n\t"                                          \
+                   "tdpbf16ps %%tmm0, %%tmm2, %%" C0 "\n\t"                                      \
+                   "tdpbf16ps %%tmm1, %%tmm3, %%" C0 "\n\t"                                      \
+                   "tileloadd 2048(%1,%3,1), %%tmm0\n\t"                                          \
+                   "tileloadd 3072(%1,%3,1), %%tmm1\n\t"                                          \
+                   "tdpbf16ps %%tmm0, %%tmm2, %%" C1 "\n\t"                                      \
+                   "tdpbf16ps %%tmm1, %%tmm3, %%" C1 "\n\t"                                      \
+                   "tilestored %%" C0 ", (%0,%2,1)\n\t"                                          \
+                   "tilestored %%" C1 ", 64(%0,%2,1)"                                            \
+                   :                                                                               \
+                   : "r"(o_rows + static_cast<int64_t>(r0) * hp + 16 * dg), "r"(vbf + 1024 * dg), \
+                     "r"(c_stride), "r"(line)                                                      \
+                   : "memory")
   for (int dg = 0; dg < hp / 16; dg += 2) {
     if (dg % 4 == 0) {
-      __asm__ volatile(
-          "tileloadd (%0,%2,1), %%tmm4\n\t"
-          "tileloadd 64(%0,%2,1), %%tmm5\n\t"
-          "tileloadd (%1,%3,1), %%tmm0\n\t"
-          "tileloadd 1024(%1,%3,1), %%tmm1\n\t"
-          "tdpbf16ps %%tmm0, %%tmm2, %%tmm4\n\t"
-          "tdpbf16ps %%tmm1, %%tmm3, %%tmm4\n\t"
-          "tileloadd 2048(%1,%3,1), %%tmm0\n\t"
-          "tileloadd 3072(%1,%3,1), %%tmm1\n\t"
-          "tdpbf16ps %%tmm0, %%tmm2, %%tmm5\n\t"
-          "tdpbf16ps %%tmm1, %%tmm3, %%tmm5\n\t"
-          "tilestored %%tmm4, (%0,%2,1)\n\t"
-          "tilestored %%tmm5, 64(%0,%2,1)"
-          :
-          : "r"(o_rows + static_cast<int64_t>(r0) * hp + 16 * dg), "r"(vbf + 1024 * dg), "r"(c_stride),
-            "r"(line)
-          : "memory");
+      ELLM_ROW_VALUES("tmm4", "tmm5");
     } else {
-      __asm__ volatile(
-          "tileloadd (%0,%2,1), %%tmm6\n\t"
-          "tileloadd 64(%0,%2,1), %%tmm7\n\t"
-          "tileloadd (%1,%3,1), %%tmm0\n\t"
-          "tileloadd 1024(%1,%3,1), %%tmm1\n\t"
-          "tdpbf16ps %%tmm0, %%tmm2, %%tmm6\n\t"
-          "tdpbf16ps %%tmm1, %%tmm3, %%tmm6\n\t"
-          "tileloadd 2048(%1,%3,1), %%tmm0\n\t"
-          "tileloadd 3072(%1,%3,1), %%tmm1\n\t"
-          "tdpbf16ps %%tmm0, %%tmm2, %%tmm7\n\t"
-          "tdpbf16ps %%tmm1, %%tmm3, %%tmm7\n\t"
-          "tilestored %%tmm6, (%0,%2,1)\n\t"
-          "tilestored %%tmm7, 64(%0,%2,1)"
-          :
-          : "r"(o_rows + static_cast<int64_t>(r0) * hp + 16 * dg), "r"(vbf + 1024 * dg), "r"(c_stride),
-            "r"(line)
-          : "memory");
+      ELLM_ROW_VALUES("tmm6", "tmm7");
     }
   }
+#undef ELLM_ROW_VALUES
 }
 
 // One row's softmax step over the step's tiles (dots[x]: tile x's 16 int32
@@ -800,7 +782,7 @@ ELLM_TARGET ELLM_INLINE void AmxRowValues(int r0, const uint16_t* pbuf, const ui
 // last, are masked): raises the reference score m (part[hp]) when a score
 // passes it by more than kMaxSlack, rescaling the row's o and d's lanes;
 // then p = 2^(s - m), added to d's lanes and written to prow as 64 bf16.
-ELLM_AMX_BF16_TARGET ELLM_INLINE void AmxRowWeights(const TileCtx* t, int mine, const int32_t* const* dots,
+ELLM_AMX_TARGET ELLM_INLINE void AmxRowWeights(const TileCtx* t, int mine, const int32_t* const* dots,
                                                      float code_scale, int32_t code_sum, float* part, float* o,
                                                      int hp, HeadScratch* h, uint16_t* prow) {
   __m512 s[kQuad];
@@ -847,7 +829,7 @@ struct RowsBuffers {
 };
 
 // A prefill chunk, as the header of this part says.
-ELLM_AMX_BF16_TARGET void AttendRowsBf16(const ChunkArgs& a) {
+ELLM_AMX_TARGET void AttendRowsBf16(const ChunkArgs& a) {
   const int hp = a.kv.format.padded_dim, pf = PartialFloats(hp);
   const int n_rows = a.n_tokens * a.group, rows16 = (n_rows + 15) / 16 * 16;
   const QueryPrep& prep = *a.q;
@@ -885,7 +867,6 @@ ELLM_AMX_BF16_TARGET void AttendRowsBf16(const ChunkArgs& a) {
     for (int x = 0; x < n_tiles; ++x) {
       TileCtx& tx = t[x];
       const int p = pos + x * kTile;
-      tx.hp = hp;
       tx.k = a.kv.KeyTile(p) + 64;  // codes after the scale and min line
       tx.v = tx.k + a.kv.value_offset;
       tx.kscale = LoadHalves(tx.k - 64);
@@ -1102,7 +1083,7 @@ ELLM_TARGET void AttendChunk(const ChunkArgs& a) {
 void AttendF16Avx512(const ChunkArgs& args) { AttendChunk<false>(args); }
 void AttendInt8Avx512(const ChunkArgs& args) { AttendChunk<true>(args); }
 
-ELLM_AMX_BF16_TARGET void AttendInt8Amx(const ChunkArgs& args) {
+ELLM_AMX_TARGET void AttendInt8Amx(const ChunkArgs& args) {
   if (args.group > kAmxMaxGroup || args.n_tokens > kMaxChunkTokens) {
     AttendChunk<true>(args);  // more heads than tile rows: the VNNI path
     return;

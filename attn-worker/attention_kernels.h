@@ -42,10 +42,10 @@
 //              prefill at 16K with --matmul-isa amx: attention 11.4-12.9 s
 //              against avx512's 15.5-15.9 (784-873 against 696-708 tokens/s);
 //              the prefill item bench (one thread, hd 128 / 64): 298-316 /
-//              224 against 216 / 168 G multiply-adds/s. Kept the int8 scheme
-//              with p·V on tiles first (tried, not kept): 5% faster at 16K,
-//              as the per-pair weight codes and the vector update of o per
-//              pair and row (29% of the item time) stayed.
+//              224 against 216 / 168 G multiply-adds/s. Tried first and not
+//              kept: the int8 scheme with p·V on tiles, 5% faster at 16K, as
+//              the per-pair weight codes and the vector update of o per pair
+//              and row (29% of the item time) stayed.
 //              Needs AMX-TILE/INT8/BF16, AVX512-BF16 and the kernel's
 //              permission for the tile state (arch_prctl, asked once).
 //   avx2-vnni  AVX2 + FMA + F16C + AVX-VNNI (VEX VPDPBUSD), 8 lanes.

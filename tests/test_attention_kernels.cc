@@ -615,7 +615,7 @@ TEST(AttentionKernels, AmxPrefillRowsMatchTheOracleAndEachOther) {
   std::mt19937 gen(9);
   double worst = 0;
   for (int hd : {64, 128, 256}) {
-    for (float rise : {0.0f, 0.2f}) {  // base-2 units per position, as RisingAndFalling...
+    for (float rise : {0.0f, 0.2f}) {  // base-2 units per position, as in RisingAndFallingScores...
       const float trend = rise * std::sqrt(static_cast<float>(hd)) / static_cast<float>(M_LOG2E);
       const int positions = 1000;
       PagedKv kv(KvDType::kInt8, hd, positions, 32, gen, trend);

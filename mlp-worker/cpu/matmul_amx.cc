@@ -96,16 +96,14 @@ AmxTileConfig MakeConfig(int n) {
 }
 
 // The permutes of the dequantiser (below): kSpread[q] spreads rows 4q..4q+3
-// of a 16-row vector over (r, j) lanes; kPick[p] gathers the pairs p.
+// of a 16-row vector over (r, j) lanes; kAmxEvenOddDwords[p] (core/amx.h)
+// gathers the pairs p.
 alignas(64) constexpr int32_t kSpread[4][16] = {
     {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},
     {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7},
     {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11},
     {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15}};
-// Row r = 4q + rr: dword (q < 2 ? 0 : 16) + 8 (q % 2) + 2 rr + p.
-alignas(64) constexpr int32_t kPick[2][16] = {
-    {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
-    {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+// (Row r = 4q + rr: dword (q < 2 ? 0 : 16) + 8 (q % 2) + 2 rr + p.)
 
 // The 16 rows' scale and offset of one block of 32 columns (x = scale *
 // level + offset), for its first and its second 16 columns (the same but for
@@ -272,8 +270,8 @@ struct Bf16Dequantizer {
     const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
     const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
     uint16_t* dst = out + (line / 8) * (kBlockBytes / 2) + 64 * v;
-    _mm512_store_si512(dst, _mm512_permutex2var_epi32(lo, _mm512_load_si512(kPick[0]), hi));
-    _mm512_store_si512(dst + 32, _mm512_permutex2var_epi32(lo, _mm512_load_si512(kPick[1]), hi));
+    _mm512_store_si512(dst, _mm512_permutex2var_epi32(lo, _mm512_load_si512(kAmxEvenOddDwords[0]), hi));
+    _mm512_store_si512(dst + 32, _mm512_permutex2var_epi32(lo, _mm512_load_si512(kAmxEvenOddDwords[1]), hi));
     ++line;
   }
 };
