@@ -83,9 +83,13 @@ absl::Status KvCache::Reserve(uint64_t seq, int start, int n) {
                                                       " positions; cannot append at ", start));
   }
   if (n < 0) return absl::InvalidArgumentError(absl::StrCat("cannot reserve ", n, " positions"));
+  const int64_t bt = options_.block_tokens;
+  if (n > 0 && start % bt != 0 && is_cached_[found->second.blocks.back()]) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", seq, " ends in a cached partial block; it cannot grow"));
+  }
   // 64-bit throughout: start + n may exceed int, and such a need is refused
   // below before anything is taken.
-  const int64_t bt = options_.block_tokens;
   const int64_t need = (int64_t{start} + n + bt - 1) / bt;
   const int64_t held = found == seqs_.end() ? 0 : static_cast<int64_t>(found->second.blocks.size());
   if (int64_t{start} + n > INT32_MAX || need - held > free_count_) {
@@ -166,37 +170,49 @@ void KvCache::Unref(int32_t b) {
   ++free_count_;
 }
 
-absl::Status KvCache::Publish(uint64_t seq, int first, const std::vector<uint64_t>& keys) {
+absl::Status KvCache::Publish(uint64_t seq, int first, const std::vector<uint64_t>& keys,
+                             uint64_t partial_key, int partial_rows) {
   const auto it = seqs_.find(seq);
   if (it == seqs_.end()) {
     return absl::InvalidArgumentError(absl::StrCat("cannot publish blocks of unknown sequence ", seq));
   }
   const Sequence& s = it->second;
-  const int64_t full = s.length / options_.block_tokens;
+  const int bt = options_.block_tokens;
+  const int64_t full = s.length / bt;
   if (first < 0 || first + static_cast<int64_t>(keys.size()) > full) {
     return absl::InvalidArgumentError(absl::StrCat(
         "sequence ", seq, " has ", full, " full blocks; cannot publish blocks [", first, ", ",
         first + keys.size(), ")"));
   }
-  for (size_t i = 0; i < keys.size(); ++i) {
+  const int64_t last = first + static_cast<int64_t>(keys.size());  // the partial block, if any
+  if (partial_rows != 0 &&
+      (partial_rows < 0 || partial_rows >= bt || int64_t{s.length} != last * bt + partial_rows)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence ", seq, " holds ", s.length, " positions; block ", last, " is not its last, partial ",
+        "block of ", partial_rows, " positions"));
+  }
+  std::vector<uint64_t> all = keys;
+  if (partial_rows > 0) all.push_back(partial_key);
+  for (size_t i = 0; i < all.size(); ++i) {
     const int32_t b = s.blocks[first + i];
-    if (cached_.contains(keys[i]) || is_cached_[b]) {
+    if (cached_.contains(all[i]) || is_cached_[b]) {
       return absl::InvalidArgumentError(absl::StrCat("block ", first + i, " of sequence ", seq,
-                                                     " or key ", keys[i], " is already cached"));
+                                                     " or key ", all[i], " is already cached"));
     }
     for (size_t j = 0; j < i; ++j) {
-      if (keys[j] == keys[i]) return absl::InvalidArgumentError("a key is published twice");
+      if (all[j] == all[i]) return absl::InvalidArgumentError("a key is published twice");
     }
   }
-  for (size_t i = 0; i < keys.size(); ++i) {
+  for (size_t i = 0; i < all.size(); ++i) {
     const int32_t b = s.blocks[first + i];
-    cached_[keys[i]] = b;
+    cached_[all[i]] = b;
     is_cached_[b] = 1;
   }
   return absl::OkStatus();
 }
 
-absl::Status KvCache::Attach(uint64_t seq, const std::vector<uint64_t>& keys) {
+absl::Status KvCache::Attach(uint64_t seq, const std::vector<uint64_t>& keys, uint64_t partial_key,
+                            int partial_rows) {
   const auto it = seqs_.find(seq);
   if (it != seqs_.end() && (it->second.length > 0 || !it->second.blocks.empty())) {
     return absl::InvalidArgumentError(
@@ -212,12 +228,40 @@ absl::Status KvCache::Attach(uint64_t seq, const std::vector<uint64_t>& keys) {
     }
     blocks.push_back(found->second);
   }
-  if (blocks.empty()) return absl::OkStatus();
+  int32_t partial_src = -1;
+  if (partial_rows != 0) {
+    const auto found = cached_.find(partial_key);
+    if (partial_rows < 0 || partial_rows >= options_.block_tokens || found == cached_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot copy ", partial_rows, " positions of block ",
+                                                     partial_key, " for sequence ", seq,
+                                                     ": not cached or not a partial block's size"));
+    }
+    if (free_count_ == 0) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("KV cache full: no free block to copy a cached partial block into for sequence ", seq));
+    }
+    partial_src = found->second;
+  }
+  if (blocks.empty() && partial_src < 0) return absl::OkStatus();
   for (int32_t b : blocks) ++refs_[b];
   Sequence& s = seqs_[seq];
   s.blocks = std::move(blocks);
   s.length = static_cast<int>(s.blocks.size()) * options_.block_tokens;
   s.zone_end = 0;
+  if (partial_src >= 0) {
+    // Whole segments: rows are independent (per-position scales), and the
+    // rows past partial_rows are overwritten as the sequence grows.
+    const int32_t b = TakeBlock(s);
+    s.blocks.push_back(b);
+    const size_t seg = static_cast<size_t>(segment_bytes_);
+    for (int l = 0; l < options_.layers; ++l) {
+      for (int h = 0; h < options_.kv_heads; ++h) {
+        std::memcpy(BlockBase(l, h, b), BlockBase(l, h, partial_src), seg);
+        std::memcpy(BlockBase(l, h, b) + ValueOffset(), BlockBase(l, h, partial_src) + ValueOffset(), seg);
+      }
+    }
+    s.length += partial_rows;
+  }
   return absl::OkStatus();
 }
 
@@ -350,13 +394,15 @@ void KvCache::EndInserts() {
 }
 
 absl::Status KvCache::Apply(const KvOps& ops) {
-  for (const KvOps::SequenceBlocks& p : ops.publish) RETURN_IF_ERROR(Publish(p.seq, p.first_block, p.keys));
+  for (const KvOps::SequenceBlocks& p : ops.publish) {
+    RETURN_IF_ERROR(Publish(p.seq, p.first_block, p.keys, p.partial_key, p.partial_rows));
+  }
   for (uint64_t seq : ops.free) Free(seq);
   RETURN_IF_ERROR(Evict(ops.evict));
   Discard(ops.discard);
   for (const KvOps::SequenceBlocks& a : ops.attach) {
     if (a.first_block != 0) return absl::InvalidArgumentError("cached blocks start a sequence (first_block 0)");
-    RETURN_IF_ERROR(Attach(a.seq, a.keys));
+    RETURN_IF_ERROR(Attach(a.seq, a.keys, a.partial_key, a.partial_rows));
   }
   return absl::OkStatus();
 }

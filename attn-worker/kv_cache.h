@@ -18,8 +18,11 @@
 // once full, and a published block stays in the pool, unreferenced, after its
 // sequences are freed, until the coordinator evicts it. The coordinator
 // decides every key, attach and eviction; a call this cache cannot honour
-// (an unknown key, a referenced block to evict, a partial block to publish)
-// is an error that changes nothing.
+// (an unknown key, a referenced block to evict, a block to publish that is
+// not full, or not the sequence's last) is an error that changes nothing.
+// A sequence's last, partial block can be published too when the sequence
+// ends; a new sequence then starts with a copy of its first rows (Attach's
+// partial_key), as it never writes into a cached block.
 //
 // Block choice keeps each sequence's blocks ascending and in long
 // consecutive runs, so that its K and V read as long forward streams of
@@ -108,15 +111,22 @@ class KvCache {
   void Free(uint64_t seq);
 
   // Publishes blocks [first, first + keys.size()) of `seq` (full ones) under
-  // `keys`. InvalidArgument (and nothing published) for an unknown sequence,
-  // a block past its last full one, a key already cached or a block already
-  // published under another key.
-  absl::Status Publish(uint64_t seq, int first, const std::vector<uint64_t>& keys);
+  // `keys`, and with partial_rows > 0 the next block too, under partial_key:
+  // it must be the sequence's last and hold exactly partial_rows positions
+  // (the sequence cannot grow into it afterwards). InvalidArgument (and
+  // nothing published) for an unknown sequence, a block past its last full
+  // one, a partial block that is not its last, a key already cached or a
+  // block already published under another key.
+  absl::Status Publish(uint64_t seq, int first, const std::vector<uint64_t>& keys,
+                       uint64_t partial_key = 0, int partial_rows = 0);
   // Starts the new sequence `seq` with the cached blocks of `keys`, in order
-  // (its length becomes keys.size() * block_tokens). InvalidArgument (and
-  // nothing changed) when `seq` already holds positions or a key is not
-  // cached.
-  absl::Status Attach(uint64_t seq, const std::vector<uint64_t>& keys);
+  // (its length becomes keys.size() * block_tokens), and with partial_rows > 0
+  // one block of its own after them holding a copy of the first partial_rows
+  // (< block_tokens) positions of cached block partial_key. InvalidArgument
+  // (and nothing changed) when `seq` already holds positions or a key is not
+  // cached; ResourceExhausted when no block is free for the copy.
+  absl::Status Attach(uint64_t seq, const std::vector<uint64_t>& keys, uint64_t partial_key = 0,
+                      int partial_rows = 0);
   // Drops cached blocks that no sequence references, returning them to the
   // pool. FailedPrecondition (and nothing dropped) for a key that is not
   // cached or whose block is still referenced.

@@ -31,7 +31,7 @@ std::vector<uint64_t> PrefixCache::Lookup(const std::vector<int32_t>& tokens, in
     const int32_t* t = tokens.data() + static_cast<size_t>(i) * bt;
     const uint64_t key = ChainKey(parent, t, bt);
     const auto it = entries_.find(key);
-    if (it == entries_.end() || it->second.parent != parent ||
+    if (it == entries_.end() || it->second.parent != parent || it->second.tokens.size() != static_cast<size_t>(bt) ||
         !std::equal(t, t + bt, it->second.tokens.begin())) {
       break;
     }
@@ -39,6 +39,20 @@ std::vector<uint64_t> PrefixCache::Lookup(const std::vector<int32_t>& tokens, in
     parent = key;
   }
   return keys;
+}
+
+PrefixCache::Partial PrefixCache::LongestPartial(uint64_t parent, const int32_t* tokens, int n) const {
+  Partial best;
+  const auto children = children_.find(parent);
+  if (children == children_.end()) return best;
+  for (uint64_t key : children->second) {
+    const std::vector<int32_t>& t = entries_.at(key).tokens;
+    const int limit = std::min<int>(n, static_cast<int>(t.size()));
+    int rows = 0;
+    while (rows < limit && t[rows] == tokens[rows]) ++rows;
+    if (rows > best.rows) best = {key, rows};
+  }
+  return best;
 }
 
 void PrefixCache::Acquire(const std::vector<uint64_t>& keys) {
@@ -59,12 +73,13 @@ void PrefixCache::Release(const std::vector<uint64_t>& keys) {
   }
 }
 
-bool PrefixCache::Insert(uint64_t key, uint64_t parent, const int32_t* tokens) {
+bool PrefixCache::Insert(uint64_t key, uint64_t parent, const int32_t* tokens, int n) {
   if (entries_.contains(key)) return false;
   Entry& e = entries_[key];
   e.parent = parent;
-  e.tokens.assign(tokens, tokens + block_tokens_);
+  e.tokens.assign(tokens, tokens + n);
   e.refs = 1;
+  children_[parent].push_back(key);
   return true;
 }
 
@@ -73,7 +88,12 @@ std::vector<uint64_t> PrefixCache::Evict(int64_t n) {
   while (n-- > 0 && !lru_.empty()) {
     const uint64_t key = lru_.begin()->second;
     lru_.erase(lru_.begin());
-    entries_.erase(key);
+    const auto entry = entries_.find(key);
+    const auto siblings = children_.find(entry->second.parent);
+    std::vector<uint64_t>& v = siblings->second;
+    v.erase(std::find(v.begin(), v.end(), key));
+    if (v.empty()) children_.erase(siblings);
+    entries_.erase(entry);
     out.push_back(key);
   }
   return out;

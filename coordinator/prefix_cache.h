@@ -12,6 +12,14 @@
 // chain is stamped from its last block back to its first, so of one chain
 // the deepest blocks go first and a kept block's parents are always kept.
 //
+// Partial blocks: a sequence that ends publishes its last, partial block too
+// (key ChainKey(parent, its n < block_tokens tokens)). A new prompt that
+// leaves the cached whole blocks inside a block takes the cached child of
+// its last whole block (whole or partial) that shares most tokens with it
+// (LongestPartial), and the workers copy those rows into a block of its own.
+// So a conversation's next turn, or an answer that tokenizes otherwise once
+// it is text, recomputes only from the first token that differs.
+//
 // With a KV store, a second tier lists the blocks the attention workers hold
 // on disk (by key, parent and tokens): a prompt's match continues there after
 // the cached blocks, and the scheduler has those loaded before it attaches.
@@ -39,13 +47,24 @@ class PrefixCache {
   // Keys of the longest run of cached blocks that starts `tokens`, at most
   // `max_blocks` of them (no reference taken).
   std::vector<uint64_t> Lookup(const std::vector<int32_t>& tokens, int max_blocks) const;
+  // The cached child of `parent` (whole or partial) whose tokens share the
+  // longest run with tokens[0, n): its key and that run's length (0: none).
+  struct Partial {
+    uint64_t key = 0;
+    int rows = 0;
+  };
+  Partial LongestPartial(uint64_t parent, const int32_t* tokens, int n) const;
   // A sequence starts (or stops) using these cached blocks.
   void Acquire(const std::vector<uint64_t>& keys);
   void Release(const std::vector<uint64_t>& keys);
-  // Adds block `key` (child of `parent`, holding `tokens`), referenced once
-  // by the sequence that publishes it. False when the key is already cached
-  // (another sequence published the same prefix first).
-  bool Insert(uint64_t key, uint64_t parent, const int32_t* tokens);
+  // Adds block `key` (child of `parent`, holding `n` tokens: block_tokens, or
+  // fewer for a partial block), referenced once by the sequence that
+  // publishes it. False when the key is already cached (another sequence
+  // published the same prefix first).
+  bool Insert(uint64_t key, uint64_t parent, const int32_t* tokens, int n);
+  bool Insert(uint64_t key, uint64_t parent, const int32_t* tokens) {
+    return Insert(key, parent, tokens, block_tokens_);
+  }
   bool Contains(uint64_t key) const { return entries_.contains(key); }
   // Drops up to `n` unreferenced blocks, least recently used first; returns
   // their keys (for the workers' KvOps::evict).
@@ -74,6 +93,7 @@ class PrefixCache {
   void ForgetCached() {
     entries_.clear();
     lru_.clear();
+    children_.clear();
   }
 
   int64_t size() const { return static_cast<int64_t>(entries_.size()); }
@@ -90,6 +110,7 @@ class PrefixCache {
 
   int block_tokens_;
   absl::flat_hash_map<uint64_t, Entry> entries_;
+  absl::flat_hash_map<uint64_t, std::vector<uint64_t>> children_;  // parent -> cached children
   std::map<uint64_t, uint64_t> lru_;  // stamp -> key of unreferenced entries, oldest first
   struct StoredEntry {
     Block block;

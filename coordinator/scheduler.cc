@@ -145,8 +145,20 @@ void Scheduler::Admit() {
         return;  // admitted after the load
       }
     }
+    // A prefix that goes on inside the next block: the rows it shares with a
+    // cached child of the last whole block are copied into the sequence's own
+    // block (the source is held until it retires, so no eviction below or by
+    // a later admission can drop it before the workers copy it).
+    PrefixCache::Partial partial;
+    if (Cacheable(*seq)) {
+      const int start = static_cast<int>(keys.size()) * bt;
+      const int n = std::min(bt, static_cast<int>(tokens.size()) - 1 - start);
+      if (n > 0) partial = cache_.LongestPartial(keys.empty() ? 0 : keys.back(), tokens.data() + start, n);
+      if (partial.rows > 0) cache_.Acquire({partial.key});
+    }
     const int64_t own = seq->need - static_cast<int64_t>(keys.size());
     if (own > blocks_free_ + cache_.evictable()) {
+      if (partial.rows > 0) cache_.Release({partial.key});
       cache_.Release(keys);
       break;  // first come, first served: wait for room
     }
@@ -160,19 +172,21 @@ void Scheduler::Admit() {
     seq->blocks = own;
     seq->keys = keys;
     seq->attached = static_cast<int>(keys.size());
-    if (seq->cached_tokens < 0) seq->cached_tokens = seq->attached * bt;
-    seq->fed += seq->attached * bt;
-    if (!keys.empty()) {
-      pending_.attach.push_back({seq->id, 0, keys});
+    seq->partial = partial;
+    const int attached_tokens = seq->attached * bt + partial.rows;
+    if (seq->cached_tokens < 0) seq->cached_tokens = attached_tokens;
+    seq->fed += attached_tokens;
+    if (attached_tokens > 0) {
+      pending_.attach.push_back({seq->id, 0, keys, 0, {}, partial.key, partial.rows});
       seq->in_kv = true;
       ++prefix_hits_;
-      cached_tokens_ += int64_t{seq->attached} * bt;
+      cached_tokens_ += attached_tokens;
     } else if (Cacheable(*seq)) {
       ++prefix_misses_;
     }
     seq->admitted = absl::Now();
     LogDebug("admitted sequence %d (%d prompt tokens, %d of them cached; %d KV blocks)", seq->id,
-             seq->options.prompt.size(), seq->attached * bt, own);
+             seq->options.prompt.size(), attached_tokens, own);
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
   }
@@ -198,6 +212,23 @@ void Scheduler::Publish(Sequence* s, int blocks) {
     --s->blocks;  // the block now counts as a cache entry
   }
   if (!published.keys.empty()) pending_.publish.push_back(std::move(published));
+}
+
+void Scheduler::PublishPartial(Sequence* s) {
+  const int bt = options_.kv_block_tokens;
+  const int fed = s->fed - s->base;
+  const int rows = fed % bt;
+  // Only after a chain of the sequence's own whole blocks (Publish stops
+  // where another sequence cached the same prefix first).
+  if (rows == 0 || static_cast<int>(s->keys.size()) != fed / bt) return;
+  const std::vector<int32_t> tokens = s->Tokens();
+  const uint64_t parent = s->keys.empty() ? 0 : s->keys.back();
+  const int32_t* t = tokens.data() + static_cast<size_t>(fed - rows);
+  const uint64_t key = ChainKey(parent, t, rows);
+  if (!cache_.Insert(key, parent, t, rows)) return;  // the same rows are cached already
+  pending_.publish.push_back({s->id, fed / bt, {}, parent, {}, key, rows});
+  s->keys.push_back(key);  // released (and stamped first, as the deepest) with the rest
+  --s->blocks;             // the block now counts as a cache entry
 }
 
 shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
@@ -428,8 +459,12 @@ absl::Status Scheduler::CheckAnswer(const Sequence& s, const std::vector<shm::Sa
 void Scheduler::Retire(Sequence* s, bool publish) {
   auto it = std::find_if(running_.begin(), running_.end(), [s](const auto& r) { return r.get() == s; });
   if (it == running_.end()) return;
-  if (publish && Cacheable(*s) && s->in_kv) Publish(s, (s->fed - s->base) / options_.kv_block_tokens);
+  if (publish && Cacheable(*s) && s->in_kv) {
+    Publish(s, (s->fed - s->base) / options_.kv_block_tokens);
+    PublishPartial(s);
+  }
   if (s->in_kv) pending_.free.push_back(s->id);
+  if (s->partial.rows > 0) cache_.Release({s->partial.key});
   cache_.Release(s->keys);
   blocks_free_ += s->blocks;
   running_.erase(it);
@@ -533,6 +568,7 @@ void Scheduler::FailWorkersLocked(const absl::Status& status) {
     s.needs_fill = s.base > 0;
     s.keys.clear();
     s.attached = 0;
+    s.partial = {};
     s.blocks = 0;
     s.in_kv = false;
     s.tried_store = false;

@@ -4,11 +4,12 @@
 // it when they finish; every step is one StepExecutor::Run.
 //
 // Prefix cache (SchedulerOptions::prefix_cache): a request starts with the
-// longest run of cached whole KV blocks that matches its prompt (never the
-// block holding its last prompt token) and prefills only the rest. A
-// sequence's full blocks are published to the cache when its prompt is in
-// and when it ends (its answer's blocks too, for the next turn of a
-// conversation). KV accounting: the pool holds every running sequence's own
+// longest run of cached whole KV blocks that matches its prompt, then the
+// rows of the next block that it shares with a cached block (copied into a
+// block of its own), never its last prompt token, and prefills only the
+// rest. A sequence's full blocks are published to the cache when its prompt
+// is in, and when it ends its full and its last, partial block (its answer's
+// too, for the next turn of a conversation). KV accounting: the pool holds every running sequence's own
 // reserved blocks (prompt + max_tokens, less what it attached) and one block
 // per cached entry; unreferenced entries are evicted, least recently used
 // first, only when an admission needs their room, so caching never costs
@@ -151,6 +152,9 @@ class Scheduler {
     // published; it holds one reference to each.
     std::vector<uint64_t> keys;
     int attached = 0;       // blocks it started with from the cache
+    // The cached block whose first rows it copied into its next block (rows
+    // 0: none); it holds a reference to it until it retires.
+    PrefixCache::Partial partial;
     bool tried_store = false;  // its KV-store blocks were asked for
     int cached_tokens = -1;    // prompt tokens attached at its first admission (-1: not yet)
     bool needs_fill = false;
@@ -185,6 +189,9 @@ class Scheduler {
   // Publishes `seq`'s full blocks up to `blocks` to the prefix cache (those
   // not cached yet, stopping at one another sequence cached first). Locked.
   void Publish(Sequence* seq, int blocks);
+  // Publishes the last, partial block of `seq` (which is ending) when its
+  // whole blocks are all its own published chain. Locked.
+  void PublishPartial(Sequence* seq);
   bool Cacheable(const Sequence& seq) const { return options_.prefix_cache && seq.base == 0; }
   // Sends pending_ to the workers (unlocked call to the executor); a failure
   // breaks the scheduler.

@@ -2,7 +2,8 @@
 // between steps (gRPC UpdateKv), applied in the order of the fields: the
 // workers' KV caches follow the coordinator's decisions exactly, so all of
 // them hold the same blocks under the same keys. (Discard is for blocks a
-// KV-store load brought into some workers but not all.)
+// KV-store load brought into some workers but not all.) Cached blocks are
+// whole, except the partial blocks of SequenceBlocks::partial_key.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +21,14 @@ struct KvOps {
     std::vector<uint64_t> keys;
     uint64_t parent = 0;
     std::vector<int32_t> tokens;  // keys.size() * block_tokens (publish only)
+    // A partial block after the whole ones (partial_rows > 0). Publish: the
+    // sequence's block first_block + keys.size(), its last, holding exactly
+    // partial_rows positions, is cached under partial_key (a cached partial
+    // block is never written again). Attach: the sequence gets a block of its
+    // own holding a copy of the first partial_rows positions of cached block
+    // partial_key, so it shares a prefix that ends inside a block.
+    uint64_t partial_key = 0;
+    int partial_rows = 0;
   };
   std::vector<SequenceBlocks> publish;  // full blocks of live sequences become cached
   std::vector<uint64_t> free;           // sequences whose blocks are released

@@ -9,11 +9,13 @@ void ToProto(const KvOps::SequenceBlocks& b, ellm::v1::SequenceBlocks* out) {
   for (uint64_t k : b.keys) out->add_keys(k);
   out->set_parent(b.parent);
   for (int32_t t : b.tokens) out->add_tokens(t);
+  out->set_partial_key(b.partial_key);
+  out->set_partial_rows(b.partial_rows);
 }
 
 KvOps::SequenceBlocks FromProto(const ellm::v1::SequenceBlocks& b) {
   return {b.sequence_id(), b.first_block(), {b.keys().begin(), b.keys().end()}, b.parent(),
-          {b.tokens().begin(), b.tokens().end()}};
+          {b.tokens().begin(), b.tokens().end()}, b.partial_key(), b.partial_rows()};
 }
 
 }  // namespace

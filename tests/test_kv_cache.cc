@@ -237,6 +237,92 @@ TEST(KvCache, PublishedBlocksAreSharedCountedAndEvictedOnlyWhenUnused) {
   EXPECT_EQ(cache->Attach(3, {11}).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A sequence's last, partial block can be cached as it ends; a new sequence
+// starts with a copy of its first rows in a block of its own (int8 and f16:
+// tiled segments; two tiles so a copy spans a tile boundary), and nothing
+// ever writes into the cached partial block.
+TEST(KvCache, PartialBlocksArePublishedAtTheEndAndCopiedIntoNewSequences) {
+  for (KvDType dtype : {KvDType::kInt8, KvDType::kF16}) {
+    SCOPED_TRACE(std::string(KvDTypeName(dtype)));
+    constexpr int kBt = 32, kHd = 24, kLayers = 2, kHeads = 2;
+    auto cache = MakeCache({.layers = kLayers, .kv_heads = kHeads, .head_dim = kHd, .block_tokens = kBt,
+                            .blocks = 6, .dtype = dtype});
+    ASSERT_NE(cache, nullptr);
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal;
+    // Sequence 1: a whole block and 21 rows of a second one.
+    ASSERT_TRUE(cache->Reserve(1, 0, kBt + 21).ok());
+    std::vector<float> k(kHd), v(kHd);
+    for (int p = 0; p < kBt + 21; ++p) {
+      for (int l = 0; l < kLayers; ++l) {
+        for (int h = 0; h < kHeads; ++h) {
+          for (int d = 0; d < kHd; ++d) k[d] = normal(rng), v[d] = normal(rng);
+          cache->Store(1, l, h, p, k.data(), v.data());
+        }
+      }
+    }
+    // The partial block must be the sequence's last, with exactly its rows.
+    EXPECT_EQ(cache->Publish(1, 0, {10}, 11, 20).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(cache->Publish(1, 0, {}, 11, 21).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(cache->Publish(1, 0, {10}, 11, kBt).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(cache->blocks_cached(), 0) << "a refused publish caches nothing";
+    ASSERT_TRUE(cache->Publish(1, 0, {10}, 11, 21).ok());
+    EXPECT_EQ(cache->blocks_cached(), 2);
+    // It cannot grow into its cached partial block.
+    EXPECT_EQ(cache->Reserve(1, kBt + 21, 1).code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(cache->Length(1), kBt + 21);
+
+    // Sequence 2: the whole block, then 19 rows copied from the partial one.
+    EXPECT_EQ(cache->Attach(2, {10}, 12, 19).code(), absl::StatusCode::kInvalidArgument) << "unknown key";
+    EXPECT_EQ(cache->Attach(2, {10}, 11, kBt).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(cache->Length(2), 0);
+    const int64_t free_before = cache->blocks_free();
+    ASSERT_TRUE(cache->Attach(2, {10}, 11, 19).ok());
+    EXPECT_EQ(cache->Length(2), kBt + 19);
+    EXPECT_EQ(cache->blocks_free(), free_before - 1);
+    std::vector<float> a(kHd), b(kHd);
+    for (int l = 0; l < kLayers; ++l) {
+      for (int h = 0; h < kHeads; ++h) {
+        const KvSeqView s1 = cache->View(1, l, h), s2 = cache->View(2, l, h);
+        EXPECT_EQ(s2.KeyTile(0), s1.KeyTile(0)) << "the whole block is shared";
+        EXPECT_NE(s2.KeyTile(kBt), s1.KeyTile(kBt)) << "the partial one is copied";
+        for (int p = kBt; p < kBt + 19; ++p) {
+          s1.format.LoadKey(s1.KeyTile(p), s1.RowInTile(p), a.data());
+          s2.format.LoadKey(s2.KeyTile(p), s2.RowInTile(p), b.data());
+          EXPECT_EQ(a, b) << "K layer " << l << " head " << h << " position " << p;
+          s1.format.LoadValue(s1.ValueTile(p), s1.RowInTile(p), a.data());
+          s2.format.LoadValue(s2.ValueTile(p), s2.RowInTile(p), b.data());
+          EXPECT_EQ(a, b) << "V layer " << l << " head " << h << " position " << p;
+        }
+      }
+    }
+    // Sequence 2 grows in its own block; the cached partial block keeps its rows.
+    const KvSeqView before = cache->View(1, 0, 0);
+    before.format.LoadKey(before.KeyTile(kBt + 19), before.RowInTile(kBt + 19), a.data());
+    ASSERT_TRUE(cache->Reserve(2, kBt + 19, 5).ok());
+    for (int d = 0; d < kHd; ++d) k[d] = v[d] = 1000.0f;
+    for (int p = kBt + 19; p < kBt + 24; ++p) cache->Store(2, 0, 0, p, k.data(), v.data());
+    const KvSeqView after = cache->View(1, 0, 0);
+    after.format.LoadKey(after.KeyTile(kBt + 19), after.RowInTile(kBt + 19), b.data());
+    EXPECT_EQ(a, b);
+    // Freed, the publisher leaves both blocks cached; the copy holds no
+    // reference to the partial block, which can be evicted at once.
+    cache->Free(1);
+    ASSERT_TRUE(cache->Evict({11}).ok());
+    EXPECT_EQ(cache->Evict({10}).code(), absl::StatusCode::kFailedPrecondition);
+    cache->Free(2);
+    ASSERT_TRUE(cache->Evict({10}).ok());
+    EXPECT_EQ(cache->blocks_free(), 6);
+    // A copy needs a free block: with none, the attach changes nothing.
+    ASSERT_TRUE(cache->Reserve(3, 0, 5 * kBt + 3).ok());
+    ASSERT_TRUE(cache->Publish(3, 0, {20, 21, 22, 23, 24}, 25, 3).ok());
+    EXPECT_EQ(cache->Attach(4, {20}, 25, 2).code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_EQ(cache->Length(4), 0);
+    cache->Free(3);
+    EXPECT_EQ(cache->Evict({20}).code(), absl::StatusCode::kOk) << "the refused attach took no reference";
+  }
+}
+
 TEST(KvCache, ApplyRunsPublishFreeEvictAttachInOrder) {
   auto cache = MakeCache({.layers = 1, .kv_heads = 1, .head_dim = 4, .block_tokens = 4,
                           .blocks = 4});

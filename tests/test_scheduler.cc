@@ -126,7 +126,9 @@ class FakeExecutor : public StepExecutor {
       if (p.first_block != static_cast<int>(held.size())) {
         return Refuse("publish out of order for sequence ", p.seq);
       }
-      for (uint64_t k : p.keys) {
+      std::vector<uint64_t> keys = p.keys;
+      if (p.partial_rows > 0) keys.push_back(p.partial_key);  // its last, partial block
+      for (uint64_t k : keys) {
         if (refs_.count(k)) return Refuse("publish of a cached key by sequence ", p.seq);
         refs_[k] = 1;
         held.push_back(k);
@@ -148,8 +150,12 @@ class FakeExecutor : public StepExecutor {
         if (!refs_.count(k)) return Refuse("attach of an unknown key to sequence ", a.seq);
         ++refs_[k];
       }
+      if (a.partial_rows > 0 && !refs_.count(a.partial_key)) {
+        return Refuse("copy of an unknown partial block to sequence ", a.seq);
+      }
       seq_keys_[a.seq] = a.keys;
       attached_[a.seq] = static_cast<int>(a.keys.size());
+      if (a.partial_rows > 0) copied_[a.seq] = a.partial_rows;
     }
     return absl::OkStatus();
   }
@@ -171,6 +177,10 @@ class FakeExecutor : public StepExecutor {
   int attached(uint64_t id) {
     std::lock_guard<std::mutex> lock(mu_);
     return attached_.count(id) ? attached_[id] : 0;
+  }
+  int copied(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return copied_.count(id) ? copied_[id] : 0;
   }
   int64_t cached_keys() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -289,6 +299,7 @@ class FakeExecutor : public StepExecutor {
   std::map<uint64_t, std::vector<uint64_t>> seq_keys_;  // cached blocks each sequence holds
   std::map<uint64_t, int> refs_;                          // cached key -> sequences holding it
   std::map<uint64_t, int> attached_;
+  std::map<uint64_t, int> copied_;  // rows of a cached partial block copied at attach
   std::vector<KvOps> all_ops_;
   std::vector<std::string> refusals_;
   int64_t evicted_ = 0;
@@ -1081,17 +1092,19 @@ TEST_F(PrefixCacheTest, SamePromptAttachesItsWholeBlocksAndPrefillsTheRest) {
   EXPECT_EQ(first.finish.cached_tokens, 0);
   const auto [second, id2] = RunOne(prompt, 4);
   ASSERT_TRUE(second.error.ok()) << second.error;
-  EXPECT_EQ(second.finish.cached_tokens, 32);
+  // The 2 whole blocks, and 7 rows copied from the first request's last,
+  // partial block (40 + 3 fed): all but the last prompt token.
+  EXPECT_EQ(second.finish.cached_tokens, 39);
   EXPECT_EQ(exec_.attached(id2), 2);
-  // The second request's first slice starts after the cached blocks.
+  EXPECT_EQ(exec_.copied(id2), 7);
+  // The second request's first slice starts after the cached rows.
   const SeqTrace t = Traces(exec_.plans()).at(id2);
-  EXPECT_EQ(t.slices.front().slice.start_pos, 32u);
-  EXPECT_EQ(std::vector<int32_t>(t.fed.begin(), t.fed.begin() + 8),
-            std::vector<int32_t>(prompt.begin() + 32, prompt.end()));
+  EXPECT_EQ(t.slices.front().slice.start_pos, 39u);
+  EXPECT_EQ(t.fed.front(), prompt.back());
   const SchedulerStats st = scheduler_->Stats();
   EXPECT_EQ(st.prefix_hits, 1);
   EXPECT_EQ(st.prefix_misses, 1);
-  EXPECT_EQ(st.cached_tokens, 32);
+  EXPECT_EQ(st.cached_tokens, 39);
   EXPECT_TRUE(AllReleased());
   exec_.ExpectConsistent(true);
 }
@@ -1102,23 +1115,62 @@ TEST_F(PrefixCacheTest, ALastTokenAtABlockEndIsStillComputed) {
   RunOne(prompt, 3);
   const auto [again, id] = RunOne(prompt, 3);
   ASSERT_TRUE(again.error.ok());
-  // Only the first block: the second holds the token whose logits are needed.
-  EXPECT_EQ(again.finish.cached_tokens, 16);
-  EXPECT_EQ(Traces(exec_.plans()).at(id).slices.front().slice.start_pos, 16u);
+  // The first block whole; the second holds the token whose logits are
+  // needed, so only its first 15 rows are copied.
+  EXPECT_EQ(again.finish.cached_tokens, 31);
+  EXPECT_EQ(exec_.attached(id), 1);
+  EXPECT_EQ(exec_.copied(id), 15);
+  EXPECT_EQ(Traces(exec_.plans()).at(id).slices.front().slice.start_pos, 31u);
   exec_.ExpectConsistent(true);
 }
 
 TEST_F(PrefixCacheTest, TheAnswerIsCachedForTheNextTurn) {
   Start();
   const std::vector<int32_t> turn1 = Prompt(320, 20);
-  const auto [a, id1] = RunOne(turn1, 30);  // 20 + 29 fed: 3 whole blocks
+  const auto [a, id1] = RunOne(turn1, 30);  // 20 + 29 fed: 3 whole blocks + 1
   ASSERT_TRUE(a.error.ok());
   std::vector<int32_t> turn2 = turn1;
   turn2.insert(turn2.end(), a.tokens.begin(), a.tokens.end());
   for (int i = 0; i < 10; ++i) turn2.push_back(kFirstPiece + i);
   const auto [b, id2] = RunOne(turn2, 5);
   ASSERT_TRUE(b.error.ok());
-  EXPECT_EQ(b.finish.cached_tokens, 48);
+  // The answer's last token was never fed: it is the first fed now.
+  EXPECT_EQ(b.finish.cached_tokens, 49);
+  EXPECT_EQ(exec_.copied(id2), 1);
+  EXPECT_EQ(Traces(exec_.plans()).at(id2).fed.front(), a.tokens.back());
+  exec_.ExpectConsistent(true);
+}
+
+// A prompt that leaves a cached prefix inside a block (an answer that
+// tokenizes otherwise as text, an edited question) starts with the rows it
+// shares with the cached block there, and prefills from the first token that
+// differs.
+TEST_F(PrefixCacheTest, APromptThatDivergesInsideABlockCopiesTheRowsItShares) {
+  Start();
+  const std::vector<int32_t> first = Prompt(390, 50);
+  RunOne(first, 4);  // 53 fed: 3 whole blocks + 5 rows
+  std::vector<int32_t> second(first.begin(), first.begin() + 45);
+  for (int i = 0; i < 15; ++i) second.push_back(kFirstPiece + 100 + i);
+  const auto [b, id] = RunOne(second, 3);
+  ASSERT_TRUE(b.error.ok()) << b.error;
+  EXPECT_EQ(b.finish.cached_tokens, 45);
+  EXPECT_EQ(exec_.attached(id), 2);
+  EXPECT_EQ(exec_.copied(id), 13);  // of the first's third block
+  const SeqTrace t = Traces(exec_.plans()).at(id);
+  EXPECT_EQ(t.slices.front().slice.start_pos, 45u);
+  EXPECT_EQ(std::vector<int32_t>(t.fed.begin(), t.fed.begin() + 15),
+            std::vector<int32_t>(second.begin() + 45, second.end()));
+  // Its own blocks from the copy on are published under their own keys: a
+  // third prompt equal to it finds all but its last token.
+  EXPECT_EQ(RunOne(second, 3).first.finish.cached_tokens, 59);
+  // A prompt sharing only part of the first block copies from it too.
+  std::vector<int32_t> short_prefix(first.begin(), first.begin() + 5);
+  for (int i = 0; i < 8; ++i) short_prefix.push_back(kFirstPiece + 200 + i);
+  const auto [c, id_c] = RunOne(short_prefix, 2);
+  EXPECT_EQ(c.finish.cached_tokens, 5);
+  EXPECT_EQ(exec_.attached(id_c), 0);
+  EXPECT_EQ(exec_.copied(id_c), 5);
+  EXPECT_TRUE(AllReleased());
   exec_.ExpectConsistent(true);
 }
 
@@ -1147,7 +1199,10 @@ TEST_F(PrefixCacheTest, ConcurrentSharersAndOneCancelledMidway) {
   a->Cancel();  // the publisher goes away while others use its blocks
   const Outcome ob = Collect(*b);
   ASSERT_TRUE(ob.error.ok());
-  EXPECT_EQ(ob.finish.cached_tokens, 48);
+  // 3 whole blocks; 49 when a ended before b came (the fake is fast) and
+  // left its last, partial block cached.
+  EXPECT_GE(ob.finish.cached_tokens, 48);
+  EXPECT_LE(ob.finish.cached_tokens, 49);
   c->Cancel();  // a cancelled stream gets no more events: the client has gone
   EXPECT_TRUE(AllReleased());
   exec_.ExpectConsistent(true);
@@ -1204,11 +1259,12 @@ TEST_F(PrefixCacheTest, AnUnusableAnswerEndsOnlyItsRequestAndPublishesNothing) {
   EXPECT_TRUE(AllReleased());
   exec_.ExpectConsistent(true);
 
-  // Asked again, the failed prompts find nothing cached; the good one its 2 blocks.
+  // Asked again, the failed prompts find nothing cached; the good one all but
+  // its last token (2 blocks and 9 rows of its last, partial one).
   exec_.SetTokenFn(nullptr);
   EXPECT_EQ(RunOne(overflowed, 2).first.finish.cached_tokens, 0);
   EXPECT_EQ(RunOne(outside, 2).first.finish.cached_tokens, 0);
-  EXPECT_EQ(RunOne(fine, 2).first.finish.cached_tokens, 32);
+  EXPECT_EQ(RunOne(fine, 2).first.finish.cached_tokens, 41);
   EXPECT_TRUE(AllReleased());
   exec_.ExpectConsistent(true);
 }
@@ -1217,18 +1273,20 @@ TEST_F(PrefixCacheTest, EvictsLeastRecentlyUsedUnreferencedBlocksOnlyWhenRoomIsN
   options_.kv_blocks = 8;
   Start();
   // Three prompts of 2 whole blocks each fill 6 blocks of cache.
-  for (int32_t first : {360, 361, 362}) RunOne(Prompt(first, 33), 1);
+  for (int32_t first : {360, 361, 362}) RunOne(Prompt(first, 32), 1);
   EXPECT_TRUE(AllReleased());
   EXPECT_EQ(scheduler_->Stats().kv_blocks_cached, 6);
   EXPECT_EQ(exec_.evicted(), 0);
-  // Touch 360 again so 361 is the least recently used.
-  RunOne(Prompt(360, 33), 1);
+  // Touch 360 again (its first block, and 15 rows copied from its second) so
+  // 361 is the least recently used.
+  RunOne(Prompt(360, 32), 1);
+  EXPECT_EQ(scheduler_->Stats().kv_blocks_cached, 6);
   // A request of 4 blocks: 2 free + evict 2 (361's chain: deepest first).
   const auto [big, id] = RunOne(Prompt(370, 60), 1);
   ASSERT_TRUE(big.error.ok());
   EXPECT_EQ(exec_.evicted(), 2);
-  EXPECT_EQ(RunOne(Prompt(360, 33), 1).first.finish.cached_tokens, 32);  // kept
-  EXPECT_EQ(RunOne(Prompt(361, 33), 1).first.finish.cached_tokens, 0);   // evicted
+  EXPECT_EQ(RunOne(Prompt(360, 32), 1).first.finish.cached_tokens, 31);  // kept
+  EXPECT_EQ(RunOne(Prompt(361, 32), 1).first.finish.cached_tokens, 0);   // evicted
   exec_.ExpectConsistent(true);
 }
 
