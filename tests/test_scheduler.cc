@@ -1368,6 +1368,39 @@ TEST(PrefixCacheIndex, ChainKeysLookupAndLeafFirstEviction) {
   EXPECT_EQ(cache.refs(k1), -1);
 }
 
+// Partial blocks: the child of a block (whole or partial) that shares the
+// most leading tokens with what follows; a partial entry never continues a
+// whole-block lookup; an evicted child is no longer offered.
+TEST(PrefixCacheIndex, LongestPartialPicksTheChildSharingMostTokens) {
+  PrefixCache cache(4);
+  const std::vector<int32_t> t = {1, 2, 3, 4, 5, 6, 7, 8};
+  const uint64_t k0 = ChainKey(0, t.data(), 4);
+  ASSERT_TRUE(cache.Insert(k0, 0, t.data()));
+  EXPECT_EQ(cache.LongestPartial(k0, t.data() + 4, 4).rows, 0);  // no children yet
+  const std::vector<int32_t> a = {5, 6, 9}, b = {5, 6, 7, 9};
+  const uint64_t ka = ChainKey(k0, a.data(), 3), kb = ChainKey(k0, b.data(), 4);
+  EXPECT_NE(ka, ChainKey(k0, a.data(), 2));  // the length is part of the key
+  ASSERT_TRUE(cache.Insert(ka, k0, a.data(), 3));
+  ASSERT_TRUE(cache.Insert(kb, k0, b.data()));
+  PrefixCache::Partial p = cache.LongestPartial(k0, t.data() + 4, 4);
+  EXPECT_EQ(p.key, kb);
+  EXPECT_EQ(p.rows, 3);
+  EXPECT_EQ(cache.LongestPartial(k0, t.data() + 4, 2).rows, 2);  // at most n
+  EXPECT_EQ(cache.LongestPartial(0, t.data(), 4).key, k0);
+  // A partial entry is never a whole block of a lookup, even of its tokens.
+  const std::vector<int32_t> with_a = {1, 2, 3, 4, 5, 6, 9, 0};
+  EXPECT_EQ(cache.Lookup(with_a, 2), (std::vector<uint64_t>{k0}));
+  EXPECT_EQ(cache.LongestPartial(k0, with_a.data() + 4, 4).key, ka);
+  cache.Release({ka});  // the oldest stamp: evicted first
+  cache.Release({k0, kb});
+  EXPECT_EQ(cache.Evict(1), (std::vector<uint64_t>{ka}));
+  EXPECT_EQ(cache.LongestPartial(k0, with_a.data() + 4, 4).key, kb);
+  EXPECT_EQ(cache.LongestPartial(k0, with_a.data() + 4, 4).rows, 2);
+  EXPECT_EQ(cache.Evict(2), (std::vector<uint64_t>{kb, k0}));
+  EXPECT_EQ(cache.LongestPartial(k0, t.data() + 4, 4).rows, 0);
+  EXPECT_EQ(cache.LongestPartial(0, t.data(), 4).rows, 0);
+}
+
 // The stored tier mirrors the workers' stores: bounded by their capacity,
 // the least recently stored forgotten first, so it neither grows without
 // bound nor lists many blocks the stores have deleted.
