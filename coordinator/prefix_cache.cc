@@ -1,6 +1,7 @@
 #include "coordinator/prefix_cache.h"
 
 #include <algorithm>
+#include <iterator>
 
 namespace ellm::coord {
 namespace {
@@ -44,14 +45,19 @@ std::vector<uint64_t> PrefixCache::Lookup(const std::vector<int32_t>& tokens, in
 PrefixCache::Partial PrefixCache::LongestPartial(uint64_t parent, const int32_t* tokens, int n) const {
   Partial best;
   const auto children = children_.find(parent);
-  if (children == children_.end()) return best;
-  for (uint64_t key : children->second) {
-    const std::vector<int32_t>& t = entries_.at(key).tokens;
+  if (children == children_.end() || n <= 0) return best;
+  const std::map<std::vector<int32_t>, uint64_t>& kids = children->second;
+  const std::vector<int32_t> query(tokens, tokens + n);
+  const auto consider = [&](std::map<std::vector<int32_t>, uint64_t>::const_iterator it) {
+    const std::vector<int32_t>& t = it->first;
     const int limit = std::min<int>(n, static_cast<int>(t.size()));
     int rows = 0;
-    while (rows < limit && t[rows] == tokens[rows]) ++rows;
-    if (rows > best.rows) best = {key, rows};
-  }
+    while (rows < limit && t[rows] == query[rows]) ++rows;
+    if (rows > best.rows) best = {it->second, rows};
+  };
+  const auto at = kids.lower_bound(query);
+  if (at != kids.end()) consider(at);
+  if (at != kids.begin()) consider(std::prev(at));
   return best;
 }
 
@@ -79,7 +85,7 @@ bool PrefixCache::Insert(uint64_t key, uint64_t parent, const int32_t* tokens, i
   e.parent = parent;
   e.tokens.assign(tokens, tokens + n);
   e.refs = 1;
-  children_[parent].push_back(key);
+  children_[parent].emplace(e.tokens, key);
   return true;
 }
 
@@ -90,9 +96,8 @@ std::vector<uint64_t> PrefixCache::Evict(int64_t n) {
     lru_.erase(lru_.begin());
     const auto entry = entries_.find(key);
     const auto siblings = children_.find(entry->second.parent);
-    std::vector<uint64_t>& v = siblings->second;
-    v.erase(std::find(v.begin(), v.end(), key));
-    if (v.empty()) children_.erase(siblings);
+    siblings->second.erase(entry->second.tokens);
+    if (siblings->second.empty()) children_.erase(siblings);
     entries_.erase(entry);
     out.push_back(key);
   }

@@ -110,7 +110,10 @@ class PrefixCache {
 
   int block_tokens_;
   absl::flat_hash_map<uint64_t, Entry> entries_;
-  absl::flat_hash_map<uint64_t, std::vector<uint64_t>> children_;  // parent -> cached children
+  // parent -> its cached children by their tokens, in lexicographic order:
+  // the child sharing most leading tokens with a query is a neighbour of the
+  // query's place (LongestPartial looks at two, however many there are).
+  absl::flat_hash_map<uint64_t, std::map<std::vector<int32_t>, uint64_t>> children_;
   std::map<uint64_t, uint64_t> lru_;  // stamp -> key of unreferenced entries, oldest first
   struct StoredEntry {
     Block block;

@@ -20,6 +20,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <random>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -1399,6 +1400,38 @@ TEST(PrefixCacheIndex, LongestPartialPicksTheChildSharingMostTokens) {
   EXPECT_EQ(cache.Evict(2), (std::vector<uint64_t>{kb, k0}));
   EXPECT_EQ(cache.LongestPartial(k0, t.data() + 4, 4).rows, 0);
   EXPECT_EQ(cache.LongestPartial(0, t.data(), 4).rows, 0);
+}
+
+// Among many siblings (as the first blocks of many different prompts are),
+// LongestPartial finds as long a shared run as a scan of all of them does.
+TEST(PrefixCacheIndex, LongestPartialAmongManySiblingsMatchesAFullScan) {
+  constexpr int kBt = 8;
+  PrefixCache cache(kBt);
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int32_t> tok(0, 3);  // few values: long shared runs
+  std::uniform_int_distribution<int> len(1, kBt);
+  std::vector<std::vector<int32_t>> kids;
+  for (int i = 0; i < 2000; ++i) {
+    std::vector<int32_t> t(len(rng));
+    for (int32_t& x : t) x = tok(rng);
+    if (cache.Insert(ChainKey(42, t.data(), static_cast<int>(t.size())), 42, t.data(), static_cast<int>(t.size()))) {
+      kids.push_back(t);
+    }
+  }
+  for (int q = 0; q < 500; ++q) {
+    std::vector<int32_t> query(len(rng));
+    for (int32_t& x : query) x = tok(rng);
+    const int n = static_cast<int>(query.size());
+    int want = 0;
+    for (const std::vector<int32_t>& t : kids) {
+      int r = 0;
+      while (r < n && r < static_cast<int>(t.size()) && t[r] == query[r]) ++r;
+      want = std::max(want, r);
+    }
+    const PrefixCache::Partial got = cache.LongestPartial(42, query.data(), n);
+    ASSERT_EQ(got.rows, want) << "query " << q;
+    EXPECT_EQ(cache.LongestPartial(7, query.data(), n).rows, 0);  // another parent's
+  }
 }
 
 // The stored tier mirrors the workers' stores: bounded by their capacity,
