@@ -266,12 +266,27 @@ int RunTurns(const std::vector<std::string>& launch_base, const std::string& por
       }
       if (turn == 1) turn1 = t.ttft_ms();
       if (turn == 1 && std::string(mode.name) == "off") cold_ttft = t.ttft_ms();
+      // Text input: how many of the answer's ids the next prompt's text
+      // tokenizes back to (the cache can serve those, and no more).
+      std::string kept;
+      if (!ids) {
+        absl::StatusOr<std::vector<int32_t>> before = TokenIds(stub.get(), prompt, true);
+        absl::StatusOr<std::vector<int32_t>> after = TokenIds(stub.get(), prompt + t.text, true);
+        if (before.ok() && after.ok()) {
+          std::vector<int32_t> want = *before;
+          want.insert(want.end(), t.ids.begin(), t.ids.end());
+          size_t same = 0;
+          while (same < want.size() && same < after->size() && want[same] == (*after)[same]) ++same;
+          const size_t answer = same > before->size() ? same - before->size() : 0;
+          kept = absl::StrCat(" answer_ids_kept_as_text=", answer, "/", t.ids.size());
+        }
+      }
       std::printf("turn=%d prefix_cache=%s%s input=%s prompt_tokens=%d cached_tokens=%d ttft_ms=%.1f "
-                  "ratio_to_turn1=%.4f ratio_to_cold=%.4f\n",
+                  "ratio_to_turn1=%.4f ratio_to_cold=%.4f%s\n",
                   turn, mode.name, after_restart ? " restarted_from_kv_store=1" : "", ids ? "ids" : "text",
                   t.prompt_tokens,
                   t.cached_tokens, t.ttft_ms(), turn1 > 0 ? t.ttft_ms() / turn1 : 0,
-                  cold_ttft > 0 ? t.ttft_ms() / cold_ttft : 0);
+                  cold_ttft > 0 ? t.ttft_ms() / cold_ttft : 0, kept.c_str());
       std::fflush(stdout);
       const std::string next = Text(turn_tokens, turn);
       prompt += t.text + next;
@@ -335,7 +350,8 @@ int E2eMain(int argc, char** argv) {
   args.Flag("answer-tokens", "64", "--turns: tokens each turn generates");
   args.Flag("turn-input", "text",
             "--turns: what the client sends: text (each answer is tokenized anew with the prompt, so "
-            "an answer whose text tokenizes otherwise is recomputed) or ids (the answer's own ids)");
+            "an answer whose text tokenizes otherwise is recomputed from the first id that differs; "
+            "each line says answer_ids_kept_as_text=K/N) or ids (the answer's own ids)");
   args.Flag("no-prefix-cache", "", "launch with --no-prefix-cache (decode with and without the cache)", true);
   args.Flag("bin-dir", "", "folder of ellm-launch (default: this program's folder)");
   args.Flag("port", "50391", "port for the launched system");
