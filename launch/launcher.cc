@@ -82,6 +82,8 @@ struct LaunchConfig {
   bool restart = true;    // restart the workers when one dies (the coordinator resumes)
   int max_restarts = 5;   // crash-loop failures in a row before the launch gives up
   int ready_timeout_s = 180;
+  int heartbeat_ms = 500;          // the coordinator's health checks of the workers
+  double min_step_timeout_s = 2;   // and the shortest time it lets a step take
 };
 
 std::string DescribeExit(int status) {
@@ -405,7 +407,9 @@ absl::Status Launch::Start() {
         // does: at start-up, and for a restarted set (one start and its
         // longest backoff).
         absl::StrCat("--connect-timeout-s=", c_.ready_timeout_s),
-        absl::StrCat("--recovery-timeout-s=", c_.ready_timeout_s + 10)};
+        absl::StrCat("--recovery-timeout-s=", c_.ready_timeout_s + 10),
+        absl::StrCat("--heartbeat-ms=", c_.heartbeat_ms),
+        absl::StrCat("--min-step-timeout-s=", c_.min_step_timeout_s)};
     children_.push_back({"coordinator", Spawn(argv), coordinator_address, false, 0, argv});
   }
 
@@ -672,6 +676,10 @@ int Main(int argc, char** argv) {
   args.Flag("max-restarts", "5", "failures in a row (a restart that does not come up, or processes dying right after one) "
             "before the launch gives up");
   args.Flag("ready-timeout", "180", "seconds to wait for every process to become healthy");
+  args.Flag("heartbeat-ms", "500", "interval of the coordinator's health checks of the workers; a worker that "
+            "misses two is frozen and killed (then restarted, see --no-restart)");
+  args.Flag("min-step-timeout-s", "2", "a step that takes 10x the recent p99 step time, and at least this, is stuck: "
+            "its workers are killed (then restarted)");
   if (std::optional<int> exit = args.ParseFlagsOnly(argc, argv)) return *exit;
   LaunchConfig c;
   absl::StatusOr<std::string> model = FindModel(args.Get("model"));
@@ -743,9 +751,19 @@ int Main(int argc, char** argv) {
                      {"kv-cache-mb", &c.kv_cache_mb}, {"max-batch", &c.max_batch},
                      {"max-step-tokens", &c.max_step_tokens}, {"max-queue", &c.max_queue}, {"mlp-threads", &c.mlp_threads},
                      {"ready-timeout", &c.ready_timeout_s}, {"kv-store-mb", &c.kv_store_mb},
-                     {"max-restarts", &c.max_restarts}, {"q8-act-bits", &c.q8_act_bits}});
+                     {"max-restarts", &c.max_restarts}, {"q8-act-bits", &c.q8_act_bits},
+                     {"heartbeat-ms", &c.heartbeat_ms}});
+  if (st.ok()) {
+    absl::StatusOr<double> step = args.GetDouble("min-step-timeout-s");
+    st = step.status();
+    if (step.ok()) c.min_step_timeout_s = *step;
+  }
   if (!st.ok()) {
     LogError("%s", st.message());
+    return 2;
+  }
+  if (c.heartbeat_ms <= 0 || !(c.min_step_timeout_s > 0)) {
+    LogError("--heartbeat-ms and --min-step-timeout-s must be positive");
     return 2;
   }
   if (c.q8_act_bits != 8 && c.q8_act_bits != 7) {

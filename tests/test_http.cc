@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <future>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -133,6 +134,33 @@ void WriteCompletion(tcp::socket& socket, const json& body) {
 
 json Completion(const std::string& prompt, int max_tokens, bool stream) {
   return {{"model", "llama"}, {"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0}, {"stream", stream}};
+}
+
+// A /metrics exposition's samples: "name{labels}" -> value.
+std::map<std::string, double> Samples(const std::string& exposition) {
+  std::map<std::string, double> samples;
+  for (absl::string_view line : absl::StrSplit(exposition, '\n', absl::SkipEmpty())) {
+    if (line[0] == '#') continue;
+    const size_t space = line.rfind(' ');
+    EXPECT_NE(space, absl::string_view::npos) << line;
+    if (space == absl::string_view::npos) continue;
+    samples[std::string(line.substr(0, space))] = std::stod(std::string(line.substr(space + 1)));
+  }
+  return samples;
+}
+
+// Waits (up to 20 s) until /metrics shows `running` requests in the batch and
+// `waiting` in the queue.
+bool WaitForQueue(int port, int running, int waiting) {
+  for (int i = 0; i < 200; ++i) {
+    const HttpResult m = Call(port, http::verb::get, "/metrics");
+    if (m.status == 200) {
+      std::map<std::string, double> s = Samples(m.body);
+      if (s["ellm_requests_running"] == running && s["ellm_requests_waiting"] == waiting) return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return false;
 }
 
 TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
@@ -313,7 +341,8 @@ std::string ReplyAfterSending(int port, size_t body_bytes) {
 
 TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl", "--http-max-body-mb=1",
-                     "--max-batch=1", "--max-queue=1", "--no-restart"});
+                     "--max-batch=1", "--max-queue=1", "--no-restart", "--heartbeat-ms=5000",
+                     "--min-step-timeout-s=60"});
   ASSERT_TRUE(system.ready()) << system.Log();
   const int port = system.http_port();
   auto expect = [&](const HttpResult& r, int status, const std::string& needle) {
@@ -359,21 +388,35 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   // server reads the rest and drops it rather than reset the upload.
   const std::string reply = ReplyAfterSending(port, 16 << 20);
   EXPECT_TRUE(absl::StartsWith(reply, "HTTP/1.1 413")) << "reply: " << reply.substr(0, 200);
-  // One request runs (--max-batch=1), one waits (--max-queue=1): a third is 429.
+  // One request runs (--max-batch=1), one waits (--max-queue=1): a third is
+  // 429. The attention worker is stopped meanwhile, so that the running
+  // request cannot end (at EOS, on a fast machine) before the third arrives;
+  // the heartbeats (5 s apart, two misses) and step deadline (60 s) allow it.
+  const pid_t worker = system.FindChild("ellm-attn-worker");
+  ASSERT_GT(worker, 0);
+  kill(worker, SIGSTOP);
   auto running = std::async(std::launch::async, [&] {
-    return Post(port, "/v1/completions", Completion("Once upon a time", 1500, false));
+    return Post(port, "/v1/completions", Completion("Once upon a time", 100, false));
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const bool admitted = WaitForQueue(port, 1, 0);
   auto waiting = std::async(std::launch::async, [&] {
-    return Post(port, "/v1/completions", Completion("The dog", 1500, false));
+    return Post(port, "/v1/completions", Completion("The dog", 100, false));
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  expect(Post(port, "/v1/completions", Completion("The cat", 5, false)), 429, "wait queue");
+  const bool queued = admitted && WaitForQueue(port, 1, 1);
+  // (Were it queued instead, it would wait for the stopped worker.)
+  auto third = std::async(std::launch::async, [&] {
+    return Post(port, "/v1/completions", Completion("The cat", 5, false));
+  });
+  const bool answered = third.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+  kill(worker, SIGCONT);
+  EXPECT_TRUE(admitted && queued) << "the running and the waiting request never showed in /metrics";
+  EXPECT_TRUE(answered) << "a request beyond --max-queue waited instead of being refused";
+  expect(third.get(), 429, "wait queue");
   EXPECT_EQ(running.get().status, 200);
   EXPECT_EQ(waiting.get().status, 200);
   // A dead worker (no restarts): 503, and /health says so.
-  kill(system.FindChild("ellm-attn-worker"), SIGKILL);
-  for (int i = 0; i < 50 && Call(port, http::verb::get, "/health").status != 503; ++i) {
+  kill(worker, SIGKILL);
+  for (int i = 0; i < 150 && Call(port, http::verb::get, "/health").status != 503; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   EXPECT_EQ(Call(port, http::verb::get, "/health").status, 503);
@@ -619,14 +662,7 @@ TEST(Http, MetricsCountWhatHappenedAndReflectionListsTheApi) {
   const HttpResult m = Call(port, http::verb::get, "/metrics");
   ASSERT_EQ(m.status, 200);
   EXPECT_TRUE(absl::StartsWith(m.content_type, "text/plain"));
-  // Parse the exposition: name{labels} value per sample line.
-  std::map<std::string, double> samples;
-  for (absl::string_view line : absl::StrSplit(m.body, '\n', absl::SkipEmpty())) {
-    if (line[0] == '#') continue;
-    const size_t space = line.rfind(' ');
-    ASSERT_NE(space, absl::string_view::npos) << line;
-    samples[std::string(line.substr(0, space))] = std::stod(std::string(line.substr(space + 1)));
-  }
+  std::map<std::string, double> samples = Samples(m.body);
   EXPECT_EQ(samples["ellm_requests_total{outcome=\"length\"}"], 3);
   EXPECT_EQ(samples["ellm_generated_tokens_total"], 60);
   EXPECT_EQ(samples["ellm_prompt_tokens_total"], 15);
