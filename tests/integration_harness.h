@@ -181,6 +181,13 @@ class EllmSystem {
     }
     return -1;
   }
+  std::vector<pid_t> FindChildren(const std::string& needle) const {
+    std::vector<pid_t> found;
+    for (pid_t p : ChildrenOf(pid_)) {
+      if (Cmdline(p).find(needle) != std::string::npos) found.push_back(p);
+    }
+    return found;
+  }
   grpc::health::v1::HealthCheckResponse::ServingStatus Health() {
     auto stub = grpc::health::v1::Health::NewStub(channel_);
     grpc::ClientContext ctx;

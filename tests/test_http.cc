@@ -604,10 +604,15 @@ TEST(Http, APipelinedRequestIsAnsweredAfterTheOneBeforeIt) {
 }
 
 TEST(Http, ADisconnectCancelsAndConcurrentStreamsMatchTheirSoloRuns) {
-  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--max-batch=32"});
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--max-batch=32",
+                     "--heartbeat-ms=5000", "--min-step-timeout-s=60"});
   ASSERT_TRUE(system.ready()) << system.Log();
   const int port = system.http_port();
-  // Read the start of a long stream, then hang up.
+  // Read the start of a long stream, then hang up. The attention workers
+  // stop meanwhile, so that the request cannot end by itself (at EOS, in a
+  // few ms) before the server sees the hang-up.
+  const std::vector<pid_t> workers = system.FindChildren("ellm-attn-worker");
+  ASSERT_EQ(workers.size(), 2u);
   {
     net::io_context ioc;
     tcp::socket socket(ioc);
@@ -623,7 +628,10 @@ TEST(Http, ADisconnectCancelsAndConcurrentStreamsMatchTheirSoloRuns) {
       const size_t n = socket.read_some(net::buffer(buf));
       seen.append(buf, n);
     }
+    for (pid_t w : workers) kill(w, SIGSTOP);
     socket.close();
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    for (pid_t w : workers) kill(w, SIGCONT);
   }
   // The server cancels it: nothing runs a moment later.
   bool idle = false;
@@ -635,6 +643,7 @@ TEST(Http, ADisconnectCancelsAndConcurrentStreamsMatchTheirSoloRuns) {
     if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   EXPECT_TRUE(idle) << "the disconnected request still runs";
+  EXPECT_EQ(Samples(Call(port, http::verb::get, "/metrics").body)["ellm_requests_total{outcome=\"cancelled\"}"], 1);
   EXPECT_EQ(Post(port, "/v1/completions", Completion("Once", 4, false)).status, 200);
 
   // 32 concurrent streams, each what it gives alone.
