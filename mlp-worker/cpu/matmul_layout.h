@@ -178,9 +178,10 @@ constexpr int kAheadBytes = 2048;
 #define ELLM_PREFETCH_INLINE inline __attribute__((always_inline))
 
 // The lines of [p, p + bytes).
+template <int kHint = _MM_HINT_T0>
 ELLM_PREFETCH_INLINE void PrefetchLines(const void* p, int bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+  for (int o = 0; o < bytes; o += 64) _mm_prefetch(c + o, static_cast<_mm_hint>(kHint));
 }
 
 // The lines of [p, p + bytes), kAheadBytes on.
@@ -198,14 +199,16 @@ ELLM_PREFETCH_INLINE void PrefetchAhead(const void* p, int bytes) {
 // with 2 blocks ahead, 0.75-0.81 with 4; AVX-512 Q4_K 0.64-0.67 -> 0.82-0.90
 // -> 0.91-0.94; bench/results/amd-epyc-zen5.md).
 inline constexpr int64_t kBlocksAhead = 4;
+// kHint: where the quant lines go (_MM_HINT_T1: L2 only, see K4Tile::Whole).
+template <int kHint = _MM_HINT_T0>
 ELLM_PREFETCH_INLINE void PrefetchBlocks(const QuantMatrix& w, int64_t g, int64_t b, int64_t nb,
                                          int quant_bytes, int meta_bytes) {
   const bool has_next = g + 1 < w.groups();
   const int64_t bq = b + kBlocksAhead, bm = b + (kAheadBytes + meta_bytes - 1) / meta_bytes;
   if (bq < nb) {
-    PrefetchLines(w.group(g) + bq * quant_bytes, quant_bytes);
+    PrefetchLines<kHint>(w.group(g) + bq * quant_bytes, quant_bytes);
   } else if (has_next) {
-    PrefetchLines(w.group(g + 1) + (bq - nb) * quant_bytes, quant_bytes);
+    PrefetchLines<kHint>(w.group(g + 1) + (bq - nb) * quant_bytes, quant_bytes);
   }
   if (bm < nb) {
     PrefetchLines(w.group(g) + nb * quant_bytes + bm * meta_bytes, meta_bytes);
