@@ -914,7 +914,8 @@ struct K4Tile {
       // took fill buffers the loads of this block needed. 5120 x 5120 Q4_K
       // from DRAM, 2 threads, Xeon family 6 model 207, 5 rounds alternated:
       // T = 1 0.89-0.98 -> 1.02-1.16 of the probe, T = 4 0.63-0.70 ->
-      // 0.71-0.76. (Q4_0's 4 and Q6_K's 48 lines a block: no gain, T0 kept.)
+      // 0.71-0.76; avx2-vnni T = 4 0.73-0.77 -> 0.81-0.87. (Q4_0's 4 and
+      // Q6_K's 48 lines a block: no gain, T0 kept.)
       PrefetchBlocks<_MM_HINT_T1>(w, g, b, nb, kQuant, 320);
       if constexpr (NT > kMaxTokens) {  // one half at a time
         for (int h = 0; h < 2; ++h) {
