@@ -6,8 +6,10 @@
 // figures come from 20).
 #include <signal.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -44,36 +46,62 @@ double SecondsSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
-// Runs kStreams greedy streams at once; `fault(pid)` is applied to the
-// victim once stream 0 has 40 tokens. Returns the streams and the seconds
-// from the fault until health was SERVING again.
+// The running requests of each pause for a worker failure so far, as the
+// coordinator logged them ("...; pausing N running and M waiting requests").
+std::vector<int> Pauses(const std::string& log) {
+  std::vector<int> running;
+  static const std::string kPausing = "; pausing ";
+  for (size_t at = log.find(kPausing); at != std::string::npos; at = log.find(kPausing, at + 1)) {
+    const char* number = log.c_str() + at + kPausing.size();
+    char* end = nullptr;
+    const long n = std::strtol(number, &end, 10);
+    if (end != number && std::strncmp(end, " running", 8) == 0) running.push_back(static_cast<int>(n));
+  }
+  return running;
+}
+
+// Runs kStreams greedy streams at once; `signal` goes to the victim once
+// every stream has its first token (the server has most of each stream's
+// tokens still to make then: a client-side count such as "stream 0 has 40
+// tokens" can lag the server until every stream has ended). Returns the
+// streams and the seconds from the fault until health was SERVING again.
 std::pair<std::vector<Generated>, double> RunWithFault(EllmSystem& system, const std::string& victim,
                                                        int signal) {
-  std::atomic<bool> done{false};
-  std::chrono::steady_clock::time_point fault_time;
-  pid_t pid = -1;
+  const pid_t pid = system.FindChild(victim);
+  EXPECT_GT(pid, 0) << victim << " not found";
+  if (pid <= 0) return {};  // never kill(-1, ...)
+  const size_t pauses_before = Pauses(system.Log()).size();
+  std::atomic<int> started{0};
   std::vector<std::future<Generated>> futures;
   for (int i = 0; i < kStreams; ++i) {
     futures.push_back(std::async(std::launch::async, [&, i] {
-      return Generate(system.stub(), Greedy(PromptOf(i), kTokens), [&, i](const Generated& g) {
-        if (i == 0 && g.tokens.size() == 40 && !done.exchange(true)) {
-          pid = system.FindChild(victim);
-          fault_time = std::chrono::steady_clock::now();
-          kill(pid, signal);
-        }
+      return Generate(system.stub(), Greedy(PromptOf(i), kTokens), [&](const Generated& g) {
+        if (g.tokens.size() == 1) ++started;
       });
     }));
   }
+  const auto start = std::chrono::steady_clock::now();
+  while (started.load() < kStreams && SecondsSince(start) < 60) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  const auto fault_time = std::chrono::steady_clock::now();
+  kill(pid, signal);
   std::vector<Generated> out;
   for (auto& f : futures) out.push_back(f.get());
-  EXPECT_TRUE(done.load()) << "the fault was never applied";
+  EXPECT_EQ(started.load(), kStreams) << "not every stream started";
   // Back: health SERVING again (the streams may end before it says so).
   double back = -1;
   while (back < 0 && SecondsSince(fault_time) < 30) {
     if (system.Health() == grpc::health::v1::HealthCheckResponse::SERVING) back = SecondsSince(fault_time);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  if (signal == SIGSTOP && pid > 0) kill(pid, SIGCONT);  // killed by then; harmless
+  if (signal == SIGSTOP) kill(pid, SIGCONT);  // killed by then; harmless
+  // The fault hit running streams: the coordinator paused them (once).
+  const std::vector<int> pauses = Pauses(system.Log());
+  EXPECT_EQ(pauses.size(), pauses_before + 1);
+  if (pauses.size() > pauses_before) {
+    EXPECT_GE(pauses[pauses_before], 1) << "the fault came after the streams had ended";
+  }
   return {out, back};
 }
 
@@ -95,6 +123,7 @@ TEST(Faults, KilledOrFrozenWorkersAreReplacedAndStreamsResumeExactly) {
     for (int trial = 0; trial < Trials(); ++trial) {
       SCOPED_TRACE(absl::StrCat(fault.victim, fault.signal == SIGKILL ? " SIGKILL" : " SIGSTOP", " trial ", trial));
       auto [streams, back_s] = RunWithFault(system, fault.victim, fault.signal);
+      ASSERT_EQ(streams.size(), static_cast<size_t>(kStreams));
       for (int i = 0; i < kStreams; ++i) {
         ASSERT_TRUE(streams[i].status.ok()) << i << ": " << streams[i].status.error_message();
         EXPECT_EQ(streams[i].tokens, expected[i].tokens) << i;
@@ -151,7 +180,9 @@ TEST(Faults, RestartsThatCannotComeUpEndTheLaunch) {
   EllmSystem system({"--model=" + model, "--attn-workers=1", "--no-numactl", "--max-restarts=3"});
   ASSERT_TRUE(system.ready()) << system.Log();
   std::filesystem::remove(model);
-  kill(system.FindChild("ellm-attn-worker"), SIGKILL);
+  const pid_t worker = system.FindChild("ellm-attn-worker");
+  ASSERT_GT(worker, 0);
+  kill(worker, SIGKILL);
   const auto start = std::chrono::steady_clock::now();
   while (!Exited(system.pid()) && SecondsSince(start) < 60) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -181,7 +212,9 @@ TEST(Faults, WorkersThatStayAwayRestartEverything) {
   const Generated before = Generate(system.stub(), Greedy("Once upon a time", 30));
   ASSERT_TRUE(before.status.ok()) << before.status.error_message();
   std::filesystem::rename(model, model + ".away");
-  kill(system.FindChild("ellm-attn-worker"), SIGKILL);
+  const pid_t worker = system.FindChild("ellm-attn-worker");
+  ASSERT_GT(worker, 0);
+  kill(worker, SIGKILL);
   const auto start = std::chrono::steady_clock::now();
   while (system.Log().find("exiting so that the launcher restarts ellm") == std::string::npos &&
          SecondsSince(start) < 60) {

@@ -391,6 +391,9 @@ TEST(Integration, KilledWorkerWhileBlocksAreShared) {
   for (int i = 0; i < 8; ++i) doc += "The little dog ran to the big tree and sat down. ";
   const Generated expected = Generate(system.stub(), Greedy(doc + " Then", 600));  // caches the prefix
   ASSERT_TRUE(expected.status.ok());
+  ASSERT_EQ(expected.tokens.size(), 600u);
+  const pid_t victim = system.FindChild("ellm-attn-worker");
+  ASSERT_GT(victim, 0);
   std::vector<std::future<Generated>> streams;
   std::atomic<int> started{0};
   for (int i = 0; i < 3; ++i) {
@@ -400,14 +403,17 @@ TEST(Integration, KilledWorkerWhileBlocksAreShared) {
       });
     }));
   }
-  for (int i = 0; i < 200 && started < 3; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  kill(system.FindChild("ellm-attn-worker"), SIGKILL);
+  for (int i = 0; i < 30000 && started < 3; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  kill(victim, SIGKILL);
   for (auto& f : streams) {
     Generated g = f.get();
     ASSERT_TRUE(g.status.ok()) << g.status.error_message();
     EXPECT_GT(g.finish.cached_tokens(), 0);
     EXPECT_EQ(g.tokens, expected.tokens);
   }
+  EXPECT_EQ(started.load(), 3);
+  // The kill hit the three streams while they ran (not after they ended).
+  EXPECT_NE(system.Log().find("pausing 3 running"), std::string::npos) << system.Log();
   ExpectCleanShutdown(system);
 }
 
