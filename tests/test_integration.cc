@@ -209,7 +209,8 @@ TEST(Integration, BadRequestsGetClearErrorsAndTheServerGoesOn) {
 }
 
 TEST(Integration, StopStringAndCancelledClient) {
-  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--kv-dtype=f32"});
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--kv-dtype=f32",
+                     "--heartbeat-ms=5000", "--min-step-timeout-s=60"});
   ASSERT_TRUE(system.ready()) << system.Log();
   ellm::v1::GenerateRequest req = Greedy("Once upon a time", 64);
   req.add_stop("Lily");
@@ -218,17 +219,35 @@ TEST(Integration, StopStringAndCancelledClient) {
   EXPECT_EQ(g.finish.reason(), ellm::v1::FINISH_REASON_STOP_STRING);
   EXPECT_EQ(g.text, ", there was a little girl named ");
 
-  // A client that goes away mid-stream: the server frees the sequence and goes on.
+  // A client that goes away mid-stream: the server frees the sequence and
+  // goes on. The attention workers stop meanwhile, so that the request
+  // cannot end by itself (1500 tokens take a fraction of a second) before
+  // the server sees the cancellation.
+  const std::vector<pid_t> workers = system.FindChildren("ellm-attn-worker");
+  ASSERT_EQ(workers.size(), 2u);
   {
     grpc::ClientContext ctx;
     auto reader = system.stub()->Generate(&ctx, Greedy("Once upon a time", 1500));
     ellm::v1::GenerateResponse resp;
     ASSERT_TRUE(reader->Read(&resp));
+    for (pid_t w : workers) kill(w, SIGSTOP);
     ctx.TryCancel();
     while (reader->Read(&resp)) {
     }
     EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    for (pid_t w : workers) kill(w, SIGCONT);
   }
+  bool idle = false;
+  for (int i = 0; i < 100 && !idle; ++i) {
+    ellm::v1::ModelInfo info;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(system.stub()->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info).ok());
+    idle = info.running() == 0 && info.waiting() == 0;
+    if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(idle) << "the cancelled request still runs";
+  EXPECT_NE(system.Log().find("cancelled by the client"), std::string::npos) << system.Log();
   Generated after = Generate(system.stub(), Greedy("Once upon a time", 16));
   EXPECT_TRUE(after.status.ok());
   EXPECT_EQ(after.tokens.size(), 16u);
