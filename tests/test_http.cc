@@ -558,7 +558,8 @@ TEST(Http, AScrapeWaitingOnAFrozenWorkerHoldsNothingElse) {
 // arrives while the first generates, which the server's hang-up watch sees
 // as data on the socket.
 TEST(Http, APipelinedRequestIsAnsweredAfterTheOneBeforeIt) {
-  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl"});
+  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl", "--heartbeat-ms=5000",
+                     "--min-step-timeout-s=60"});
   ASSERT_TRUE(system.ready()) << system.Log();
   const int port = system.http_port();
   const std::vector<json> requests = {Completion("Once upon a time", 400, false), Completion("The little dog", 8, false)};
@@ -568,10 +569,17 @@ TEST(Http, APipelinedRequestIsAnsweredAfterTheOneBeforeIt) {
   net::io_context ioc;
   tcp::socket socket(ioc);
   socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
-  for (size_t i = 0; i < requests.size(); ++i) {
-    WriteCompletion(socket, requests[i]);
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the first is generating
-  }
+  // The second goes out while the first runs for sure: the attention
+  // worker stops until then (400 tokens take a few ms on a fast machine).
+  const pid_t worker = system.FindChild("ellm-attn-worker");
+  ASSERT_GT(worker, 0);
+  kill(worker, SIGSTOP);
+  WriteCompletion(socket, requests[0]);
+  const bool running = WaitForQueue(port, 1, 0);
+  WriteCompletion(socket, requests[1]);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // it reaches the server
+  kill(worker, SIGCONT);
+  EXPECT_TRUE(running) << "the first request never showed in /metrics";
   std::future<std::vector<http::response<http::string_body>>> answers = std::async(std::launch::async, [&] {
     std::vector<http::response<http::string_body>> out;
     beast::flat_buffer buffer;
