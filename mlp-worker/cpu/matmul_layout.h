@@ -181,7 +181,15 @@ constexpr int kAheadBytes = 2048;
 template <int kHint = _MM_HINT_T0>
 ELLM_PREFETCH_INLINE void PrefetchLines(const void* p, int bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int o = 0; o < bytes; o += 64) _mm_prefetch(c + o, static_cast<_mm_hint>(kHint));
+  static_assert(kHint == _MM_HINT_T0 || kHint == _MM_HINT_T1);
+  for (int o = 0; o < bytes; o += 64) {
+    // (Each hint spelled out: GCC's and clang's _mm_prefetch take different types.)
+    if constexpr (kHint == _MM_HINT_T0) {
+      _mm_prefetch(c + o, _MM_HINT_T0);
+    } else {
+      _mm_prefetch(c + o, _MM_HINT_T1);
+    }
+  }
 }
 
 // The lines of [p, p + bytes), kAheadBytes on.
