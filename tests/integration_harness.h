@@ -18,6 +18,7 @@
 #include <functional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -175,18 +176,30 @@ class EllmSystem {
     std::ifstream in(log_path_);
     return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   }
-  pid_t FindChild(const std::string& needle) const {
-    for (pid_t p : ChildrenOf(pid_)) {
-      if (Cmdline(p).find(needle) != std::string::npos) return p;
-    }
-    return -1;
-  }
   std::vector<pid_t> FindChildren(const std::string& needle) const {
     std::vector<pid_t> found;
     for (pid_t p : ChildrenOf(pid_)) {
       if (Cmdline(p).find(needle) != std::string::npos) found.push_back(p);
     }
     return found;
+  }
+  // The first child whose command line holds `needle`, or -1.
+  pid_t FindChild(const std::string& needle) const {
+    const std::vector<pid_t> found = FindChildren(needle);
+    return found.empty() ? -1 : found[0];
+  }
+  // Waits (up to 5 s) until GetModelInfo shows no request running or waiting.
+  bool WaitUntilIdle() {
+    for (int i = 0; i < 100; ++i) {
+      ellm::v1::ModelInfo info;
+      grpc::ClientContext ctx;
+      if (stub_->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info).ok() && info.running() == 0 &&
+          info.waiting() == 0) {
+        return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
   }
   grpc::health::v1::HealthCheckResponse::ServingStatus Health() {
     auto stub = grpc::health::v1::Health::NewStub(channel_);

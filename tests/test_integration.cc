@@ -239,15 +239,7 @@ TEST(Integration, StopStringAndCancelledClient) {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     for (pid_t w : workers) kill(w, SIGCONT);
   }
-  bool idle = false;
-  for (int i = 0; i < 100 && !idle; ++i) {
-    ellm::v1::ModelInfo info;
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(system.stub()->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info).ok());
-    idle = info.running() == 0 && info.waiting() == 0;
-    if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  EXPECT_TRUE(idle) << "the cancelled request still runs";
+  EXPECT_TRUE(system.WaitUntilIdle()) << "the cancelled request still runs";
   EXPECT_NE(system.Log().find("cancelled by the client"), std::string::npos) << system.Log();
   Generated after = Generate(system.stub(), Greedy("Once upon a time", 16));
   EXPECT_TRUE(after.status.ok());

@@ -910,8 +910,9 @@ struct K4Tile {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* qb = quant + b * kQuant;
       const uint8_t* meta = meta0 + b * 320;
-      // The block 4 ahead into L2 only: its 32-40 lines at once into L1
-      // took fill buffers the loads of this block needed. 5120 x 5120 Q4_K
+      // The block 4 ahead into L2 only (its 32-40 lines at once into L1
+      // likely took fill buffers this block's loads needed; not measured
+      // directly). 5120 x 5120 Q4_K
       // from DRAM, 2 threads, Xeon family 6 model 207, 5 rounds alternated:
       // T = 1 0.89-0.98 -> 1.02-1.16 of the probe, T = 4 0.63-0.70 ->
       // 0.71-0.76; avx2-vnni T = 4 0.73-0.77 -> 0.81-0.87. (Q4_0's 4 and
