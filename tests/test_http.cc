@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <future>
 #include <map>
 #include <string>
@@ -149,18 +150,26 @@ std::map<std::string, double> Samples(const std::string& exposition) {
   return samples;
 }
 
-// Waits (up to 20 s) until /metrics shows `running` requests in the batch and
-// `waiting` in the queue.
-bool WaitForQueue(int port, int running, int waiting) {
+// Polls /metrics (200 times, 100 ms apart; a scrape waits up to 1 s for a
+// frozen worker) until its samples satisfy `holds`.
+bool WaitForMetrics(int port, const std::function<bool(std::map<std::string, double>&)>& holds) {
   for (int i = 0; i < 200; ++i) {
     const HttpResult m = Call(port, http::verb::get, "/metrics");
     if (m.status == 200) {
       std::map<std::string, double> s = Samples(m.body);
-      if (s["ellm_requests_running"] == running && s["ellm_requests_waiting"] == waiting) return true;
+      if (holds(s)) return true;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   return false;
+}
+
+// Waits until /metrics shows `running` requests in the batch and `waiting`
+// in the queue.
+bool WaitForQueue(int port, int running, int waiting) {
+  return WaitForMetrics(port, [&](std::map<std::string, double>& s) {
+    return s["ellm_requests_running"] == running && s["ellm_requests_waiting"] == waiting;
+  });
 }
 
 TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
@@ -569,13 +578,18 @@ TEST(Http, APipelinedRequestIsAnsweredAfterTheOneBeforeIt) {
   net::io_context ioc;
   tcp::socket socket(ioc);
   socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
-  // The second goes out while the first runs for sure: the attention
-  // worker stops until then (400 tokens take a few ms on a fast machine).
+  // The second goes out while the first is in the server for sure: the
+  // attention worker stops until /metrics shows it (400 tokens take a few ms
+  // on a fast machine). The first may be running, or waiting for admission
+  // behind the KV update the fresh runs left (it goes to the
+  // stopped worker too, and fails after 5 s: so the stop lasts about 1 s).
   const pid_t worker = system.FindChild("ellm-attn-worker");
   ASSERT_GT(worker, 0);
   kill(worker, SIGSTOP);
   WriteCompletion(socket, requests[0]);
-  const bool running = WaitForQueue(port, 1, 0);
+  const bool running = WaitForMetrics(port, [](std::map<std::string, double>& s) {
+    return s["ellm_requests_running"] + s["ellm_requests_waiting"] == 1;
+  });
   WriteCompletion(socket, requests[1]);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));  // it reaches the server
   kill(worker, SIGCONT);
