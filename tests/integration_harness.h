@@ -201,6 +201,21 @@ class EllmSystem {
     }
     return false;
   }
+  // Waits until GetModelInfo shows `n` requests in the server, running or
+  // waiting (up to 100 polls; with a worker stopped each takes about 1 s,
+  // its worker figures' deadline).
+  bool WaitForRequests(int n) {
+    for (int i = 0; i < 100; ++i) {
+      ellm::v1::ModelInfo info;
+      grpc::ClientContext ctx;
+      if (stub_->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info).ok() &&
+          info.running() + info.waiting() == n) {
+        return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  }
   grpc::health::v1::HealthCheckResponse::ServingStatus Health() {
     auto stub = grpc::health::v1::Health::NewStub(channel_);
     grpc::ClientContext ctx;

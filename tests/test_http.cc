@@ -665,12 +665,20 @@ TEST(Http, ADisconnectCancelsAndConcurrentStreamsMatchTheirSoloRuns) {
   for (int i = 0; i < 32; ++i) prompts.push_back(absl::StrCat(i % 2 ? "The little dog" : "Once upon a time", " ", i));
   std::vector<std::string> solo;
   for (const std::string& p : prompts) solo.push_back(Collect(Post(port, "/v1/completions", Completion(p, 48, true)), false).text);
+  // All 32 in one batch for sure: the attention workers stop until /metrics
+  // shows them all in the server (each alone takes a few ms).
+  for (pid_t w : workers) kill(w, SIGSTOP);
   std::vector<std::future<std::string>> together;
   for (const std::string& p : prompts) {
     together.push_back(std::async(std::launch::async, [&, p] {
       return Collect(Post(port, "/v1/completions", Completion(p, 48, true)), false).text;
     }));
   }
+  const bool all_in = WaitForMetrics(port, [&](std::map<std::string, double>& s) {
+    return s["ellm_requests_running"] + s["ellm_requests_waiting"] == static_cast<double>(prompts.size());
+  });
+  for (pid_t w : workers) kill(w, SIGCONT);
+  EXPECT_TRUE(all_in) << "the 32 requests were never in the server together";
   for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(together[i].get(), solo[i]) << prompts[i];
   ExpectCleanShutdown(system);
 }

@@ -97,7 +97,8 @@ TEST(Integration, GreedyMatchesReferenceWithOneAndFourAttentionWorkers) {
 }
 
 TEST(Integration, ConcurrentStreamsGiveWhatEachGivesAlone) {
-  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--max-step-tokens=16"});
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--max-step-tokens=16",
+                     "--heartbeat-ms=5000", "--min-step-timeout-s=60"});
   ASSERT_TRUE(system.ready()) << system.Log();
   std::vector<ellm::v1::GenerateRequest> requests = {
       Greedy("Once upon a time", 60), Greedy("Tom and his friend went to the big park with a ball", 40),
@@ -111,10 +112,19 @@ TEST(Integration, ConcurrentStreamsGiveWhatEachGivesAlone) {
     alone.push_back(Generate(system.stub(), r));
     ASSERT_TRUE(alone.back().status.ok()) << alone.back().status.error_message();
   }
+  // Together for sure: the attention workers stop until all four are in the
+  // server (each alone takes a few ms on a fast machine, less than starting
+  // the next client thread may), so they share their steps from the first.
+  const std::vector<pid_t> workers = system.FindChildren("ellm-attn-worker");
+  ASSERT_EQ(workers.size(), 2u);
+  for (pid_t w : workers) kill(w, SIGSTOP);
   std::vector<std::future<Generated>> together;
   for (const auto& r : requests) {
     together.push_back(std::async(std::launch::async, [&system, r] { return Generate(system.stub(), r); }));
   }
+  const bool all_in = system.WaitForRequests(static_cast<int>(requests.size()));
+  for (pid_t w : workers) kill(w, SIGCONT);
+  EXPECT_TRUE(all_in) << "the four requests were never in the server together";
   for (size_t i = 0; i < requests.size(); ++i) {
     Generated g = together[i].get();
     ASSERT_TRUE(g.status.ok()) << g.status.error_message();
