@@ -581,8 +581,8 @@ TEST(Http, APipelinedRequestIsAnsweredAfterTheOneBeforeIt) {
   // The second goes out while the first is in the server for sure: the
   // attention worker stops until /metrics shows it (400 tokens take a few ms
   // on a fast machine). The first may be running, or waiting for admission
-  // behind the KV update the fresh runs left (it goes to the
-  // stopped worker too, and fails after 5 s: so the stop lasts about 1 s).
+  // behind the KV update the fresh runs left, which goes to the stopped
+  // worker too and fails it after 5 s: the stop lasts about 1 s.
   const pid_t worker = system.FindChild("ellm-attn-worker");
   ASSERT_GT(worker, 0);
   kill(worker, SIGSTOP);

@@ -114,7 +114,8 @@ TEST(Integration, ConcurrentStreamsGiveWhatEachGivesAlone) {
   }
   // Together for sure: the attention workers stop until all four are in the
   // server (each alone takes a few ms on a fast machine, less than starting
-  // the next client thread may), so they share their steps from the first.
+  // the next client thread may), so they share their steps from the first
+  // or second on.
   const std::vector<pid_t> workers = system.FindChildren("ellm-attn-worker");
   ASSERT_EQ(workers.size(), 2u);
   for (pid_t w : workers) kill(w, SIGSTOP);
