@@ -188,22 +188,9 @@ class EllmSystem {
     const std::vector<pid_t> found = FindChildren(needle);
     return found.empty() ? -1 : found[0];
   }
-  // Waits (up to 5 s) until GetModelInfo shows no request running or waiting.
-  bool WaitUntilIdle() {
-    for (int i = 0; i < 100; ++i) {
-      ellm::v1::ModelInfo info;
-      grpc::ClientContext ctx;
-      if (stub_->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info).ok() && info.running() == 0 &&
-          info.waiting() == 0) {
-        return true;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    return false;
-  }
   // Waits until GetModelInfo shows `n` requests in the server, running or
-  // waiting (up to 100 polls; with a worker stopped each takes about 1 s,
-  // its worker figures' deadline).
+  // waiting (up to 100 polls 50 ms apart; with a worker stopped each poll
+  // takes about 1 s, its worker figures' deadline).
   bool WaitForRequests(int n) {
     for (int i = 0; i < 100; ++i) {
       ellm::v1::ModelInfo info;
@@ -216,6 +203,8 @@ class EllmSystem {
     }
     return false;
   }
+  // No request running or waiting.
+  bool WaitUntilIdle() { return WaitForRequests(0); }
   grpc::health::v1::HealthCheckResponse::ServingStatus Health() {
     auto stub = grpc::health::v1::Health::NewStub(channel_);
     grpc::ClientContext ctx;

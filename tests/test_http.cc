@@ -8,7 +8,6 @@
 
 #include <chrono>
 #include <cstdlib>
-#include <functional>
 #include <future>
 #include <map>
 #include <string>
@@ -150,26 +149,18 @@ std::map<std::string, double> Samples(const std::string& exposition) {
   return samples;
 }
 
-// Polls /metrics (200 times, 100 ms apart; a scrape waits up to 1 s for a
-// frozen worker) until its samples satisfy `holds`.
-bool WaitForMetrics(int port, const std::function<bool(std::map<std::string, double>&)>& holds) {
+// Waits (up to 200 polls) until /metrics shows `running` requests in the
+// batch and `waiting` in the queue.
+bool WaitForQueue(int port, int running, int waiting) {
   for (int i = 0; i < 200; ++i) {
     const HttpResult m = Call(port, http::verb::get, "/metrics");
     if (m.status == 200) {
       std::map<std::string, double> s = Samples(m.body);
-      if (holds(s)) return true;
+      if (s["ellm_requests_running"] == running && s["ellm_requests_waiting"] == waiting) return true;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   return false;
-}
-
-// Waits until /metrics shows `running` requests in the batch and `waiting`
-// in the queue.
-bool WaitForQueue(int port, int running, int waiting) {
-  return WaitForMetrics(port, [&](std::map<std::string, double>& s) {
-    return s["ellm_requests_running"] == running && s["ellm_requests_waiting"] == waiting;
-  });
 }
 
 TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
@@ -579,7 +570,7 @@ TEST(Http, APipelinedRequestIsAnsweredAfterTheOneBeforeIt) {
   tcp::socket socket(ioc);
   socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
   // The second goes out while the first is in the server for sure: the
-  // attention worker stops until /metrics shows it (400 tokens take a few ms
+  // attention worker stops until the server shows it (400 tokens take a few ms
   // on a fast machine). The first may be running, or waiting for admission
   // behind the KV update the fresh runs left, which goes to the stopped
   // worker too and fails it after 5 s: the stop lasts about 1 s.
@@ -587,9 +578,7 @@ TEST(Http, APipelinedRequestIsAnsweredAfterTheOneBeforeIt) {
   ASSERT_GT(worker, 0);
   kill(worker, SIGSTOP);
   WriteCompletion(socket, requests[0]);
-  const bool running = WaitForMetrics(port, [](std::map<std::string, double>& s) {
-    return s["ellm_requests_running"] + s["ellm_requests_waiting"] == 1;
-  });
+  const bool running = system.WaitForRequests(1);
   WriteCompletion(socket, requests[1]);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));  // it reaches the server
   kill(worker, SIGCONT);
@@ -665,8 +654,8 @@ TEST(Http, ADisconnectCancelsAndConcurrentStreamsMatchTheirSoloRuns) {
   for (int i = 0; i < 32; ++i) prompts.push_back(absl::StrCat(i % 2 ? "The little dog" : "Once upon a time", " ", i));
   std::vector<std::string> solo;
   for (const std::string& p : prompts) solo.push_back(Collect(Post(port, "/v1/completions", Completion(p, 48, true)), false).text);
-  // All 32 in one batch for sure: the attention workers stop until /metrics
-  // shows them all in the server (each alone takes a few ms).
+  // All 32 in one batch for sure: the attention workers stop until they are
+  // all in the server (each alone takes a few ms).
   for (pid_t w : workers) kill(w, SIGSTOP);
   std::vector<std::future<std::string>> together;
   for (const std::string& p : prompts) {
@@ -674,9 +663,7 @@ TEST(Http, ADisconnectCancelsAndConcurrentStreamsMatchTheirSoloRuns) {
       return Collect(Post(port, "/v1/completions", Completion(p, 48, true)), false).text;
     }));
   }
-  const bool all_in = WaitForMetrics(port, [&](std::map<std::string, double>& s) {
-    return s["ellm_requests_running"] + s["ellm_requests_waiting"] == static_cast<double>(prompts.size());
-  });
+  const bool all_in = system.WaitForRequests(static_cast<int>(prompts.size()));
   for (pid_t w : workers) kill(w, SIGCONT);
   EXPECT_TRUE(all_in) << "the 32 requests were never in the server together";
   for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(together[i].get(), solo[i]) << prompts[i];
