@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <thread>
 
@@ -45,33 +46,49 @@ std::shared_ptr<WorkerLink> Workers::Current() const {
 
 std::shared_ptr<WorkerLink> Workers::link() const { return Current(); }
 
-absl::Duration Workers::StepTimeout(int tokens) const {
-  std::vector<double> per_step, per_token;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [s, t] : recent_) {
-      per_step.push_back(s);
-      per_token.push_back(s / std::max(1, t));
-    }
+double AttendedPositions(const shm::StepPlan& plan) {
+  double attended = 0;
+  for (const shm::PlanSeq& s : plan.seqs) {
+    const double n = s.slice.n_tokens;
+    attended += n * s.slice.start_pos + n * (n + 1) / 2;
   }
-  if (per_step.empty()) return std::max(options_.min_step_timeout, absl::Seconds(60));
+  return attended;
+}
+
+absl::Duration StepDeadline(const std::deque<StepCost>& recent, int tokens, double attended, absl::Duration min) {
+  if (recent.empty()) return std::max(min, absl::Seconds(60));
+  std::vector<double> per_step, per_token;
+  // Attention's time per attended position is at most any step's time over
+  // its attended positions (a step took at least that long to attend them):
+  // the least of those bounds it, set by the steps that attended the most.
+  double per_attended = INFINITY;
+  for (const StepCost& c : recent) {
+    per_step.push_back(c.seconds);
+    per_token.push_back(c.seconds / std::max(1, c.tokens));
+    per_attended = std::min(per_attended, c.seconds / std::max(1.0, c.attended));
+  }
   auto p99 = [](std::vector<double>& v) {
     std::sort(v.begin(), v.end());
     return v[std::min(v.size() - 1, static_cast<size_t>(v.size() * 0.99))];
   };
-  const double expected = std::max(p99(per_step), p99(per_token) * std::max(1, tokens));
-  return std::max(options_.min_step_timeout, absl::Seconds(10 * expected));
+  const double expected =
+      std::max(p99(per_step), p99(per_token) * std::max(1, tokens)) + per_attended * attended;
+  return std::max(min, absl::Seconds(10 * expected));
 }
 
 absl::StatusOr<std::vector<shm::SampledSeq>> Workers::Run(uint64_t step, const shm::StepPlan& plan) {
   std::shared_ptr<WorkerLink> link = Current();
   const int tokens = static_cast<int>(plan.tokens.size());
-  link->step_timeout = StepTimeout(tokens);
+  const double attended = AttendedPositions(plan);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    link->step_timeout = StepDeadline(recent_, tokens, attended, options_.min_step_timeout);
+  }
   const absl::Time start = absl::Now();
   absl::StatusOr<std::vector<shm::SampledSeq>> out = link->Run(step, plan);
   if (out.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
-    recent_.emplace_back(absl::ToDoubleSeconds(absl::Now() - start), tokens);
+    recent_.push_back({absl::ToDoubleSeconds(absl::Now() - start), tokens, attended});
     if (recent_.size() > kRecentSteps) recent_.pop_front();
   } else if (out.status().code() == absl::StatusCode::kDeadlineExceeded) {
     return absl::DeadlineExceededError(absl::StrCat("step ", step, " took longer than its deadline of ",

@@ -9,8 +9,13 @@
 // of the old set, so the launcher replaces it whole, and waits until a new
 // set (every pid new) answers and its channel opens.
 //
-// Step deadline: 10x the recent p99 step time (per step, and per token times
-// the step's tokens, whichever is longer), at least min_step_timeout.
+// Step deadline: 10x the step's expected time, at least min_step_timeout.
+// Expected: the recent p99 step time, per step or per token times the
+// step's tokens (the longer), plus the positions the step's tokens attend
+// times the least recent time per attended position. (The last term is for
+// a step far out in the context after short ones: a prompt that hits a long
+// cached prefix starts there, and its chunks' attention costs more than any
+// recent step's.)
 #pragma once
 
 #include <deque>
@@ -35,6 +40,18 @@ struct WorkersOptions {
   CallSecret control_secret = CallSecret::None(CallSecret::Kind::kControl);
 };
 
+// A finished step: its time, tokens, and the positions its tokens attended.
+struct StepCost {
+  double seconds;
+  int tokens;
+  double attended;
+};
+// The positions a plan's tokens attend (token i of a slice: start_pos + i + 1).
+double AttendedPositions(const shm::StepPlan& plan);
+// The deadline of a step of `tokens` tokens attending `attended` positions,
+// after the `recent` steps (see above); at least `min`.
+absl::Duration StepDeadline(const std::deque<StepCost>& recent, int tokens, double attended, absl::Duration min);
+
 class Workers final : public StepExecutor {
  public:
   static absl::StatusOr<std::unique_ptr<Workers>> Connect(const WorkersOptions& options);
@@ -52,9 +69,6 @@ class Workers final : public StepExecutor {
   absl::Status Heartbeat();
   // The current link (its workers' info, the stored blocks...).
   std::shared_ptr<WorkerLink> link() const;
-  // The deadline the next step of `tokens` tokens gets.
-  absl::Duration StepTimeout(int tokens) const;
-
  private:
   explicit Workers(const WorkersOptions& options) : options_(options) {}
   std::shared_ptr<WorkerLink> Current() const;
@@ -63,8 +77,7 @@ class Workers final : public StepExecutor {
   mutable std::mutex mu_;
   std::shared_ptr<WorkerLink> link_;
   std::vector<int> missed_;  // consecutive missed heartbeats, per worker of link_
-  // Recent steps: (seconds, tokens), newest last.
-  std::deque<std::pair<double, int>> recent_;
+  std::deque<StepCost> recent_;  // newest last
 };
 
 }  // namespace ellm::coord

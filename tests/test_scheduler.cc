@@ -25,6 +25,7 @@
 
 #include "absl/strings/match.h"
 #include "coordinator/metrics.h"
+#include "coordinator/workers.h"
 #include "core/gguf.h"
 #include "core/tokenizer.h"
 #include "gmock/gmock.h"
@@ -1541,6 +1542,31 @@ TEST_F(RecoveryTest, ARecoveryThatFailsEndsEveryRequest) {
   EXPECT_EQ(out.error.code(), absl::StatusCode::kUnavailable) << out.error;
   EXPECT_NE(std::string(out.error.message()).find("did not come back"), std::string::npos) << out.error;
   EXPECT_TRUE(scheduler_->broken());
+}
+
+// The step deadline follows the step's work: its tokens, and the positions
+// they attend. A chunk far out in the context after short steps (a prompt
+// that hits a long cached prefix) gets the time its attention needs.
+TEST(StepDeadline, ScalesWithTokensAndAttendedPositions) {
+  shm::StepPlan plan;
+  plan.seqs.resize(2);
+  plan.seqs[0].slice = {1, 10, 3};  // attends 11 + 12 + 13
+  plan.seqs[1].slice = {2, 0, 1};   // attends 1
+  EXPECT_DOUBLE_EQ(AttendedPositions(plan), 37);
+
+  const absl::Duration min = absl::Seconds(2);
+  std::deque<StepCost> recent;
+  EXPECT_EQ(StepDeadline(recent, 1, 100, min), absl::Seconds(60));  // nothing seen yet
+  for (int i = 0; i < 100; ++i) recent.push_back({0.010, 1, 1000});  // decode at 1000 positions
+  EXPECT_EQ(StepDeadline(recent, 1, 1000, min), min);               // 10 x (10 + 10 ms)
+  // 256 tokens at 16K: per token 2.56 s, and per attended position (at most
+  // 10 us, the decode steps') 41.9 s more.
+  const double far = 256.0 * 16384 + 256.0 * 257 / 2;
+  EXPECT_NEAR(absl::ToDoubleSeconds(StepDeadline(recent, 256, far, min)), 10 * (2.56 + 1e-5 * far), 1e-6);
+  // A long step seen bounds the time per position more tightly (the p99s
+  // of 101 steps are still the decode steps').
+  recent.push_back({4.0, 256, far});
+  EXPECT_NEAR(absl::ToDoubleSeconds(StepDeadline(recent, 256, far, min)), 10 * (2.56 + 4.0), 1e-6);
 }
 
 }  // namespace
