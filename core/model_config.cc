@@ -286,6 +286,26 @@ absl::StatusOr<std::vector<float>> ReadRopeFreqs(const GgufFile& file, int rope_
   return f;
 }
 
+// Llama 3.1 and later (3.2, 3.3) scale their rotary frequencies with
+// rope_freqs.weight, which llama.cpp writes since 2024-07-27; a file
+// converted in the days before carries no trace of the scaling and reads as
+// a Llama 3 (rope base 500000, the Llama-3 vocabulary) with a context over
+// Llama 3's 8192. Served without the factors, every position would rotate
+// wrongly, so such a file is refused.
+absl::Status CheckLlama31RopeFreqs(const ModelConfig& c) {
+  constexpr int kLlama3Vocab = 128256;
+  if (c.arch != "llama" || c.rope_base != 500000.0f || c.vocab_size != kLlama3Vocab ||
+      c.context_length <= 8192 || !c.rope_freq_factors.empty() ||
+      c.rope_scaling.type != RopeScalingType::kNone) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "this looks like Llama 3.1 or later (rope base 500000, the Llama-3 vocabulary, a context of ",
+      c.context_length, ") without its rope_freqs.weight tensor (files converted by llama.cpp before "
+      "2024-07-27 lack it): without Llama 3.1's frequency scaling every position would be computed "
+      "wrongly; convert the model again with a current llama.cpp"));
+}
+
 }  // namespace
 
 absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
@@ -345,6 +365,7 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
   RETURN_IF_ERROR(c.Validate());
   RETURN_IF_ERROR(CheckTensorNames(file, c, *traits));
   ASSIGN_OR_RETURN(c.rope_freq_factors, ReadRopeFreqs(file, c.rope_dims));
+  RETURN_IF_ERROR(CheckLlama31RopeFreqs(c));
   return c;
 }
 

@@ -439,15 +439,21 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> BpeTokenizer::Create(const GgufFile& 
   RETURN_IF_ERROR(tok->LoadVocabulary(file));
   const int32_t n_vocab = tok->vocab_size();
 
-  std::string pre_name = "default";
-  if (file.Has("tokenizer.ggml.pre")) {
-    absl::StatusOr<std::string> pre = file.GetString("tokenizer.ggml.pre");
-    if (!pre.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tokenizer: tokenizer.ggml.pre: ", pre.status().message()));
-    }
-    pre_name = *std::move(pre);
+  // Without tokenizer.ggml.pre the splits the model was trained with are
+  // unknown: llama.cpp then guesses "default" and warns that quality will
+  // suffer; ellm refuses rather than serve a guess. (llama.cpp writes the key
+  // since May 2024; older Llama-3 and Qwen1.5 files lack it.)
+  if (!file.Has("tokenizer.ggml.pre")) {
+    return absl::InvalidArgumentError(
+        "tokenizer: the GGUF has a BPE vocabulary but no tokenizer.ggml.pre, so how its text is split "
+        "before merging is unknown (files converted before May 2024 lack it); convert the model again "
+        "with a current llama.cpp");
   }
+  absl::StatusOr<std::string> pre = file.GetString("tokenizer.ggml.pre");
+  if (!pre.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("tokenizer: tokenizer.ggml.pre: ", pre.status().message()));
+  }
+  const std::string pre_name = *std::move(pre);
   tok->pre_ = FindPreTokenizer(pre_name);
   if (tok->pre_ == nullptr) {
     return absl::InvalidArgumentError(

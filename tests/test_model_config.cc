@@ -402,6 +402,33 @@ TEST(ModelConfigTest, RopeFreqsTensorIsRead) {
   EXPECT_TRUE(IsInvalid(ConfigOf(qwen).status(), "tensor 'rope_freqs.weight'"));
 }
 
+// A Llama 3.1 converted before llama.cpp wrote rope_freqs.weight looks like
+// a Llama 3 with a long context: refused, never served unscaled.
+TEST(ModelConfigTest, ALlama31WithoutItsRopeFreqsIsRefused) {
+  std::vector<std::string> tokens(128256);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = absl::StrCat("t", i);
+  const auto llama3 = [&](uint32_t context) {
+    GgufWriter w = MinimalLlama();
+    w.SetStringArray("tokenizer.ggml.tokens", tokens);
+    w.SetFloat32("llama.rope.freq_base", 500000.0f);
+    w.SetUint32("llama.context_length", context);
+    return w;
+  };
+  EXPECT_TRUE(IsInvalid(ConfigOf(llama3(131072)).status(), "without its rope_freqs.weight tensor"));
+  // Llama 3 itself (8192), and a Llama 3.1 with its factors, load.
+  absl::StatusOr<ModelConfig> c = ConfigOf(llama3(8192));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->vocab_size, 128256);
+  GgufWriter with_factors = llama3(131072);
+  const std::vector<float> f = Llama3RopeFactors(8, 500000, 8, 1, 4, 8192);
+  ASSERT_TRUE(with_factors.AddTensor("rope_freqs.weight", {4}, DType::kF32,
+                                     std::string(reinterpret_cast<const char*>(f.data()), 16))
+                  .ok());
+  c = ConfigOf(with_factors);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_freq_factors, f);
+}
+
 // Every key and tensor that would change the computation, and that ellm
 // does not implement, is refused by name (a model ellm cannot compute
 // faithfully never serves).

@@ -516,10 +516,16 @@ TEST(TinyBpeTest, SpecialTokens) {
   EXPECT_TRUE((*tok)->IsEndOfGeneration(260));
 }
 
-TEST(TinyBpeTest, MissingPreMeansDefault) {
+TEST(TinyBpeTest, MissingPreIsRefusedAndDefaultIsAValue) {
   TinyBpeOptions o;
   o.write_pre = false;
   absl::StatusOr<std::unique_ptr<Tokenizer>> tok = TinyBpe(o);
+  ASSERT_FALSE(tok.ok());
+  EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(tok.status().message(), HasSubstr("no tokenizer.ggml.pre"));
+  o.write_pre = true;
+  o.pre = "default";
+  tok = TinyBpe(o);
   ASSERT_TRUE(tok.ok()) << tok.status();
   // The default pre-tokenizer splits punctuation runs first.
   EXPECT_THAT((*tok)->Encode("ab!!", false), ElementsAre(256, '!', '!'));
