@@ -1,5 +1,7 @@
 #include "coordinator/chat_template.h"
 
+#include <ctime>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 
@@ -22,9 +24,29 @@ ChatTemplate ChatTemplate::FromGgufTemplate(const std::string& jinja) {
     }
   } else if (jinja.find("<|start_header_id|>") != std::string::npos) {
     t.format_ = ChatFormat::kLlama3;
-  } else if (jinja.find("[INST]") != std::string::npos) {
+    // Llama 3.1 and later always open with a system block that dates the
+    // conversation: "Today Date: " + date_string, whose default the template
+    // sets (3.1, 3.3: a fixed date) or takes from the clock (3.2:
+    // strftime_now("%d %b %Y") where the renderer has it, as llama.cpp's and
+    // transformers' have).
+    if (jinja.find("Cutting Knowledge Date: December 2023") != std::string::npos) {
+      t.knowledge_header_ = true;
+      const std::string set = "set date_string = \"";
+      const size_t at = jinja.find(set);
+      if (jinja.find("strftime_now") != std::string::npos) {
+        t.date_from_clock_ = true;
+      } else if (at != std::string::npos && jinja.find('"', at + set.size()) != std::string::npos) {
+        t.date_string_ = jinja.substr(at + set.size(), jinja.find('"', at + set.size()) - at - set.size());
+      } else {
+        t.format_ = ChatFormat::kNone;  // a dated header whose date ellm cannot tell
+      }
+    }
+  } else if (jinja.find("[INST]") != std::string::npos && jinja.find("<<SYS>>") != std::string::npos) {
     t.format_ = ChatFormat::kLlama2;
   }
+  // Anything else, e.g. Mistral's [INST] templates (no <<SYS>>; their turns,
+  // spaces and system message differ from Llama 2's by version), is not
+  // guessed: kNone, and a chat request is refused.
   return t;
 }
 
@@ -51,7 +73,8 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
     const std::string& role = messages[i].role;
     if (role != "system" && role != "user" && role != "assistant") {
       return absl::InvalidArgumentError(
-          absl::StrCat("message ", i, " has role '", role, "' (system, user or assistant)"));
+          absl::StrCat("message ", i, " has role '", role.substr(0, 32), role.size() > 32 ? "...'" : "'",
+                       " (system, user or assistant)"));
     }
     if (role == "system" && i != 0) {
       return absl::InvalidArgumentError("only the first message may be a system message");
@@ -99,7 +122,28 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
     case ChatFormat::kLlama3: {
       // <|begin_of_text|><|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|> ...
       markup("<|begin_of_text|>");
-      for (const ChatMessage& m : messages) {
+      size_t first = 0;
+      if (knowledge_header_) {
+        // Llama 3.1: the system block always, the given system message (if
+        // any) after the dates.
+        std::string date = date_string_;
+        if (date_from_clock_) {
+          const std::time_t now = std::time(nullptr);
+          std::tm local{};
+          localtime_r(&now, &local);
+          char buf[32];
+          date.assign(buf, std::strftime(buf, sizeof(buf), "%d %b %Y", &local));
+        }
+        markup(absl::StrCat("<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n",
+                            "Today Date: ", date, "\n\n"));
+        if (messages[0].role == "system") {
+          content(absl::StripAsciiWhitespace(messages[0].content));
+          first = 1;
+        }
+        markup("<|eot_id|>");
+      }
+      for (size_t i = first; i < messages.size(); ++i) {
+        const ChatMessage& m = messages[i];
         markup(absl::StrCat("<|start_header_id|>", m.role, "<|end_header_id|>\n\n"));
         content(absl::StripAsciiWhitespace(m.content));
         markup("<|eot_id|>");

@@ -1,8 +1,9 @@
 // Chat prompts: renders a list of messages with the model's chat template.
 // ellm recognises the families it supports from the GGUF's
 // tokenizer.chat_template (a Jinja program it does not run): ChatML (Qwen2),
-// Qwen3 (ChatML with <think> blocks), Llama-2 ([INST]) and Llama-3
-// (<|start_header_id|>).
+// Qwen3 (ChatML with <think> blocks), Llama-2 ([INST] with <<SYS>>) and
+// Llama-3 (<|start_header_id|>; 3.1 and later with their dated system
+// block). Others (Mistral's [INST] templates among them) are not guessed.
 #pragma once
 
 #include <string>
@@ -50,6 +51,9 @@ class ChatTemplate {
   ChatFormat format_ = ChatFormat::kNone;
   bool has_template_ = false;
   std::string default_system_;  // ChatML: Qwen's templates add one
+  bool knowledge_header_ = false;  // Llama 3.1+: the dated system block
+  std::string date_string_;        // its "Today Date"
+  bool date_from_clock_ = false;   // ... or today's, "%d %b %Y"
 };
 
 }  // namespace ellm::coord

@@ -173,9 +173,14 @@ absl::StatusOr<GgufWriter> MakeRandomModel(const MakeModelOptions& o,
                 "{% endif %}");
   } else if (o.chat_template == "llama2") {
     w.SetString("tokenizer.chat_template",
-                "{% for message in messages %}{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' "
-                "+ message['content'] | trim + ' [/INST]' }}{% else %}{{ ' ' + message['content'] | trim "
-                "+ ' ' + eos_token }}{% endif %}{% endfor %}");
+                "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+                "{% set system_message = '<<SYS>>\\n' + messages[0]['content'] | trim + '\\n<</SYS>>\\n\\n' %}"
+                "{% else %}{% set loop_messages = messages %}{% set system_message = '' %}{% endif %}"
+                "{% for message in loop_messages %}{% if loop.index0 == 0 %}"
+                "{% set content = system_message + message['content'] | trim %}"
+                "{% else %}{% set content = message['content'] | trim %}{% endif %}"
+                "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content + ' [/INST]' }}"
+                "{% else %}{{ ' ' + content + ' ' + eos_token }}{% endif %}{% endfor %}");
   } else if (o.chat_template == "none") {
     w.SetString("tokenizer.chat_template", "");
   } else if (!o.chat_template.empty()) {

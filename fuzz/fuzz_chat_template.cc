@@ -24,8 +24,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return *std::move(tok);
   }();
   if (size < 1) return 0;
-  static const char* kTemplates[] = {"<|im_start|>", "<|im_start|><think>", "<|start_header_id|>", "[INST]", "", "?"};
-  const auto tmpl = ellm::coord::ChatTemplate::FromGgufTemplate(kTemplates[data[0] % 6]);
+  static const char* kTemplates[] = {"<|im_start|>",
+                                     "<|im_start|><think>",
+                                     "<|start_header_id|>",
+                                     "Cutting Knowledge Date: December 2023 <|start_header_id|> set date_string = \"1 May\"",
+                                     "[INST] <<SYS>>",
+                                     "[INST]",
+                                     "",
+                                     "?"};
+  const auto tmpl = ellm::coord::ChatTemplate::FromGgufTemplate(kTemplates[data[0] % 8]);
   static const char* kRoles[] = {"system", "user", "assistant", "tool"};
   std::vector<ellm::coord::ChatMessage> messages;
   size_t i = 1;
