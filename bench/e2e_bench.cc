@@ -340,7 +340,8 @@ int E2eMain(int argc, char** argv) {
   args.Flag("attn-workers", "0", "attention workers of the launched system (0: one per node)");
   args.Flag("matmul-isa", "auto", "matrix kernels of the launched system (ellm-launch --matmul-isa)");
   args.Flag("attn-kernel", "auto", "attention kernel of the launched system (ellm-launch --attn-kernel)");
-  args.Flag("server", "", "use a running ellm at HOST:PORT instead of launching one");
+  args.Flag("server", "", "use a running ellm at HOST:PORT instead of launching one (for --fill synthetic, "
+            "launched with --allow-synthetic-context)");
   args.Flag("prefill-tokens", "512", "prompt length of the prefill-throughput measurement (0: skip)");
   args.Flag("plot", "", "write a PNG of ms/token against context with the bound (needs gnuplot)");
   args.Flag("turns", "0", "instead: a conversation of N turns over a document of --context tokens; "
@@ -479,6 +480,7 @@ int E2eMain(int argc, char** argv) {
         absl::StrCat("--attn-workers=", args.Get("attn-workers")), "--matmul-isa=" + args.Get("matmul-isa"),
         "--attn-kernel=" + args.Get("attn-kernel")};
     if (args.GetBool("no-prefix-cache")) launch.push_back("--no-prefix-cache");
+    if (fill == "synthetic") launch.push_back("--allow-synthetic-context");
     absl::Status st = launched.Start(launch);
     if (!st.ok()) {
       std::fprintf(stderr, "ellm-bench e2e: %s\n", std::string(st.message()).c_str());

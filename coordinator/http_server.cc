@@ -43,6 +43,13 @@ constexpr size_t kMaxQueuedBytes = size_t{16} << 20;
 // client still uploading would lose the answer.
 constexpr auto kLingerTime = std::chrono::seconds(5);
 constexpr size_t kLingerBytes = size_t{64} << 20;
+// Bytes read but not yet taken by the parser. The parser takes body bytes as
+// they come (up to --http-max-body-mb) and bounds the header, but Boost 1.74's
+// parser bounds neither a chunk's size line (its extensions) nor the trailer
+// of a chunked body: without this bound, one client sending either without
+// end would grow the buffer until the coordinator ran out of memory. Past it,
+// the read fails with buffer_overflow (answered 400, see OnRead).
+constexpr size_t kMaxUnparsedBytes = size_t{1} << 20;
 
 }  // namespace
 
@@ -389,7 +396,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   beast::tcp_stream stream_;
-  beast::flat_buffer buffer_;
+  beast::flat_buffer buffer_{kMaxUnparsedBytes};
   HttpServer::Impl* server_;
   std::optional<http::request_parser<http::string_body>> parser_;
   unsigned version_ = 11;

@@ -46,6 +46,7 @@ struct CoordinatorConfig {
   int max_step_tokens = 256;
   int max_queue = 64;
   bool prefix_cache = true;
+  bool allow_synthetic_context = false;
   bool kv_store = false;
   bool recover = true;
   std::string control_secret_file;
@@ -79,6 +80,10 @@ Args Flags() {
          true);
   a.Flag("kv-store", "false",
          "the attention workers keep cached blocks on disk (their --kv-store): index them and load on a match",
+         true);
+  a.Flag("allow-synthetic-context", "false",
+         "accept requests' synthetic_context (benchmarks: random K/V written into the workers' caches "
+         "before the prompt; every step waits while it is written) (true or false)",
          true);
   a.Flag("connect-timeout-s", "120", "how long to wait for the workers at start-up");
   a.Flag("recover", "true",
@@ -120,6 +125,7 @@ absl::StatusOr<CoordinatorConfig> ConfigFromFlags(const Args& args) {
   ASSIGN_OR_RETURN(const double min_step_timeout_s, args.GetDouble("min-step-timeout-s"));
   if (c.http_max_body_mb <= 0) return absl::InvalidArgumentError("--http-max-body-mb must be positive");
   c.prefix_cache = args.GetBool("prefix-cache");
+  c.allow_synthetic_context = args.GetBool("allow-synthetic-context");
   c.kv_store = args.GetBool("kv-store") && c.prefix_cache;
   c.recover = args.GetBool("recover");
   c.connect_timeout = absl::Seconds(connect_timeout_s);
@@ -255,6 +261,7 @@ absl::Status Run(const CoordinatorConfig& config) {
   ServiceOptions service_options;
   service_options.model_path = config.model_path;
   service_options.default_max_tokens = config.default_max_tokens;
+  service_options.allow_synthetic_context = config.allow_synthetic_context;
   service_options.worker_info = [&workers] { return workers->link()->PollInfo(); };
   ellm::v1::ModelInfo& info = service_options.model_info;
   info.set_model_path(config.model_path);

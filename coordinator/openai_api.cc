@@ -33,13 +33,71 @@ absl::StatusOr<std::string> TextOf(const json& v, const std::string& field, bool
   return Bad(field, "must be a string");
 }
 
+// Whether `body` nests arrays and objects deeper than `limit` (strings'
+// contents aside). Checked before parsing: nlohmann builds every level as a
+// node, so an 8 MiB body of '[' alone took over 600 MB to parse.
+bool NestsDeeperThan(const std::string& body, int limit) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : body) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limit) return true;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return false;
+}
+
+// Fields of OpenAI's (or vLLM's) API that would change what is generated and
+// that ellm does not implement, with the value that changes nothing: a
+// request setting one otherwise is refused, never answered as if the field
+// were not there (a client asking for JSON output or tool calls must not get
+// free text with a 200).
+struct UnsupportedField {
+  const char* name;
+  bool (*harmless)(const nlohmann::json& v);
+};
+bool IsNull(const nlohmann::json& v) { return v.is_null(); }
+bool IsEmptyOrNull(const nlohmann::json& v) { return v.is_null() || (v.is_structured() && v.empty()); }
+bool IsFalseOrNull(const nlohmann::json& v) { return v.is_null() || v == false; }
+bool IsOneOrNull(const nlohmann::json& v) { return v.is_null() || v == 1; }
+bool IsZeroOrNull(const nlohmann::json& v) { return v.is_null() || v == 0; }
+bool IsTextFormat(const nlohmann::json& v) {
+  return v.is_null() || (v.is_object() && v.contains("type") && v["type"] == "text");
+}
+bool IsNoTool(const nlohmann::json& v) { return v.is_null() || v == "none" || v == "auto"; }
+constexpr UnsupportedField kUnsupported[] = {
+    {"logit_bias", IsEmptyOrNull},      {"response_format", IsTextFormat}, {"tools", IsEmptyOrNull},
+    {"functions", IsEmptyOrNull},       {"tool_choice", IsNoTool},         {"function_call", IsNoTool},
+    {"best_of", IsOneOrNull},           {"repetition_penalty", IsOneOrNull}, {"min_p", IsZeroOrNull},
+    {"min_tokens", IsZeroOrNull},       {"ignore_eos", IsFalseOrNull},     {"guided_json", IsNull},
+    {"guided_regex", IsNull},           {"guided_choice", IsNull},         {"guided_grammar", IsNull},
+};
+
 }  // namespace
 
 absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool chat,
                                                  const std::string& model_id) {
+  if (NestsDeeperThan(body, kMaxJsonDepth)) {
+    return absl::InvalidArgumentError(absl::StrCat("the body nests deeper than ", kMaxJsonDepth, " levels"));
+  }
   json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return absl::InvalidArgumentError("the body is not valid JSON");
   if (!j.is_object()) return absl::InvalidArgumentError("the body must be a JSON object");
+  for (const UnsupportedField& f : kUnsupported) {
+    if (j.contains(f.name) && !f.harmless(j[f.name])) return Bad(f.name, "is not supported");
+  }
   OpenAiRequest r;
   r.chat = chat;
   ellm::v1::GenerateRequest& g = r.generate;

@@ -10,9 +10,14 @@
 // true, with top_logprobs 0..20 alternatives per token; completions: an
 // integer 0..20, the number of alternatives, the chosen token always
 // included), n = 1. Refused with 400 naming the field: n > 1, nonzero
-// presence or frequency penalties, echo, suffix, and any field of the wrong
-// type. Log-probabilities are of the model's raw distribution (temperature
-// 1, before top-k / top-p).
+// presence or frequency penalties, echo, suffix, any field that would
+// constrain or bias the output (logit_bias, response_format other than text,
+// tools, functions, tool_choice or function_call other than none/auto,
+// best_of > 1, and vLLM's repetition_penalty, min_p, min_tokens, ignore_eos,
+// guided_*), and any field of the wrong type. Other fields (user, metadata,
+// ...) are ignored. A body nested deeper than kMaxJsonDepth is refused
+// before it is parsed. Log-probabilities are of the model's raw distribution
+// (temperature 1, before top-k / top-p).
 #pragma once
 
 #include <cstdint>
@@ -27,6 +32,8 @@
 #include "proto/ellm.pb.h"
 
 namespace ellm::coord {
+
+constexpr int kMaxJsonDepth = 32;
 
 struct OpenAiRequest {
   bool chat = false;

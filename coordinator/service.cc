@@ -109,6 +109,10 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
   if (r.synthetic_context() < 0) {
     return absl::InvalidArgumentError("synthetic_context must not be negative");
   }
+  if (r.synthetic_context() > 0 && !options_.allow_synthetic_context) {
+    return absl::InvalidArgumentError(
+        "synthetic_context is for benchmarks: this server was not started with --allow-synthetic-context");
+  }
   if (r.synthetic_context() > 0) {
     // Bounded like max_tokens, and summed in 64 bits: no term can make it wrap.
     if (r.synthetic_context() >= ctx - n) {
@@ -129,6 +133,7 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
       }
     }
   }
+  if (r.stop_size() > 16) return absl::InvalidArgumentError("at most 16 stop strings");
   for (const std::string& stop : r.stop()) {
     if (stop.empty()) return absl::InvalidArgumentError("a stop string is empty");
     if (!IsValidUtf8(stop)) return absl::InvalidArgumentError("a stop string is not valid UTF-8");
@@ -140,7 +145,6 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
     }
     o.stop.push_back(stop);
   }
-  if (o.stop.size() > 16) return absl::InvalidArgumentError("at most 16 stop strings");
   return o;
 }
 
@@ -198,6 +202,9 @@ grpc::Status EllmService::Tokenize(grpc::ServerContext* context, const ellm::v1:
   if (grpc::Status denied = options_.api_key.Check(context, "Tokenize"); !denied.ok()) return denied;
   if (!IsValidUtf8(request->text())) {
     return ToGrpcStatus(absl::InvalidArgumentError("the text is not valid UTF-8"));
+  }
+  if (!request->text().empty() && !request->messages().empty()) {
+    return ToGrpcStatus(absl::InvalidArgumentError("give either text or messages, not both"));
   }
   absl::StatusOr<std::vector<int32_t>> ids =
       request->messages().empty()

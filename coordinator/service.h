@@ -26,6 +26,9 @@ struct ServiceOptions {
   // The workers' current WorkerInfo, for GetModelInfo's busy seconds (unset:
   // none reported).
   std::function<std::vector<ellm::v1::WorkerInfo>()> worker_info;
+  // Accept GenerateRequest.synthetic_context (benchmarks). Off by default: a
+  // synthetic fill holds the step loop while the workers write it.
+  bool allow_synthetic_context = false;
 };
 
 class EllmService final : public ellm::v1::Ellm::Service {

@@ -74,6 +74,7 @@ struct LaunchConfig {
   std::string log_level;
   bool use_numactl = true;
   bool prefix_cache = true;
+  bool allow_synthetic_context = false;
   std::string kv_store;   // folder of the KV store; empty: none
   int kv_store_mb = 16384;
   std::string api_key;      // required on every public call when set
@@ -398,6 +399,7 @@ absl::Status Launch::Start() {
         "--mlp-channel=" + mlp_channel, "--workers=" + absl::StrJoin(worker_addresses, ","),
         common_limits, step_limit, "--log-level=" + c_.log_level,
         c_.prefix_cache ? "--prefix-cache=true" : "--prefix-cache=false",
+        c_.allow_synthetic_context ? "--allow-synthetic-context=true" : "--allow-synthetic-context=false",
         c_.kv_store.empty() ? "--kv-store=false" : "--kv-store=true", c_.restart ? "--recover=true" : "--recover=false",
         secret_flag, api_key_flag, "--tls-cert=" + c_.tls_cert, "--tls-key=" + c_.tls_key,
         "--control-listen=" + coordinator_address, absl::StrCat("--max-queue=", c_.max_queue),
@@ -663,6 +665,8 @@ int Main(int argc, char** argv) {
             "memory to its node, and the MLP worker's CPUs to its node)", true);
   args.Flag("no-prefix-cache", "", "do not share KV blocks of equal prompt prefixes across requests",
             true);
+  args.Flag("allow-synthetic-context", "", "accept requests' synthetic_context (ellm-bench e2e: random K/V "
+            "written into the caches before the prompt; every step waits while it is written)", true);
   args.Flag("kv-store", "", "folder for the KV store: cached prefixes written to disk and loaded back "
             "after eviction or a restart (default: none)");
   args.Flag("kv-store-mb", "16384", "most MiB the KV store's files take, all workers together");
@@ -678,7 +682,7 @@ int Main(int argc, char** argv) {
   args.Flag("ready-timeout", "180", "seconds to wait for every process to become healthy");
   args.Flag("heartbeat-ms", "500", "interval of the coordinator's health checks of the workers; a worker that "
             "misses two is frozen and killed (then restarted, see --no-restart)");
-  args.Flag("min-step-timeout-s", "2", "a step that takes 10x the recent p99 step time, and at least this, is stuck: "
+  args.Flag("min-step-timeout-s", "2", "a step that takes 10x its expected time (the recent p99 scaled to its tokens and attended positions), and at least this, is stuck: "
             "its workers are killed (then restarted)");
   if (std::optional<int> exit = args.ParseFlagsOnly(argc, argv)) return *exit;
   LaunchConfig c;
@@ -698,6 +702,7 @@ int Main(int argc, char** argv) {
   }
   c.use_numactl = !args.GetBool("no-numactl");
   c.prefix_cache = !args.GetBool("no-prefix-cache");
+  c.allow_synthetic_context = args.GetBool("allow-synthetic-context");
   c.kv_store = args.Get("kv-store");
   c.restart = !args.GetBool("no-restart");
   c.api_key = args.Get("api-key");

@@ -190,6 +190,18 @@ TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
     grpc::ClientContext ctx;
     ASSERT_TRUE(system.stub()->Tokenize(&ctx, treq, &ids).ok());
   }
+  {
+    // Text and messages at once: which one to show is not guessed.
+    ellm::v1::TokenizeRequest both = treq;
+    auto* m = both.add_messages();
+    m->set_role("user");
+    m->set_content("hi");
+    ellm::v1::TokenizeResponse ignored;
+    grpc::ClientContext ctx;
+    const grpc::Status st = system.stub()->Tokenize(&ctx, both, &ignored);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(st.error_message().find("not both"), std::string::npos) << st.error_message();
+  }
   const json id_list(std::vector<int32_t>(ids.token_ids().begin(), ids.token_ids().end()));
   for (const json& prompt : {id_list, json::array({id_list})}) {
     json id_req = Completion("", 40, false);
@@ -372,6 +384,41 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 5000}}), 400, "exceeds");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stream", "yes"}}), 400, "'stream'");
   expect(Post(port, "/v1/chat/completions", {{"messages", json::array()}}), 400, "'messages'");
+  // Fields that would constrain or bias the output are refused, never
+  // ignored; their neutral values pass (these requests then fail on the
+  // missing chat template, past the fields' check).
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
+  for (const auto& [field, value] : std::vector<std::pair<std::string, json>>{
+           {"logit_bias", {{"17", 100}}},
+           {"response_format", {{"type", "json_object"}}},
+           {"tools", {{{"type", "function"}, {"function", {{"name", "f"}}}}}},
+           {"tool_choice", "required"},
+           {"best_of", 3},
+           {"repetition_penalty", 1.2},
+           {"min_tokens", 4},
+           {"ignore_eos", true},
+           {"guided_json", json::object()}}) {
+    json body = chat;
+    body[field] = value;
+    expect(Post(port, "/v1/chat/completions", body), 400, "'" + field + "' is not supported");
+  }
+  for (const auto& [field, value] : std::vector<std::pair<std::string, json>>{
+           {"logit_bias", json::object()},
+           {"response_format", {{"type", "text"}}},
+           {"tool_choice", "none"},
+           {"best_of", 1},
+           {"ignore_eos", false},
+           {"user", "u-1"}}) {
+    json body = chat;
+    body[field] = value;
+    expect(Post(port, "/v1/chat/completions", body), 400, "no chat template");
+  }
+  // Deep nesting is refused before it is parsed (parsed, it took 600 MB).
+  expect(Call(port, http::verb::post, "/v1/completions",
+              absl::StrCat(R"({"prompt":)", std::string(400000, '['), std::string(400000, ']'), "}")),
+         400, "nests deeper than 32");
+  // Brackets inside strings are text, not nesting.
+  EXPECT_EQ(Post(port, "/v1/completions", Completion(std::string(100, '[') + "\\\"{", 2, false)).status, 200);
   // Content parts whose "type" is not a string (a type error, not a crash).
   for (const char* type : {"5", "null", "[\"text\"]"}) {
     expect(Call(port, http::verb::post, "/v1/chat/completions",
@@ -509,6 +556,16 @@ TEST(Http, BadFramingIsAnsweredAndHttp10StreamsArePlain) {
   EXPECT_TRUE(absl::StartsWith(RawExchange(port, "GET /health HTTP/1.1\r\nBad Header\r\n\r\n"), "HTTP/1.1 400"));
   const std::string big = absl::StrCat("GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ", std::string(20000, 'a'), "\r\n\r\n");
   EXPECT_TRUE(absl::StartsWith(RawExchange(port, big), "HTTP/1.1 431")) << "header over the limit";
+  // A chunked body whose chunk-size line (its extension) or trailer never
+  // ends: the server stops reading at its bound and answers, where it would
+  // otherwise buffer all it is sent (and wait for the rest).
+  const std::string chunked = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n";
+  EXPECT_TRUE(absl::StartsWith(RawExchange(port, absl::StrCat(chunked, "1;x=", std::string(3 << 20, 'a'))),
+                               "HTTP/1.1 400"))
+      << "endless chunk extension";
+  EXPECT_TRUE(absl::StartsWith(RawExchange(port, absl::StrCat(chunked, "0\r\nX-T: ", std::string(3 << 20, 'a'))),
+                               "HTTP/1.1 400"))
+      << "endless trailer";
 
   const std::string body = Completion("Once upon a time", 12, true).dump();
   const std::string reply = RawExchange(

@@ -137,7 +137,7 @@ TEST(Integration, ConcurrentStreamsGiveWhatEachGivesAlone) {
 
 TEST(Integration, BadRequestsGetClearErrorsAndTheServerGoesOn) {
   EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--kv-cache-mb=1",
-                     "--kv-dtype=f32"});
+                     "--kv-dtype=f32", "--allow-synthetic-context"});
   ASSERT_TRUE(system.ready()) << system.Log();
   auto expect_code = [&](const ellm::v1::GenerateRequest& req, grpc::StatusCode code,
                          const std::string& needle) {
@@ -164,6 +164,9 @@ TEST(Integration, BadRequestsGetClearErrorsAndTheServerGoesOn) {
   bad = Greedy("Once", 5);
   bad.add_stop("");
   expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "stop string");
+  // The count is checked before any string is (and copied).
+  for (int i = 0; i < 16; ++i) bad.add_stop("");
+  expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "at most 16 stop strings");
   // Invalid UTF-8 is the client's error, named (it was INTERNAL with no message).
   expect_code(Greedy("Once \xC3\x28 upon", 5), grpc::StatusCode::INVALID_ARGUMENT, "not valid UTF-8");
   bad = Greedy("Once", 5);
@@ -230,6 +233,13 @@ TEST(Integration, StopStringAndCancelledClient) {
   ASSERT_TRUE(g.status.ok());
   EXPECT_EQ(g.finish.reason(), ellm::v1::FINISH_REASON_STOP_STRING);
   EXPECT_EQ(g.text, ", there was a little girl named ");
+  // synthetic_context needs --allow-synthetic-context (this server has none).
+  req = Greedy("Once upon a time", 4);
+  req.set_synthetic_context(16);
+  g = Generate(system.stub(), req);
+  EXPECT_EQ(g.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(g.status.error_message().find("--allow-synthetic-context"), std::string::npos)
+      << g.status.error_message();
 
   // A client that goes away mid-stream: the server frees the sequence and
   // goes on. The attention workers stop meanwhile, so that the request
