@@ -66,7 +66,9 @@ struct HttpServer::Impl {
   // After ioc: stopped and joined before it is destroyed.
   net::thread_pool blocking{1};
   std::atomic<uint64_t> next_id{1};
+  std::atomic<int> sessions{0};  // open connections (Session objects)
   bool accept_failing = false;  // one warning per run of failed accepts
+  bool refusing = false;        // one warning per run of connections over the limit
   void Accept();
 };
 
@@ -74,8 +76,11 @@ namespace {
 
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(tcp::socket socket, HttpServer::Impl* server) : stream_(std::move(socket)), server_(server) {}
+  Session(tcp::socket socket, HttpServer::Impl* server) : stream_(std::move(socket)), server_(server) {
+    ++server_->sessions;
+  }
   ~Session() {
+    --server_->sessions;
     if (request_ == nullptr) return;
     request_->SetNotify(nullptr);
     if (!finished_) request_->Cancel();  // the client went away mid-generation
@@ -434,7 +439,28 @@ void HttpServer::Impl::Accept() {
     }
     if (accept_failing) LogInfo("HTTP accept works again");
     accept_failing = false;
-    std::make_shared<Session>(std::move(socket), this)->Start();
+    if (sessions.load() >= options.max_connections) {
+      // Each connection holds a descriptor and memory; past the limit a new
+      // one gets its answer at once (one small write to a fresh socket's
+      // buffer, which cannot block) and is closed, read nothing.
+      static const std::string kBusy = [] {
+        const std::string body = OpenAiErrorBody(absl::UnavailableError(
+            "too many connections are open (--http-max-connections); try again later"));
+        return absl::StrCat("HTTP/1.1 503 Service Unavailable\r\nServer: ellm\r\nContent-Type: application/json\r\n",
+                            "Connection: close\r\nRetry-After: 1\r\nContent-Length: ", body.size(), "\r\n\r\n", body);
+      }();
+      if (!refusing) LogWarning("HTTP: %d connections open (--http-max-connections); refusing new ones", sessions.load());
+      refusing = true;
+      beast::error_code ignored;
+      socket.non_blocking(true, ignored);
+      socket.write_some(net::buffer(kBusy), ignored);
+      socket.shutdown(tcp::socket::shutdown_send, ignored);
+      socket.close(ignored);
+    } else {
+      if (refusing) LogInfo("HTTP: connections below the limit again");
+      refusing = false;
+      std::make_shared<Session>(std::move(socket), this)->Start();
+    }
     Accept();
   });
 }

@@ -26,6 +26,7 @@ struct HttpOptions {
   int port = 8080;                         // 0: an ephemeral port (tests)
   int threads = 2;                         // I/O threads
   int64_t max_body_bytes = 8 << 20;        // larger bodies get 413
+  int max_connections = 1024;              // more at once: answered 503 and closed
   std::string model_id;                    // the model's name in /v1/models and requests
   std::function<bool()> serving;           // /health: 200 when true, 503 otherwise
   std::function<std::string()> metrics;    // /metrics: Prometheus text exposition

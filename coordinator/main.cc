@@ -1,7 +1,9 @@
 // ellm-coordinator: the public endpoint. Loads the tokenizer, connects to the
 // workers, and serves Generate / Tokenize / GetModelInfo and gRPC health.
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <cstdio>
@@ -40,6 +42,7 @@ struct CoordinatorConfig {
   std::string listen;
   std::string http_listen;
   int http_max_body_mb = 8;
+  int http_max_connections = 1024;
   std::string mlp_channel;
   std::vector<std::string> workers;
   int max_batch = 16;
@@ -70,6 +73,7 @@ Args Flags() {
   a.Flag("http-listen", "",
          "address of the OpenAI-compatible HTTP API and /metrics, HOST:PORT (empty: none)");
   a.Flag("http-max-body-mb", "8", "largest HTTP request body (larger: 413)");
+  a.Flag("http-max-connections", "1024", "most HTTP connections open at once (more: answered 503 and closed)");
   a.Flag("mlp-channel", "", "the mlp-worker's shared-memory channel");
   a.Flag("workers", "", "control addresses of all workers, comma-separated");
   a.Flag("max-batch", "16", "most sequences in one step");
@@ -116,7 +120,8 @@ absl::StatusOr<CoordinatorConfig> ConfigFromFlags(const Args& args) {
   c.mlp_channel = args.Get("mlp-channel");
   c.workers = absl::StrSplit(args.Get("workers"), ',', absl::SkipEmpty());
   int connect_timeout_s = 0, recovery_timeout_s = 0, heartbeat_ms = 0;
-  RETURN_IF_ERROR(args.GetInts({{"http-max-body-mb", &c.http_max_body_mb}, {"max-batch", &c.max_batch},
+  RETURN_IF_ERROR(args.GetInts({{"http-max-body-mb", &c.http_max_body_mb},
+                                {"http-max-connections", &c.http_max_connections}, {"max-batch", &c.max_batch},
                                 {"max-step-tokens", &c.max_step_tokens}, {"max-queue", &c.max_queue},
                                 {"default-max-tokens", &c.default_max_tokens},
                                 {"connect-timeout-s", &connect_timeout_s},
@@ -124,6 +129,7 @@ absl::StatusOr<CoordinatorConfig> ConfigFromFlags(const Args& args) {
                                 {"heartbeat-ms", &heartbeat_ms}}));
   ASSIGN_OR_RETURN(const double min_step_timeout_s, args.GetDouble("min-step-timeout-s"));
   if (c.http_max_body_mb <= 0) return absl::InvalidArgumentError("--http-max-body-mb must be positive");
+  if (c.http_max_connections <= 0) return absl::InvalidArgumentError("--http-max-connections must be positive");
   c.prefix_cache = args.GetBool("prefix-cache");
   c.allow_synthetic_context = args.GetBool("allow-synthetic-context");
   c.kv_store = args.GetBool("kv-store") && c.prefix_cache;
@@ -341,6 +347,7 @@ absl::Status Run(const CoordinatorConfig& config) {
     ho.host = config.http_listen.substr(0, colon);
     ho.port = http_port;
     ho.max_body_bytes = int64_t{config.http_max_body_mb} << 20;
+    ho.max_connections = config.http_max_connections;
     ho.model_id = ModelId(config.model_path, model);
     ho.serving = serving;
     ho.metrics = [&scheduler, &metrics, &workers] {
@@ -397,6 +404,14 @@ int main(int argc, char** argv) {
   }
   ellm::SetLogIdentity("coordinator", level);
   ellm::InstallStopSignalHandlers();
+  // Every client connection (gRPC or HTTP) takes a descriptor; the usual
+  // soft limit of 1024 would refuse clients long before --http-max-connections.
+  if (rlimit files{}; getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = std::min<rlim_t>(files.rlim_max, 65536);
+    if (setrlimit(RLIMIT_NOFILE, &files) == 0) {
+      ellm::LogDebug("open files limit raised to %d", static_cast<int>(files.rlim_cur));
+    }
+  }
   absl::StatusOr<ellm::coord::CoordinatorConfig> config = ellm::coord::ConfigFromFlags(args);
   if (!config.ok()) {
     ellm::LogError("%s", config.status().message());

@@ -57,6 +57,7 @@ struct LaunchConfig {
   int port = 50051;
   int http_port = 8080;   // OpenAI-compatible HTTP API and /metrics; 0: none
   int http_max_body_mb = 8;
+  int http_max_connections = 1024;
   int attn_workers = 0;  // 0: one per NUMA node
   int kv_cache_mb = 0;   // per attention worker; 0: automatic
   int max_batch = 16;
@@ -405,6 +406,7 @@ absl::Status Launch::Start() {
         "--control-listen=" + coordinator_address, absl::StrCat("--max-queue=", c_.max_queue),
         c_.http_port > 0 ? absl::StrCat("--http-listen=", c_.host, ":", c_.http_port) : "--http-listen=",
         absl::StrCat("--http-max-body-mb=", c_.http_max_body_mb),
+        absl::StrCat("--http-max-connections=", c_.http_max_connections),
         // The coordinator waits for the workers as long as this launcher
         // does: at start-up, and for a restarted set (one start and its
         // longest backoff).
@@ -637,6 +639,7 @@ int Main(int argc, char** argv) {
   args.Flag("http-port", "8080", "port of the OpenAI-compatible HTTP API, /health and /metrics on --host "
             "(0: none)");
   args.Flag("http-max-body-mb", "8", "largest HTTP request body (larger: 413)");
+  args.Flag("http-max-connections", "1024", "most HTTP connections open at once (more: answered 503 and closed)");
   args.Flag("attn-workers", "0", "attention workers (0: one per NUMA node); must divide the KV heads");
   args.Flag("kv-cache-mb", "0", "KV cache per attention worker in MiB (0: enough for --max-batch "
             "sequences at full context, at most a quarter of RAM)");
@@ -752,7 +755,8 @@ int Main(int argc, char** argv) {
   c.matmul_isa = *matmul_isa;
   c.attn_kernel = *attn_kernel;
   absl::Status st = args.GetInts({{"port", &c.port}, {"http-port", &c.http_port},
-                     {"http-max-body-mb", &c.http_max_body_mb}, {"attn-workers", &c.attn_workers},
+                     {"http-max-body-mb", &c.http_max_body_mb}, {"http-max-connections", &c.http_max_connections},
+                     {"attn-workers", &c.attn_workers},
                      {"kv-cache-mb", &c.kv_cache_mb}, {"max-batch", &c.max_batch},
                      {"max-step-tokens", &c.max_step_tokens}, {"max-queue", &c.max_queue}, {"mlp-threads", &c.mlp_threads},
                      {"ready-timeout", &c.ready_timeout_s}, {"kv-store-mb", &c.kv_store_mb},

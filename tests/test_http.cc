@@ -581,6 +581,57 @@ TEST(Http, BadFramingIsAnsweredAndHttp10StreamsArePlain) {
   ExpectCleanShutdown(system);
 }
 
+// Past --http-max-connections a new connection is answered 503 at once and
+// closed; once one closes, connections are served again.
+TEST(Http, ConnectionsOverTheLimitAreAnswered503) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl", "--http-max-connections=3"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const int port = system.http_port();
+  ASSERT_EQ(Call(port, http::verb::get, "/health").status, 200);
+  net::io_context ioc;
+  std::vector<tcp::socket> idle;
+  for (int i = 0; i < 3; ++i) {
+    idle.emplace_back(ioc);
+    idle.back().connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
+  }
+  // The server takes the three (in its own time); the fourth is refused.
+  // (The refusal comes before the request is read: the client just reads.)
+  const auto refused = [&] {
+    tcp::socket s(ioc);
+    s.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
+    std::string out;
+    beast::error_code ec;
+    char buf[4096];
+    s.non_blocking(false);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
+    int available = 0;
+    while (std::chrono::steady_clock::now() < deadline && (available = static_cast<int>(s.available(ec))) == 0 && !ec) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (available == 0) return out;  // taken as a session: no answer before a request
+    for (;;) {
+      const size_t n = s.read_some(net::buffer(buf), ec);
+      out.append(buf, n);
+      if (ec) break;
+    }
+    return out;
+  };
+  std::string reply;
+  for (int i = 0; i < 50 && !absl::StartsWith(reply, "HTTP/1.1 503"); ++i) reply = refused();
+  EXPECT_TRUE(absl::StartsWith(reply, "HTTP/1.1 503")) << reply;
+  EXPECT_NE(reply.find("--http-max-connections"), std::string::npos) << reply;
+  idle.pop_back();  // closed: the server drops its session
+  int status = 0;
+  for (int i = 0; i < 100 && status != 200; ++i) {
+    status = Call(port, http::verb::get, "/health").status;
+    if (status != 200) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(status, 200);
+  EXPECT_EQ(Post(port, "/v1/completions", Completion("Once", 4, false)).status, 200);
+  idle.clear();
+  ExpectCleanShutdown(system);
+}
+
 // /metrics asks every worker for its figures; a frozen worker makes each ask
 // wait for its deadline. That wait must not hold the I/O threads: /health
 // and the API answer while scrapes wait.
