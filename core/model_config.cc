@@ -353,8 +353,13 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
 
   ASSIGN_OR_RETURN(c.rope_dims, OptionalInt(file, p + "rope.dimension_count", c.head_dim));
   ASSIGN_OR_RETURN(c.rope_base, OptionalFloat(file, p + "rope.freq_base", 10000.0f));
-  ASSIGN_OR_RETURN(c.norm_eps,
-                   OptionalFloat(file, p + "attention.layer_norm_rms_epsilon", 1e-5f));
+  // Required, as llama.cpp requires it: models differ (1e-5, 1e-6), and a
+  // guess would shift every norm of the model.
+  if (!file.Has(p + "attention.layer_norm_rms_epsilon")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("missing required key '", p, "attention.layer_norm_rms_epsilon'"));
+  }
+  ASSIGN_OR_RETURN(c.norm_eps, OptionalFloat(file, p + "attention.layer_norm_rms_epsilon", 0));
   ASSIGN_OR_RETURN(c.vocab_size, VocabSize(file));
   const ArchTraits* traits = FindArch(c.arch);
   c.rope_neox = traits->rope_neox;

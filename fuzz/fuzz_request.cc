@@ -28,6 +28,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     x->config = *ellm::ModelConfig::FromGguf(*x->file);
     x->tokenizer = *ellm::Tokenizer::FromGguf(*x->file);
     x->options.chat = ellm::coord::ChatTemplate::FromGgufTemplate("<|im_start|>");
+    x->options.allow_synthetic_context = true;  // its sizes are what this fuzzes most
     x->service = std::make_unique<ellm::coord::EllmService>(x->options, x->config, *x->tokenizer, nullptr);
     return x;
   }();

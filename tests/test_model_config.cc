@@ -47,6 +47,7 @@ GgufWriter MinimalLlama() {
   w.SetUint32("llama.feed_forward_length", 128);
   w.SetUint32("llama.context_length", 256);
   w.SetUint32("llama.attention.head_count", 6);
+  w.SetFloat32("llama.attention.layer_norm_rms_epsilon", 1e-5f);
   w.SetStringArray("tokenizer.ggml.tokens", {"a", "b", "c", "d", "e", "f", "g", "h", "i", "j"});
   return w;
 }
@@ -159,7 +160,6 @@ TEST(ModelConfigTest, DefaultsApplied) {
   EXPECT_EQ(c->head_dim, 8);    // = dim / n_heads
   EXPECT_EQ(c->rope_dims, 8);   // = head_dim
   EXPECT_EQ(c->rope_base, 10000.0f);
-  EXPECT_EQ(c->norm_eps, 1e-5f);
   EXPECT_EQ(c->vocab_size, 10);
   EXPECT_EQ(c->gqa_ratio(), 1);
 }
@@ -194,6 +194,7 @@ TEST(ModelConfigTest, VocabFromEmbeddingWithoutTokens) {
   w.SetUint32("llama.feed_forward_length", 8);
   w.SetUint32("llama.context_length", 16);
   w.SetUint32("llama.attention.head_count", 2);
+  w.SetFloat32("llama.attention.layer_norm_rms_epsilon", 1e-5f);
   // token_embd.weight is [dim, vocab] in GGUF order.
   ASSERT_TRUE(w.AddTensor("token_embd.weight", {4, 7}, DType::kF32, std::string(4 * 7 * 4, '\0'))
                   .ok());
@@ -210,6 +211,7 @@ TEST(ModelConfigTest, NoVocabulary) {
   w.SetUint32("llama.feed_forward_length", 8);
   w.SetUint32("llama.context_length", 16);
   w.SetUint32("llama.attention.head_count", 2);
+  w.SetFloat32("llama.attention.layer_norm_rms_epsilon", 1e-5f);
   EXPECT_TRUE(IsInvalid(ConfigOf(w).status(), "cannot determine the vocabulary size"));
 }
 
@@ -222,7 +224,7 @@ TEST(ModelConfigTest, MissingArchitecture) {
 TEST(ModelConfigTest, MissingRequiredKeyIsNamed) {
   for (const char* key : {"llama.block_count", "llama.embedding_length",
                           "llama.feed_forward_length", "llama.context_length",
-                          "llama.attention.head_count"}) {
+                          "llama.attention.head_count", "llama.attention.layer_norm_rms_epsilon"}) {
     SCOPED_TRACE(key);
     // Rebuild without `key`, keeping the rest of MinimalLlama.
     absl::StatusOr<std::unique_ptr<GgufFile>> full = GgufFile::FromBytes(MinimalLlama().ToBytes());
@@ -517,6 +519,7 @@ TEST(ModelConfigTest, Qwen3Traits) {
   w.SetUint32("qwen3.attention.head_count_kv", 2);
   w.SetUint32("qwen3.attention.key_length", 32);
   w.SetUint32("qwen3.attention.value_length", 32);
+  w.SetFloat32("qwen3.attention.layer_norm_rms_epsilon", 1e-6f);
   w.SetStringArray("tokenizer.ggml.tokens", {"a", "b"});
   absl::StatusOr<ModelConfig> c = ConfigOf(w);
   ASSERT_TRUE(c.ok()) << c.status();
