@@ -204,7 +204,7 @@ grpc::Status EllmService::Tokenize(grpc::ServerContext* context, const ellm::v1:
     return ToGrpcStatus(absl::InvalidArgumentError("the text is not valid UTF-8"));
   }
   if (!request->text().empty() && !request->messages().empty()) {
-    return ToGrpcStatus(absl::InvalidArgumentError("give either text or messages, not both"));
+    return ToGrpcStatus(absl::InvalidArgumentError("send either text or chat messages, not both"));
   }
   absl::StatusOr<std::vector<int32_t>> ids =
       request->messages().empty()

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/log.h"
 
 namespace ellm {
 namespace {
@@ -306,6 +307,25 @@ absl::Status CheckLlama31RopeFreqs(const ModelConfig& c) {
       "wrongly; convert the model again with a current llama.cpp"));
 }
 
+// Mistral-7B v0.1 (and its fine-tunes: Zephyr-7B, OpenHermes-2.5, ...)
+// attends through a 4096-token sliding window, which its GGUF does not say
+// (llama.cpp's converter writes no sliding_window key for arch llama) and
+// ellm does not implement. Its shape gives it away: Mistral 7B's sizes with
+// v0.1's rope base of 10000 (v0.2 and later: 1e6, and no window) and a
+// declared context of 32768. Within 4096 positions full attention is the
+// window's, so its context is capped there, with a warning.
+void CapMistralV01Context(ModelConfig* c) {
+  constexpr int kWindow = 4096;
+  if (c->arch != "llama" || c->n_layers != 32 || c->dim != 4096 || c->ffn_dim != 14336 || c->n_heads != 32 ||
+      c->n_kv_heads != 8 || c->vocab_size != 32000 || c->rope_base != 10000.0f || c->context_length <= kWindow) {
+    return;
+  }
+  LogWarning("model: Mistral-7B v0.1's shape (rope base 10000): it attends through a %d-token sliding window, "
+             "which ellm does not implement; its context is capped from %d to %d", kWindow, c->context_length,
+             kWindow);
+  c->context_length = kWindow;
+}
+
 }  // namespace
 
 absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
@@ -371,6 +391,7 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
   RETURN_IF_ERROR(CheckTensorNames(file, c, *traits));
   ASSIGN_OR_RETURN(c.rope_freq_factors, ReadRopeFreqs(file, c.rope_dims));
   RETURN_IF_ERROR(CheckLlama31RopeFreqs(c));
+  CapMistralV01Context(&c);
   return c;
 }
 

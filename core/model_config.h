@@ -37,8 +37,8 @@ struct ModelConfig {
   int head_dim = 0;         // {arch}.attention.key_length, default dim / n_heads
   int rope_dims = 0;        // {arch}.rope.dimension_count, default head_dim
   float rope_base = 10000;  // {arch}.rope.freq_base, default 10000
-  float norm_eps = 1e-5f;   // {arch}.attention.layer_norm_rms_epsilon, default 1e-5
-  int context_length = 0;   // {arch}.context_length
+  float norm_eps = 1e-5f;   // {arch}.attention.layer_norm_rms_epsilon (required)
+  int context_length = 0;   // {arch}.context_length (Mistral-7B v0.1: at most its 4096-token window)
   int vocab_size = 0;       // length of tokenizer.ggml.tokens, else token_embd rows
   RopeScaling rope_scaling;
   // rope_freqs.weight [rope_dims / 2] (llama3 scaling, as llama.cpp's converter

@@ -317,6 +317,14 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& f
     return absl::InvalidArgumentError(
         absl::StrCat("tokenizer: tokenizer.ggml.model: ", model.status().message()));
   }
+  // llama.cpp appends EOS to a prompt where this is true (embedding and
+  // encoder models set it); ellm's prompts never end with EOS, so such a
+  // model would see other prompts than it expects.
+  ASSIGN_OR_RETURN(const bool add_eos, ReadBool(file, "tokenizer.ggml.add_eos_token", false));
+  if (add_eos) {
+    return absl::InvalidArgumentError(
+        "tokenizer: tokenizer.ggml.add_eos_token is true (prompts end with EOS), which ellm does not do");
+  }
   if (*model == "llama") return SpmTokenizer::Create(file);
   if (*model == "gpt2") return internal::CreateBpeTokenizer(file);
   return absl::InvalidArgumentError(absl::StrCat(

@@ -52,6 +52,13 @@ GgufWriter MinimalLlama() {
   return w;
 }
 
+// A vocabulary of n distinct tokens (its size identifies a model family).
+std::vector<std::string> NumberedTokens(int n) {
+  std::vector<std::string> tokens(n);
+  for (int i = 0; i < n; ++i) tokens[i] = absl::StrCat("t", i);
+  return tokens;
+}
+
 TEST(ModelConfigTest, Stories260K) {
   absl::StatusOr<ModelConfig> c = ConfigOfFile(kModels + "/stories260K.gguf");
   ASSERT_TRUE(c.ok()) << c.status();
@@ -407,8 +414,7 @@ TEST(ModelConfigTest, RopeFreqsTensorIsRead) {
 // A Llama 3.1 converted before llama.cpp wrote rope_freqs.weight looks like
 // a Llama 3 with a long context: refused, never served unscaled.
 TEST(ModelConfigTest, ALlama31WithoutItsRopeFreqsIsRefused) {
-  std::vector<std::string> tokens(128256);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = absl::StrCat("t", i);
+  const std::vector<std::string> tokens = NumberedTokens(128256);
   const auto llama3 = [&](uint32_t context) {
     GgufWriter w = MinimalLlama();
     w.SetStringArray("tokenizer.ggml.tokens", tokens);
@@ -429,6 +435,31 @@ TEST(ModelConfigTest, ALlama31WithoutItsRopeFreqsIsRefused) {
   c = ConfigOf(with_factors);
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->rope_freq_factors, f);
+}
+
+// Mistral-7B v0.1's sliding window (4096) is in no key: its shape gives it
+// away, and its context is capped to the window, where full attention is
+// the same. v0.2's (rope base 1e6, no window) is not.
+TEST(ModelConfigTest, MistralV01IsCappedToItsWindow) {
+  const std::vector<std::string> tokens = NumberedTokens(32000);
+  const auto mistral = [&](float rope_base) {
+    GgufWriter w = MinimalLlama();
+    w.SetUint32("llama.block_count", 32);
+    w.SetUint32("llama.embedding_length", 4096);
+    w.SetUint32("llama.feed_forward_length", 14336);
+    w.SetUint32("llama.attention.head_count", 32);
+    w.SetUint32("llama.attention.head_count_kv", 8);
+    w.SetUint32("llama.context_length", 32768);
+    w.SetFloat32("llama.rope.freq_base", rope_base);
+    w.SetStringArray("tokenizer.ggml.tokens", tokens);
+    return w;
+  };
+  absl::StatusOr<ModelConfig> c = ConfigOf(mistral(10000.0f));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->context_length, 4096);
+  c = ConfigOf(mistral(1e6f));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->context_length, 32768);
 }
 
 // Every key and tensor that would change the computation, and that ellm

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -413,6 +414,7 @@ struct TinyBpeOptions {
   std::vector<std::string> merges = {"a b", "a a", "\xC4\xA0 a"};
   bool write_add_bos = false;
   bool add_bos = false;
+  std::optional<bool> add_eos;  // tokenizer.ggml.add_eos_token, when set
 };
 
 std::string ByteSymbol(int b) {
@@ -461,6 +463,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> TinyBpe(const TinyBpeOptions& o) {
   w.SetUint32("tokenizer.ggml.bos_token_id", 260);
   w.SetUint32("tokenizer.ggml.eos_token_id", 260);
   if (o.write_add_bos) w.SetBool("tokenizer.ggml.add_bos_token", o.add_bos);
+  if (o.add_eos.has_value()) w.SetBool("tokenizer.ggml.add_eos_token", *o.add_eos);
   absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::FromBytes(w.ToBytes());
   if (!file.ok()) return file.status();
   return Tokenizer::FromGguf(**file);
@@ -514,6 +517,18 @@ TEST(TinyBpeTest, SpecialTokens) {
   EXPECT_THAT((*tok)->Encode("<x>ab", false, false), ElementsAre(261, 256));
   EXPECT_EQ((*tok)->Decode({256, 260, 261}), "ab<x>");
   EXPECT_TRUE((*tok)->IsEndOfGeneration(260));
+}
+
+// Prompts that should end with EOS (llama.cpp appends it): ellm's never do,
+// so such a model is refused; an explicit false is what ellm does.
+TEST(TinyBpeTest, AddEosTokenIsRefused) {
+  TinyBpeOptions o;
+  o.add_eos = true;
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = TinyBpe(o);
+  ASSERT_FALSE(tok.ok());
+  EXPECT_THAT(tok.status().message(), HasSubstr("add_eos_token"));
+  o.add_eos = false;
+  EXPECT_TRUE(TinyBpe(o).ok());
 }
 
 TEST(TinyBpeTest, MissingPreIsRefusedAndDefaultIsAValue) {
