@@ -65,6 +65,10 @@ struct HttpServer::Impl {
   // Work that may block (/metrics asks every worker), off the I/O threads.
   // After ioc: stopped and joined before it is destroyed.
   net::thread_pool blocking{1};
+  // Parsing and tokenizing request bodies (an 8 MiB one takes about a
+  // second), so that the I/O threads keep every other connection's stream
+  // going meanwhile. After ioc, as blocking is.
+  net::thread_pool prepare{2};
   std::atomic<uint64_t> next_id{1};
   std::atomic<int> sessions{0};  // open connections (Session objects)
   bool accept_failing = false;  // one warning per run of failed accepts
@@ -125,14 +129,19 @@ class Session : public std::enable_shared_from_this<Session> {
     try {
       Route(req);
     } catch (const std::exception& e) {
-      // A bug in a handler: this request fails alone, the server goes on.
-      LogError("HTTP %s %s: %s", std::string(req.method_string()), std::string(req.target()), e.what());
-      if (request_ != nullptr && !finished_) request_->Cancel();
-      finished_ = true;
-      if (writing_) return Close();
-      keep_alive_ = false;
-      SendError(absl::InternalError(absl::StrCat("internal error: ", e.what())), 500);
+      Fail(e);
     }
+  }
+
+  // A bug in a handler: this request fails alone, the server goes on.
+  void Fail(const std::exception& e) {
+    const http::request<http::string_body>& req = parser_->get();
+    LogError("HTTP %s %s: %s", std::string(req.method_string()), std::string(req.target()), e.what());
+    if (request_ != nullptr && !finished_) request_->Cancel();
+    finished_ = true;
+    if (writing_) return Close();
+    keep_alive_ = false;
+    SendError(absl::InternalError(absl::StrCat("internal error: ", e.what())), 500);
   }
 
   void Route(const http::request<http::string_body>& req) {
@@ -169,7 +178,8 @@ class Session : public std::enable_shared_from_this<Session> {
       return Send(200, body.dump(), "application/json");
     }
     if (post && (path == "/v1/completions" || path == "/v1/chat/completions")) {
-      return Generate(req.body(), path == "/v1/chat/completions");
+      // (The body is moved out: nothing reads the parsed request after this.)
+      return Generate(std::move(parser_->get().body()), path == "/v1/chat/completions");
     }
     if (path == "/v1/completions" || path == "/v1/chat/completions" || path == "/v1/models" ||
         path == "/health" || path == "/metrics") {
@@ -180,19 +190,63 @@ class Session : public std::enable_shared_from_this<Session> {
     SendError(absl::NotFoundError(absl::StrCat("no such endpoint: ", path)));
   }
 
-  void Generate(const std::string& body, bool chat) {
-    absl::StatusOr<OpenAiRequest> parsed = ParseOpenAiRequest(body, chat, server_->options.model_id);
-    if (!parsed.ok()) return SendError(parsed.status());
-    absl::StatusOr<GenerateOptions> options = server_->service->Validate(parsed->generate);
-    if (!options.ok()) return SendError(options.status());
-    const int32_t last_prompt_token = options->prompt.empty() ? -1 : options->prompt.back();
-    absl::StatusOr<std::shared_ptr<RequestStream>> request = server_->scheduler->Submit(*std::move(options));
+  // A request parsed and validated (status ok), or why not.
+  struct Prepared {
+    absl::Status status;
+    OpenAiRequest request;
+    GenerateOptions options;
+  };
+
+  // Prepares the request on the prepare pool, then submits it from this
+  // session's executor.
+  void Generate(std::string body, bool chat) {
+    net::post(server_->prepare, [self = shared_from_this(), executor = stream_.get_executor(), body = std::move(body),
+                                 chat]() {
+      auto prepared = std::make_shared<Prepared>(Prepare(*self->server_, body, chat));
+      net::post(executor, [self, prepared, chat] {
+        try {
+          self->Submit(std::move(*prepared), chat);
+        } catch (const std::exception& e) {
+          self->Fail(e);
+        }
+      });
+    });
+  }
+
+  // Touches nothing of a session: runs on any thread.
+  static Prepared Prepare(const HttpServer::Impl& server, const std::string& body, bool chat) {
+    Prepared p;
+    try {
+      absl::StatusOr<OpenAiRequest> parsed = ParseOpenAiRequest(body, chat, server.options.model_id);
+      if (!parsed.ok()) {
+        p.status = parsed.status();
+        return p;
+      }
+      absl::StatusOr<GenerateOptions> options = server.service->Validate(parsed->generate);
+      if (!options.ok()) {
+        p.status = options.status();
+        return p;
+      }
+      p.request = *std::move(parsed);
+      p.options = *std::move(options);
+    } catch (const std::exception& e) {
+      LogError("HTTP %s: preparing the request: %s", chat ? "/v1/chat/completions" : "/v1/completions", e.what());
+      p.status = absl::InternalError(absl::StrCat("internal error: ", e.what()));
+    }
+    return p;
+  }
+
+  void Submit(Prepared prepared, bool chat) {
+    if (!prepared.status.ok()) return SendError(prepared.status);
+    const OpenAiRequest& parsed = prepared.request;
+    const int32_t last_prompt_token = prepared.options.prompt.empty() ? -1 : prepared.options.prompt.back();
+    absl::StatusOr<std::shared_ptr<RequestStream>> request = server_->scheduler->Submit(std::move(prepared.options));
     if (!request.ok()) return SendError(request.status());
     request_ = *std::move(request);
-    streaming_ = parsed->stream;
+    streaming_ = parsed.stream;
     const uint64_t n = server_->next_id.fetch_add(1);
     responder_ = std::make_unique<OpenAiResponder>(
-        *parsed, absl::StrFormat("%s-%016x", chat ? "chatcmpl" : "cmpl", n * 0x9E3779B97F4A7C15ULL),
+        parsed, absl::StrFormat("%s-%016x", chat ? "chatcmpl" : "cmpl", n * 0x9E3779B97F4A7C15ULL),
         server_->options.model_id, static_cast<int64_t>(std::time(nullptr)), *server_->tokenizer,
         last_prompt_token);
     stream_.expires_never();
@@ -514,6 +568,7 @@ HttpServer::~HttpServer() {
   impl_->ioc.stop();
   for (std::thread& t : impl_->threads) t.join();
   impl_->blocking.join();  // a /metrics render in flight finishes; its answer is dropped with ioc
+  impl_->prepare.join();   // likewise a request being prepared
 }
 
 int HttpServer::port() const { return impl_->acceptor.local_endpoint().port(); }

@@ -25,6 +25,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "tests/integration_harness.h"
@@ -566,6 +567,14 @@ TEST(Http, BadFramingIsAnsweredAndHttp10StreamsArePlain) {
   EXPECT_TRUE(absl::StartsWith(RawExchange(port, absl::StrCat(chunked, "0\r\nX-T: ", std::string(3 << 20, 'a'))),
                                "HTTP/1.1 400"))
       << "endless trailer";
+  // The bound is on what waits to be parsed, not on the body: a 3 MiB chunk
+  // (whitespace, then the request) is read as it comes.
+  const std::string json_body = std::string(3 << 20, ' ') + Completion("Once upon a time", 2, false).dump();
+  const std::string big_chunk = RawExchange(
+      port, absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n",
+                         "Transfer-Encoding: chunked\r\n\r\n", absl::StrFormat("%x", json_body.size()), "\r\n",
+                         json_body, "\r\n0\r\n\r\n"));
+  EXPECT_TRUE(absl::StartsWith(big_chunk, "HTTP/1.1 200")) << big_chunk.substr(0, 300);
 
   const std::string body = Completion("Once upon a time", 12, true).dump();
   const std::string reply = RawExchange(
