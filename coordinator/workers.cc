@@ -3,8 +3,8 @@
 #include <signal.h>
 
 #include <algorithm>
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
