@@ -32,11 +32,12 @@ ChatTemplate ChatTemplate::FromGgufTemplate(const std::string& jinja) {
     if (jinja.find("Cutting Knowledge Date: December 2023") != std::string::npos) {
       t.knowledge_header_ = true;
       const std::string set = "set date_string = \"";
-      const size_t at = jinja.find(set);
+      const size_t begin = jinja.find(set);
+      const size_t end = begin == std::string::npos ? begin : jinja.find('"', begin + set.size());
       if (jinja.find("strftime_now") != std::string::npos) {
         t.date_from_clock_ = true;
-      } else if (at != std::string::npos && jinja.find('"', at + set.size()) != std::string::npos) {
-        t.date_string_ = jinja.substr(at + set.size(), jinja.find('"', at + set.size()) - at - set.size());
+      } else if (end != std::string::npos) {
+        t.date_string_ = jinja.substr(begin + set.size(), end - begin - set.size());
       } else {
         t.format_ = ChatFormat::kNone;  // a dated header whose date ellm cannot tell
       }

@@ -69,6 +69,7 @@ class Workers final : public StepExecutor {
   absl::Status Heartbeat();
   // The current link (its workers' info, the stored blocks...).
   std::shared_ptr<WorkerLink> link() const;
+
  private:
   explicit Workers(const WorkersOptions& options) : options_(options) {}
   std::shared_ptr<WorkerLink> Current() const;

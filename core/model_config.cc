@@ -109,6 +109,14 @@ absl::StatusOr<int> OptionalInt(const GgufFile& file, const std::string& key, in
   return ToInt(key, value);
 }
 
+absl::StatusOr<float> RequiredFloat(const GgufFile& file, const std::string& key) {
+  if (!file.Has(key)) {
+    return absl::InvalidArgumentError(absl::StrCat("missing required key '", key, "'"));
+  }
+  ASSIGN_OR_RETURN(double value, file.GetFloat(key));
+  return static_cast<float>(value);
+}
+
 absl::StatusOr<float> OptionalFloat(const GgufFile& file, const std::string& key,
                                     float fallback) {
   if (!file.Has(key)) return fallback;
@@ -375,11 +383,7 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
   ASSIGN_OR_RETURN(c.rope_base, OptionalFloat(file, p + "rope.freq_base", 10000.0f));
   // Required, as llama.cpp requires it: models differ (1e-5, 1e-6), and a
   // guess would shift every norm of the model.
-  if (!file.Has(p + "attention.layer_norm_rms_epsilon")) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("missing required key '", p, "attention.layer_norm_rms_epsilon'"));
-  }
-  ASSIGN_OR_RETURN(c.norm_eps, OptionalFloat(file, p + "attention.layer_norm_rms_epsilon", 0));
+  ASSIGN_OR_RETURN(c.norm_eps, RequiredFloat(file, p + "attention.layer_norm_rms_epsilon"));
   ASSIGN_OR_RETURN(c.vocab_size, VocabSize(file));
   const ArchTraits* traits = FindArch(c.arch);
   c.rope_neox = traits->rope_neox;

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,7 +33,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                      "[INST]",
                                      "",
                                      "?"};
-  const auto tmpl = ellm::coord::ChatTemplate::FromGgufTemplate(kTemplates[data[0] % 8]);
+  const auto tmpl = ellm::coord::ChatTemplate::FromGgufTemplate(kTemplates[data[0] % std::size(kTemplates)]);
   static const char* kRoles[] = {"system", "user", "assistant", "tool"};
   std::vector<ellm::coord::ChatMessage> messages;
   size_t i = 1;

@@ -64,42 +64,6 @@ TEST(ChatTemplate, Llama3Exact) {
             "<|start_header_id|>assistant<|end_header_id|>\n\n");
 }
 
-std::string OutsideMarkup(const ChatPrompt& p);  // below
-
-// Llama 3.1: the dated system block always, with the template's date or
-// (3.2's strftime_now) today's.
-TEST(ChatTemplate, Llama31DatesItsSystemBlock) {
-  const std::string llama31 =
-      "{%- if not date_string is defined %}{%- set date_string = \"26 Jul 2024\" %}{%- endif %}"
-      "{{- \"<|start_header_id|>system<|end_header_id|>\\n\\n\" }}"
-      "{{- \"Cutting Knowledge Date: December 2023\\n\" }}{{- \"Today Date: \" + date_string + \"\\n\\n\" }}";
-  ChatTemplate t = ChatTemplate::FromGgufTemplate(llama31);
-  ASSERT_EQ(t.format(), ChatFormat::kLlama3);
-  auto text = t.Render({{"user", "Hi"}});
-  ASSERT_TRUE(text.ok()) << text.status();
-  EXPECT_EQ(text->text,
-            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December "
-            "2023\nToday Date: 26 Jul 2024\n\n<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
-            "<|start_header_id|>assistant<|end_header_id|>\n\n");
-  text = t.Render({{"system", " Be brief. "}, {"user", "Hi"}});
-  ASSERT_TRUE(text.ok());
-  EXPECT_EQ(text->text,
-            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December "
-            "2023\nToday Date: 26 Jul 2024\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
-            "Hi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
-  EXPECT_EQ(OutsideMarkup(*text), "|Be brief.|Hi|");
-
-  const std::string llama32 = llama31 + "{%- set date_string = strftime_now(\"%d %b %Y\") %}";
-  char today[32];
-  const std::time_t now = std::time(nullptr);
-  std::tm local{};
-  localtime_r(&now, &local);
-  std::strftime(today, sizeof(today), "%d %b %Y", &local);
-  text = ChatTemplate::FromGgufTemplate(llama32).Render({{"user", "Hi"}});
-  ASSERT_TRUE(text.ok());
-  EXPECT_NE(text->text.find(std::string("Today Date: ") + today + "\n\n<|eot_id|>"), std::string::npos) << text->text;
-}
-
 TEST(ChatTemplate, Llama2Exact) {
   ChatTemplate t = ChatTemplate::FromGgufTemplate(kLlama2Marker);
   auto text = t.Render({{"system", "Be kind."}, {"user", "Hi"}, {"assistant", "Hello"}, {"user", "Why?"}});
@@ -152,6 +116,40 @@ std::string OutsideMarkup(const ChatPrompt& p) {
     at = e;
   }
   return out + p.text.substr(at);
+}
+
+// Llama 3.1: the dated system block always, with the template's date or
+// (3.2's strftime_now) today's.
+TEST(ChatTemplate, Llama31DatesItsSystemBlock) {
+  const std::string llama31 =
+      "{%- if not date_string is defined %}{%- set date_string = \"26 Jul 2024\" %}{%- endif %}"
+      "{{- \"<|start_header_id|>system<|end_header_id|>\\n\\n\" }}"
+      "{{- \"Cutting Knowledge Date: December 2023\\n\" }}{{- \"Today Date: \" + date_string + \"\\n\\n\" }}";
+  ChatTemplate t = ChatTemplate::FromGgufTemplate(llama31);
+  ASSERT_EQ(t.format(), ChatFormat::kLlama3);
+  auto text = t.Render({{"user", "Hi"}});
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_EQ(text->text,
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December "
+            "2023\nToday Date: 26 Jul 2024\n\n<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n");
+  text = t.Render({{"system", " Be brief. "}, {"user", "Hi"}});
+  ASSERT_TRUE(text.ok());
+  EXPECT_EQ(text->text,
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December "
+            "2023\nToday Date: 26 Jul 2024\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
+            "Hi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
+  EXPECT_EQ(OutsideMarkup(*text), "|Be brief.|Hi|");
+
+  const std::string llama32 = llama31 + "{%- set date_string = strftime_now(\"%d %b %Y\") %}";
+  char today[32];
+  const std::time_t now = std::time(nullptr);
+  std::tm local{};
+  localtime_r(&now, &local);
+  std::strftime(today, sizeof(today), "%d %b %Y", &local);
+  text = ChatTemplate::FromGgufTemplate(llama32).Render({{"user", "Hi"}});
+  ASSERT_TRUE(text.ok());
+  EXPECT_NE(text->text.find(std::string("Today Date: ") + today + "\n\n<|eot_id|>"), std::string::npos) << text->text;
 }
 
 TEST(ChatTemplate, MarkupSpansCoverTheTemplateOnly) {

@@ -611,7 +611,6 @@ TEST(Http, ConnectionsOverTheLimitAreAnswered503) {
     std::string out;
     beast::error_code ec;
     char buf[4096];
-    s.non_blocking(false);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
     int available = 0;
     while (std::chrono::steady_clock::now() < deadline && (available = static_cast<int>(s.available(ec))) == 0 && !ec) {
