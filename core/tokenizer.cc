@@ -108,7 +108,7 @@ class SpmTokenizer : public Tokenizer {
   // so no merge can join the text before a word start to the text from it
   // on: a fragment is encoded word by word (the same ids; one heap over a long document
   // costs a log factor more: 4 MB took 2.5 s that way, 0.28 s so; see
-  // test_tokenizer DISABLED_BenchLongDocuments).
+  // test_tokenizer TokenizerBench.DISABLED_BenchLongDocuments).
   bool split_at_words_ = false;
 };
 

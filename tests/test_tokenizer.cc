@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -227,26 +228,44 @@ TEST_F(LlamaSpmTest, LongPromptTokenizesInMilliseconds) {
   }
 }
 
-// Benchmark, not a check: encode time of long documents (the vocabulary's
-// test texts repeated) on the llama SPM vocabulary. ELLM_BENCH_TOKENIZER_KB
-// sets the sizes (default 80,4096).
-TEST_F(LlamaSpmTest, DISABLED_BenchLongDocuments) {
+// A line of /proc/self/status in kB (VmRSS, VmHWM), -1 if absent.
+long StatusKb(const std::string& key) {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(key + ":", 0) == 0) return std::strtol(line.c_str() + key.size() + 1, nullptr, 10);
+  }
+  return -1;
+}
+
+// Benchmark, not a check: encode time and peak memory of long documents
+// (the llama vocabulary's test texts repeated), on the llama SPM and the
+// Qwen2.5 BPE vocabularies. ELLM_BENCH_TOKENIZER_KB sets the sizes (default
+// 80,4096,8192: 8 MiB is the HTTP API's largest body). peak_extra_mb: the
+// process's peak resident memory during the encode (reset before it) over
+// its resident memory before.
+TEST(TokenizerBench, DISABLED_BenchLongDocuments) {
   const std::vector<VocabCase> cases = LoadVocabCases(kVocabDir + "ggml-vocab-llama-spm.gguf");
   ASSERT_FALSE(cases.empty());
-  const char* env = std::getenv("ELLM_BENCH_TOKENIZER_KB");
-  for (absl::string_view kb : absl::StrSplit(env != nullptr ? env : "80,4096", ',')) {
-    size_t bytes = 0;
-    ASSERT_TRUE(absl::SimpleAtoi(kb, &bytes)) << kb;
-    bytes *= 1024;
-    std::string text;
-    while (text.size() < bytes) {
-      for (const VocabCase& c : cases) text += c.text + " ";
+  for (const char* vocab : {"ggml-vocab-llama-spm.gguf", "qwen2.5-vocab-derived.gguf"}) {
+    std::unique_ptr<Tokenizer> tok = LoadTokenizer(kVocabDir + vocab);
+    ASSERT_NE(tok, nullptr) << vocab;
+    const char* env = std::getenv("ELLM_BENCH_TOKENIZER_KB");
+    for (absl::string_view kb : absl::StrSplit(env != nullptr ? env : "80,4096,8192", ',')) {
+      size_t bytes = 0;
+      ASSERT_TRUE(absl::SimpleAtoi(kb, &bytes)) << kb;
+      bytes *= 1024;
+      std::string text;
+      while (text.size() < bytes) {
+        for (const VocabCase& c : cases) text += c.text + " ";
+      }
+      const long rss_before = StatusKb("VmRSS");
+      std::ofstream("/proc/self/clear_refs") << "5";  // VmHWM := VmRSS
+      const auto start = std::chrono::steady_clock::now();
+      const std::vector<int32_t> ids = tok->Encode(text, true);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      std::printf("tokenizer %s: %zu bytes -> %zu tokens in %.1f ms, peak_extra_mb=%.0f cpu=\"%s\"\n", vocab,
+                  text.size(), ids.size(), ms, (StatusKb("VmHWM") - rss_before) / 1024.0, CpuModelName().c_str());
     }
-    const auto start = std::chrono::steady_clock::now();
-    const std::vector<int32_t> ids = tok_->Encode(text, true);
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    std::printf("tokenizer llama-spm: %zu bytes -> %zu tokens in %.1f ms cpu=\"%s\"\n", text.size(), ids.size(), ms,
-                CpuModelName().c_str());
   }
 }
 
