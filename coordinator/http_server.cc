@@ -33,7 +33,6 @@ namespace net = boost::asio;
 using tcp = net::ip::tcp;
 
 constexpr auto kRequestTimeout = std::chrono::seconds(60);  // to read a request
-constexpr auto kWriteTimeout = std::chrono::seconds(60);    // for one write to go out
 // A stream's bytes queued for a client that does not read them: past this,
 // the client is treated as gone (its request is cancelled).
 constexpr size_t kMaxQueuedBytes = size_t{16} << 20;
@@ -269,7 +268,7 @@ class Session : public std::enable_shared_from_this<Session> {
       header_->chunked(chunked_);
       serializer_.emplace(*header_);
       writing_ = true;
-      stream_.expires_after(kWriteTimeout);
+      stream_.expires_after(server_->options.write_timeout);
       http::async_write_header(stream_, *serializer_, [self = shared_from_this()](beast::error_code ec, size_t) {
         self->writing_ = false;
         if (ec) return self->Close();
@@ -325,7 +324,7 @@ class Session : public std::enable_shared_from_this<Session> {
         last_written_ = true;
         if (!chunked_) return Close();  // HTTP/1.0: the end of the connection ends the body
         writing_ = true;
-        stream_.expires_after(kWriteTimeout);
+        stream_.expires_after(server_->options.write_timeout);
         net::async_write(stream_, http::make_chunk_last(), [self = shared_from_this()](beast::error_code ec, size_t) {
           self->writing_ = false;
           if (ec || !self->keep_alive_) return self->Close();
@@ -339,9 +338,9 @@ class Session : public std::enable_shared_from_this<Session> {
     outbox_.pop_front();
     outbox_bytes_ -= chunk->size();
     writing_ = true;
-    // A client that stops reading fails the write after kWriteTimeout and
+    // A client that stops reading fails the write after --client-write-timeout-s and
     // is treated as gone.
-    stream_.expires_after(kWriteTimeout);
+    stream_.expires_after(server_->options.write_timeout);
     auto done = [self = shared_from_this(), chunk](beast::error_code ec, size_t) {
       self->writing_ = false;
       if (ec) return self->ClientGone();
@@ -399,7 +398,7 @@ class Session : public std::enable_shared_from_this<Session> {
     res->body() = std::move(body);
     res->prepare_payload();
     writing_ = true;
-    stream_.expires_after(kWriteTimeout);
+    stream_.expires_after(server_->options.write_timeout);
     http::async_write(stream_, *res, [self = shared_from_this(), res](beast::error_code ec, size_t) {
       self->writing_ = false;
       if (!ec && self->unread_input_) return self->Linger();

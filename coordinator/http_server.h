@@ -11,6 +11,7 @@
 // request's KV at the next step.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -27,6 +28,7 @@ struct HttpOptions {
   int threads = 2;                         // I/O threads
   int64_t max_body_bytes = 8 << 20;        // larger bodies get 413
   int max_connections = 1024;              // more at once: answered 503 and closed
+  std::chrono::seconds write_timeout{60};  // for one write to go out (a client that stopped reading)
   std::string model_id;                    // the model's name in /v1/models and requests
   std::function<bool()> serving;           // /health: 200 when true, 503 otherwise
   std::function<std::string()> metrics;    // /metrics: Prometheus text exposition

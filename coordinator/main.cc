@@ -43,6 +43,7 @@ struct CoordinatorConfig {
   std::string http_listen;
   int http_max_body_mb = 8;
   int http_max_connections = 1024;
+  int client_write_timeout_s = 60;
   std::string mlp_channel;
   std::vector<std::string> workers;
   int max_batch = 16;
@@ -74,6 +75,9 @@ Args Flags() {
          "address of the OpenAI-compatible HTTP API and /metrics, HOST:PORT (empty: none)");
   a.Flag("http-max-body-mb", "8", "largest HTTP request body (larger: 413)");
   a.Flag("http-max-connections", "1024", "most HTTP connections open at once (more: answered 503 and closed)");
+  a.Flag("client-write-timeout-s", "60",
+         "how long one write of an answer may wait for the client to read it (gRPC and HTTP); a client "
+         "that reads nothing for this long has its request cancelled");
   a.Flag("mlp-channel", "", "the mlp-worker's shared-memory channel");
   a.Flag("workers", "", "control addresses of all workers, comma-separated");
   a.Flag("max-batch", "16", "most sequences in one step");
@@ -121,7 +125,8 @@ absl::StatusOr<CoordinatorConfig> ConfigFromFlags(const Args& args) {
   c.workers = absl::StrSplit(args.Get("workers"), ',', absl::SkipEmpty());
   int connect_timeout_s = 0, recovery_timeout_s = 0, heartbeat_ms = 0;
   RETURN_IF_ERROR(args.GetInts({{"http-max-body-mb", &c.http_max_body_mb},
-                                {"http-max-connections", &c.http_max_connections}, {"max-batch", &c.max_batch},
+                                {"http-max-connections", &c.http_max_connections},
+                                {"client-write-timeout-s", &c.client_write_timeout_s}, {"max-batch", &c.max_batch},
                                 {"max-step-tokens", &c.max_step_tokens}, {"max-queue", &c.max_queue},
                                 {"default-max-tokens", &c.default_max_tokens},
                                 {"connect-timeout-s", &connect_timeout_s},
@@ -130,6 +135,7 @@ absl::StatusOr<CoordinatorConfig> ConfigFromFlags(const Args& args) {
   ASSIGN_OR_RETURN(const double min_step_timeout_s, args.GetDouble("min-step-timeout-s"));
   if (c.http_max_body_mb <= 0) return absl::InvalidArgumentError("--http-max-body-mb must be positive");
   if (c.http_max_connections <= 0) return absl::InvalidArgumentError("--http-max-connections must be positive");
+  if (c.client_write_timeout_s <= 0) return absl::InvalidArgumentError("--client-write-timeout-s must be positive");
   c.prefix_cache = args.GetBool("prefix-cache");
   c.allow_synthetic_context = args.GetBool("allow-synthetic-context");
   c.kv_store = args.GetBool("kv-store") && c.prefix_cache;
@@ -268,6 +274,7 @@ absl::Status Run(const CoordinatorConfig& config) {
   service_options.model_path = config.model_path;
   service_options.default_max_tokens = config.default_max_tokens;
   service_options.allow_synthetic_context = config.allow_synthetic_context;
+  service_options.client_write_timeout = absl::Seconds(config.client_write_timeout_s);
   service_options.worker_info = [&workers] { return workers->link()->PollInfo(); };
   ellm::v1::ModelInfo& info = service_options.model_info;
   info.set_model_path(config.model_path);
@@ -353,6 +360,7 @@ absl::Status Run(const CoordinatorConfig& config) {
     ho.port = http_port;
     ho.max_body_bytes = int64_t{config.http_max_body_mb} << 20;
     ho.max_connections = config.http_max_connections;
+    ho.write_timeout = std::chrono::seconds(config.client_write_timeout_s);
     ho.model_id = ModelId(config.model_path, model);
     ho.serving = serving;
     ho.metrics = [&scheduler, &metrics, &workers] {

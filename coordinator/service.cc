@@ -26,6 +26,48 @@ ellm::v1::FinishReason ToProto(FinishReason r) {
 
 }  // namespace
 
+WriteWatchdog::WriteWatchdog(absl::Duration limit) : limit_(limit), thread_([this] { Run(); }) {}
+
+WriteWatchdog::~WriteWatchdog() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  stop_cv_.notify_all();
+  thread_.join();
+}
+
+bool WriteWatchdog::Write(grpc::ServerContext* context, grpc::ServerWriter<ellm::v1::GenerateResponse>* writer,
+                          const ellm::v1::GenerateResponse& response, bool* stalled) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_[context] = absl::Now() + limit_;
+  }
+  const bool ok = writer->Write(response);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = writing_.find(context);
+  *stalled = it->second == absl::InfiniteFuture();
+  writing_.erase(it);
+  return ok;
+}
+
+void WriteWatchdog::Run() {
+  const absl::Duration tick = std::clamp(limit_ / 4, absl::Milliseconds(10), absl::Seconds(1));
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_cv_.wait_for(lock, absl::ToChronoMilliseconds(tick), [this] { return stop_; })) {
+    const absl::Time now = absl::Now();
+    for (auto& [context, deadline] : writing_) {
+      if (deadline > now) continue;
+      // Under the lock, so `context` is still alive: Write erases its entry
+      // under the same lock before the call can end.
+      LogWarning("Generate from %s: the client has read nothing for %s; cancelling the request",
+                 context->peer(), absl::FormatDuration(limit_));
+      context->TryCancel();
+      deadline = absl::InfiniteFuture();
+    }
+  }
+}
+
 absl::StatusOr<std::vector<int32_t>> EllmService::PromptTokens(
     const std::string& prompt,
     const google::protobuf::RepeatedPtrField<ellm::v1::ChatMessage>& messages,
@@ -189,9 +231,11 @@ grpc::Status EllmService::Generate(grpc::ServerContext* context,
       f->set_cached_tokens(e->finish.cached_tokens);
     }
     if (!e->finished && resp.text().empty() && resp.token_ids_size() == 0) continue;
-    if (!writer->Write(resp)) {
+    bool stalled = false;
+    if (!watchdog_.Write(context, writer, resp, &stalled)) {
       (*stream)->Cancel();
-      return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+      return grpc::Status(grpc::StatusCode::CANCELLED,
+                          stalled ? "the client stopped reading" : "the client went away");
     }
     if (e->finished) return grpc::Status::OK;
   }

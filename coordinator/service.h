@@ -3,9 +3,15 @@
 // Generate's protobuf types meet the scheduler.
 #pragma once
 
+#include <condition_variable>
 #include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/time/time.h"
 
 #include "coordinator/chat_template.h"
 #include "coordinator/scheduler.h"
@@ -29,13 +35,48 @@ struct ServiceOptions {
   // Accept GenerateRequest.synthetic_context (benchmarks). Off by default: a
   // synthetic fill holds the step loop while the workers write it.
   bool allow_synthetic_context = false;
+  // How long one write of a streamed answer may wait for the client to read
+  // before the request is cancelled (gRPC; the HTTP front has its own copy).
+  absl::Duration client_write_timeout = absl::Seconds(60);
+};
+
+// Cancels a gRPC call whose write has waited longer than a limit. The
+// synchronous ServerWriter has no deadline of its own: a client that stays
+// connected but stops reading fills its flow-control window, and the write
+// then waits for ever, holding a server thread and the request's queued
+// tokens. One thread checks every writer a few times per limit.
+class WriteWatchdog {
+ public:
+  explicit WriteWatchdog(absl::Duration limit);
+  ~WriteWatchdog();
+  WriteWatchdog(const WriteWatchdog&) = delete;
+  WriteWatchdog& operator=(const WriteWatchdog&) = delete;
+
+  // Writes `response` on `context`'s call. False when the write failed;
+  // `*stalled` then says whether this watchdog cancelled it.
+  bool Write(grpc::ServerContext* context, grpc::ServerWriter<ellm::v1::GenerateResponse>* writer,
+             const ellm::v1::GenerateResponse& response, bool* stalled);
+  absl::Duration limit() const { return limit_; }
+
+ private:
+  void Run();
+
+  const absl::Duration limit_;
+  std::mutex mu_;
+  std::condition_variable stop_cv_;
+  // Calls in a write, and when it must have gone out; InfiniteFuture once
+  // the watchdog has cancelled one.
+  absl::flat_hash_map<grpc::ServerContext*, absl::Time> writing_;
+  bool stop_ = false;
+  std::thread thread_;
 };
 
 class EllmService final : public ellm::v1::Ellm::Service {
  public:
   EllmService(const ServiceOptions& options, const ModelConfig& config, const Tokenizer& tokenizer,
               Scheduler* scheduler)
-      : options_(options), config_(config), tokenizer_(tokenizer), scheduler_(scheduler) {}
+      : options_(options), config_(config), tokenizer_(tokenizer), scheduler_(scheduler),
+        watchdog_(options.client_write_timeout) {}
 
   grpc::Status Generate(grpc::ServerContext* context, const ellm::v1::GenerateRequest* request,
                         grpc::ServerWriter<ellm::v1::GenerateResponse>* writer) override;
@@ -62,6 +103,7 @@ class EllmService final : public ellm::v1::Ellm::Service {
   const ModelConfig& config_;
   const Tokenizer& tokenizer_;
   Scheduler* scheduler_;
+  WriteWatchdog watchdog_;
 };
 
 }  // namespace ellm::coord

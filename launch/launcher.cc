@@ -58,6 +58,7 @@ struct LaunchConfig {
   int http_port = 8080;   // OpenAI-compatible HTTP API and /metrics; 0: none
   int http_max_body_mb = 8;
   int http_max_connections = 1024;
+  int client_write_timeout_s = 60;
   int attn_workers = 0;  // 0: one per NUMA node
   int kv_cache_mb = 0;   // per attention worker; 0: automatic
   int max_batch = 16;
@@ -407,6 +408,7 @@ absl::Status Launch::Start() {
         c_.http_port > 0 ? absl::StrCat("--http-listen=", c_.host, ":", c_.http_port) : "--http-listen=",
         absl::StrCat("--http-max-body-mb=", c_.http_max_body_mb),
         absl::StrCat("--http-max-connections=", c_.http_max_connections),
+        absl::StrCat("--client-write-timeout-s=", c_.client_write_timeout_s),
         // The coordinator waits for the workers as long as this launcher
         // does: at start-up, and for a restarted set (one start and its
         // longest backoff).
@@ -640,6 +642,8 @@ int Main(int argc, char** argv) {
             "(0: none)");
   args.Flag("http-max-body-mb", "8", "largest HTTP request body (larger: 413)");
   args.Flag("http-max-connections", "1024", "most HTTP connections open at once (more: answered 503 and closed)");
+  args.Flag("client-write-timeout-s", "60", "how long one write of an answer may wait for the client to "
+            "read it (gRPC and HTTP); a client that reads nothing for this long has its request cancelled");
   args.Flag("attn-workers", "0", "attention workers (0: one per NUMA node); must divide the KV heads");
   args.Flag("kv-cache-mb", "0", "KV cache per attention worker in MiB (0: enough for --max-batch "
             "sequences at full context, at most a quarter of RAM)");
@@ -756,7 +760,7 @@ int Main(int argc, char** argv) {
   c.attn_kernel = *attn_kernel;
   absl::Status st = args.GetInts({{"port", &c.port}, {"http-port", &c.http_port},
                      {"http-max-body-mb", &c.http_max_body_mb}, {"http-max-connections", &c.http_max_connections},
-                     {"attn-workers", &c.attn_workers},
+                     {"client-write-timeout-s", &c.client_write_timeout_s}, {"attn-workers", &c.attn_workers},
                      {"kv-cache-mb", &c.kv_cache_mb}, {"max-batch", &c.max_batch},
                      {"max-step-tokens", &c.max_step_tokens}, {"max-queue", &c.max_queue}, {"mlp-threads", &c.mlp_threads},
                      {"ready-timeout", &c.ready_timeout_s}, {"kv-store-mb", &c.kv_store_mb},
@@ -771,8 +775,8 @@ int Main(int argc, char** argv) {
     LogError("%s", st.message());
     return 2;
   }
-  if (c.heartbeat_ms <= 0 || !(c.min_step_timeout_s > 0)) {
-    LogError("--heartbeat-ms and --min-step-timeout-s must be positive");
+  if (c.heartbeat_ms <= 0 || !(c.min_step_timeout_s > 0) || c.client_write_timeout_s <= 0) {
+    LogError("--heartbeat-ms, --min-step-timeout-s and --client-write-timeout-s must be positive");
     return 2;
   }
   if (c.q8_act_bits != 8 && c.q8_act_bits != 7) {

@@ -268,6 +268,43 @@ TEST(Integration, StopStringAndCancelledClient) {
   ExpectCleanShutdown(system);
 }
 
+// A client that stays connected but reads nothing: once its flow-control
+// window is full the server's write waits, and after --client-write-timeout-s
+// the request is cancelled, freeing its thread and its KV, instead of
+// waiting for as long as the client does.
+TEST(Integration, ClientThatStopsReadingIsCancelled) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl", "--client-write-timeout-s=1"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  // Without BDP probing the client's window stays at its initial size (64
+  // KiB); with 20 top logprobs a token's message is over 100 bytes, so 2000
+  // tokens overflow it.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  auto stub = ellm::v1::Ellm::NewStub(grpc::CreateCustomChannel(
+      absl::StrCat("127.0.0.1:", system.port()), grpc::InsecureChannelCredentials(), args));
+  ellm::v1::GenerateRequest req = Greedy("Once upon a time", 2000);
+  req.set_top_logprobs(20);
+  grpc::ClientContext ctx;
+  auto reader = stub->Generate(&ctx, req);
+  bool cancelled = false;
+  for (int i = 0; i < 300 && !cancelled; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    cancelled = system.Log().find("the client has read nothing for 1s") != std::string::npos;
+  }
+  EXPECT_TRUE(cancelled) << system.Log();
+  ellm::v1::GenerateResponse resp;
+  int tokens = 0;
+  while (reader->Read(&resp)) tokens += resp.token_ids_size();
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_LT(tokens, 2000);
+  EXPECT_TRUE(system.WaitUntilIdle()) << "the cancelled request still runs";
+  // A client that reads goes on being served.
+  Generated after = Generate(system.stub(), Greedy("Once upon a time", 16));
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+  EXPECT_EQ(after.tokens.size(), 16u);
+  ExpectCleanShutdown(system);
+}
+
 // The next turn of a conversation as a client that keeps ids sends it: the
 // first prompt's ids, the answer's, then the new text's.
 ellm::v1::GenerateRequest NextTurnIds(const std::string& prompt, const std::vector<int32_t>& answer,
