@@ -68,6 +68,23 @@ void WriteWatchdog::Run() {
   }
 }
 
+std::vector<int32_t> EllmService::Encode(std::string_view text, bool add_bos,
+                                         const Tokenizer::TextSpans& markup) const {
+  if (text.size() < kLargeText) return tokenizer_.Encode(text, add_bos, markup);
+  {
+    std::unique_lock<std::mutex> lock(encode_mu_);
+    encode_cv_.wait(lock, [this] { return large_texts_ < kLargeTextsAtOnce; });
+    large_texts_peak_ = std::max(large_texts_peak_, ++large_texts_);
+  }
+  std::vector<int32_t> ids = tokenizer_.Encode(text, add_bos, markup);
+  {
+    std::lock_guard<std::mutex> lock(encode_mu_);
+    --large_texts_;
+  }
+  encode_cv_.notify_one();
+  return ids;
+}
+
 absl::StatusOr<std::vector<int32_t>> EllmService::PromptTokens(
     const std::string& prompt,
     const google::protobuf::RepeatedPtrField<ellm::v1::ChatMessage>& messages,
@@ -75,7 +92,7 @@ absl::StatusOr<std::vector<int32_t>> EllmService::PromptTokens(
   if (messages.empty()) {
     if (prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
     if (!IsValidUtf8(prompt)) return absl::InvalidArgumentError("prompt is not valid UTF-8");
-    return tokenizer_.Encode(prompt, add_bos.value_or(tokenizer_.add_bos()));
+    return Encode(prompt, add_bos.value_or(tokenizer_.add_bos()), {});
   }
   if (!prompt.empty()) {
     return absl::InvalidArgumentError("send either a prompt or chat messages, not both");
@@ -90,7 +107,7 @@ absl::StatusOr<std::vector<int32_t>> EllmService::PromptTokens(
   ASSIGN_OR_RETURN(ChatPrompt rendered, options_.chat.Render(chat));
   // The template writes BOS itself where the model wants one. Special tokens
   // are parsed in its markup only: message contents are plain text.
-  return tokenizer_.Encode(rendered.text, add_bos.value_or(false), rendered.markup);
+  return Encode(rendered.text, add_bos.value_or(false), rendered.markup);
 }
 
 absl::StatusOr<std::vector<int32_t>> EllmService::GivenTokens(const ellm::v1::GenerateRequest& r) const {
@@ -252,8 +269,8 @@ grpc::Status EllmService::Tokenize(grpc::ServerContext* context, const ellm::v1:
   }
   absl::StatusOr<std::vector<int32_t>> ids =
       request->messages().empty()
-          ? absl::StatusOr<std::vector<int32_t>>(tokenizer_.Encode(
-                request->text(), request->has_add_bos() ? request->add_bos() : tokenizer_.add_bos()))
+          ? absl::StatusOr<std::vector<int32_t>>(Encode(
+                request->text(), request->has_add_bos() ? request->add_bos() : tokenizer_.add_bos(), {}))
           : PromptTokens("", request->messages(),
                          request->has_add_bos() ? std::optional<bool>(request->add_bos()) : std::nullopt);
   if (!ids.ok()) return ToGrpcStatus(ids.status());

@@ -98,12 +98,30 @@ class EllmService final : public ellm::v1::Ellm::Service {
   // A request's prompt_token_ids, checked against the vocabulary.
   absl::StatusOr<std::vector<int32_t>> GivenTokens(const ellm::v1::GenerateRequest& request) const;
 
+  // Texts of kLargeText bytes or more are tokenized at most kLargeTextsAtOnce
+  // at a time, over both fronts: tokenizing takes several times the text's
+  // size in memory while it runs (TokenizerBench in tests/test_tokenizer.cc),
+  // and gRPC serves every call on a thread of its own. The others wait.
+  static constexpr size_t kLargeText = size_t{256} << 10;
+  static constexpr int kLargeTextsAtOnce = 2;
+  // The most large texts that were being tokenized at once so far.
+  int large_texts_peak() const {
+    std::lock_guard<std::mutex> lock(encode_mu_);
+    return large_texts_peak_;
+  }
+
  private:
+  std::vector<int32_t> Encode(std::string_view text, bool add_bos, const Tokenizer::TextSpans& markup) const;
+
   const ServiceOptions& options_;
   const ModelConfig& config_;
   const Tokenizer& tokenizer_;
   Scheduler* scheduler_;
   WriteWatchdog watchdog_;
+  mutable std::mutex encode_mu_;
+  mutable std::condition_variable encode_cv_;
+  mutable int large_texts_ = 0;  // being tokenized now
+  mutable int large_texts_peak_ = 0;
 };
 
 }  // namespace ellm::coord
