@@ -49,6 +49,10 @@ constexpr size_t kLingerBytes = size_t{64} << 20;
 // end would grow the buffer until the coordinator ran out of memory. Past it,
 // the read fails with buffer_overflow (answered 400, see OnRead).
 constexpr size_t kMaxUnparsedBytes = size_t{1} << 20;
+// Request bodies under this size are parsed and tokenized on the session's
+// I/O thread (well under a millisecond to a few); larger ones on the prepare
+// pool, where they wait for each other but no small request waits for them.
+constexpr size_t kPrepareInline = size_t{64} << 10;
 
 }  // namespace
 
@@ -95,7 +99,52 @@ class Session : public std::enable_shared_from_this<Session> {
   void Read() {
     parser_.emplace();
     parser_->body_limit(static_cast<uint64_t>(server_->options.max_body_bytes));
+    head_ = false;
     stream_.expires_after(kRequestTimeout);
+    http::async_read_header(stream_, buffer_, *parser_,
+                            [self = shared_from_this()](beast::error_code ec, size_t) { self->OnHeader(ec); });
+  }
+
+  // The header alone: codings this server cannot read are refused before
+  // the body, and a client that expects "100 Continue" (curl does, for
+  // bodies over 1 MiB) gets it instead of waiting a second for it.
+  void OnHeader(beast::error_code ec) {
+    if (ec) return OnRead(ec);
+    const http::request<http::string_body>& req = parser_->get();
+    version_ = req.version();
+    auto refuse = [&](absl::Status status, int http_status) {
+      keep_alive_ = false;
+      unread_input_ = !parser_->is_done();
+      SendError(status, http_status);
+    };
+    if (const auto te = req.find(http::field::transfer_encoding);
+        te != req.end() && !beast::iequals(te->value(), "chunked")) {
+      return refuse(absl::UnimplementedError(absl::StrCat("Transfer-Encoding '", std::string(te->value()),
+                                                          "' is not supported (only chunked)")),
+                    501);
+    }
+    if (const auto ce = req.find(http::field::content_encoding);
+        ce != req.end() && !beast::iequals(ce->value(), "identity")) {
+      return refuse(absl::InvalidArgumentError(absl::StrCat("Content-Encoding '", std::string(ce->value()),
+                                                            "' is not supported (send the body as it is)")),
+                    415);
+    }
+    const auto expect = req.find(http::field::expect);
+    if (expect == req.end() || parser_->is_done()) return ReadBody();
+    if (!beast::iequals(expect->value(), "100-continue")) {
+      return refuse(absl::InvalidArgumentError(
+                        absl::StrCat("Expect: '", std::string(expect->value()), "' is not supported")),
+                    417);
+    }
+    if (req.version() < 11) return ReadBody();  // no interim answers to HTTP/1.0
+    auto res = std::make_shared<http::response<http::empty_body>>(http::status::continue_, 11);
+    http::async_write(stream_, *res, [self = shared_from_this(), res](beast::error_code ec, size_t) {
+      if (ec) return self->Close();
+      self->ReadBody();
+    });
+  }
+
+  void ReadBody() {
     http::async_read(stream_, buffer_, *parser_,
                      [self = shared_from_this()](beast::error_code ec, size_t) { self->OnRead(ec); });
   }
@@ -125,6 +174,7 @@ class Session : public std::enable_shared_from_this<Session> {
     const http::request<http::string_body>& req = parser_->get();
     keep_alive_ = req.keep_alive();
     version_ = req.version();
+    head_ = req.method() == http::verb::head;
     try {
       Route(req);
     } catch (const std::exception& e) {
@@ -144,9 +194,15 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void Route(const http::request<http::string_body>& req) {
-    const std::string target(req.target());
+    std::string target(req.target());
+    // The absolute form (RFC 9112, 3.2.2): "http://host:port/path?query".
+    if (const size_t scheme = target.find("://"); scheme != std::string::npos && target[0] != '/') {
+      const size_t slash = target.find('/', scheme + 3);
+      target = slash == std::string::npos ? "/" : target.substr(slash);
+    }
     const std::string path = target.substr(0, target.find('?'));
-    const bool get = req.method() == http::verb::get, post = req.method() == http::verb::post;
+    // HEAD is GET without the body (Send leaves it out).
+    const bool get = req.method() == http::verb::get || head_, post = req.method() == http::verb::post;
     if (get && path == "/health") {
       const bool ok = server_->options.serving && server_->options.serving();
       return Send(ok ? 200 : 503, ok ? "{\"status\":\"ok\"}" : "{\"status\":\"unavailable\"}", "application/json");
@@ -196,9 +252,10 @@ class Session : public std::enable_shared_from_this<Session> {
     GenerateOptions options;
   };
 
-  // Prepares the request on the prepare pool, then submits it from this
-  // session's executor.
+  // Prepares the request (here, or on the prepare pool when the body is
+  // large), then submits it from this session's executor.
   void Generate(std::string body, bool chat) {
+    if (body.size() < kPrepareInline) return Submit(Prepare(*server_, body, chat));
     net::post(server_->prepare, [self = shared_from_this(), executor = stream_.get_executor(), body = std::move(body),
                                  chat]() {
       auto prepared = std::make_shared<Prepared>(Prepare(*self->server_, body, chat));
@@ -395,8 +452,10 @@ class Session : public std::enable_shared_from_this<Session> {
     res->set(http::field::content_type, content_type);
     res->set(http::field::server, "ellm");
     res->keep_alive(keep_alive_);
-    res->body() = std::move(body);
+    const size_t length = body.size();
+    if (!head_) res->body() = std::move(body);
     res->prepare_payload();
+    if (head_) res->content_length(length);  // the GET answer's header, no body
     writing_ = true;
     stream_.expires_after(server_->options.write_timeout);
     http::async_write(stream_, *res, [self = shared_from_this(), res](beast::error_code ec, size_t) {
@@ -460,6 +519,7 @@ class Session : public std::enable_shared_from_this<Session> {
   std::optional<http::request_parser<http::string_body>> parser_;
   unsigned version_ = 11;
   bool keep_alive_ = false;
+  bool head_ = false;  // the request is a HEAD: answers carry no body
   // The generation this connection serves.
   std::shared_ptr<RequestStream> request_;
   std::unique_ptr<OpenAiResponder> responder_;

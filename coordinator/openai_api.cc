@@ -85,6 +85,104 @@ constexpr UnsupportedField kUnsupported[] = {
     {"guided_regex", IsNull},           {"guided_choice", IsNull},         {"guided_grammar", IsNull},
 };
 
+// The top-level fields ParseOpenAiRequest reads or refuses.
+bool IsReadField(const std::string& name) {
+  static const char* const kRead[] = {
+      "model", "messages", "prompt", "echo", "suffix", "max_tokens", "max_completion_tokens", "temperature",
+      "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "presence_penalty",
+      "frequency_penalty", "logprobs", "top_logprobs"};
+  for (const char* f : kRead) {
+    if (name == f) return true;
+  }
+  for (const UnsupportedField& f : kUnsupported) {
+    if (name == f.name) return true;
+  }
+  return false;
+}
+
+// A SAX handler (json::sax_parse) that builds the DOM of a body's read
+// fields (IsReadField) and drops the values of all others as they are parsed:
+// kept, a body of tiny values in an ignored field (8 MiB of "[]," is 2.8
+// million arrays) would build tens of times its size in nodes. (nlohmann's
+// parser callback can drop them too, but it scans an object's parent for
+// discarded values at the end of every object: quadratic in a list of
+// objects, such as a long "messages".)
+class ReadFieldsBuilder {
+ public:
+  explicit ReadFieldsBuilder(json* root) : root_(root) {}
+
+  bool null() { return Value(nullptr); }
+  bool boolean(bool v) { return Value(v); }
+  bool number_integer(json::number_integer_t v) { return Value(v); }
+  bool number_unsigned(json::number_unsigned_t v) { return Value(v); }
+  bool number_float(json::number_float_t v, const json::string_t&) { return Value(v); }
+  bool string(json::string_t& v) { return Value(std::move(v)); }
+  bool binary(json::binary_t& v) { return Value(std::move(v)); }
+  bool start_object(std::size_t) { return Open(json::object()); }
+  bool start_array(std::size_t) { return Open(json::array()); }
+  bool end_object() { return Close(); }
+  bool end_array() { return Close(); }
+  bool key(json::string_t& k) {
+    if (skip_ == 0 && depth_ == 1 && !IsReadField(k)) skip_ = 1;
+    if (skip_ == 0) key_ = std::move(k);
+    return true;
+  }
+  template <typename Exception>
+  bool parse_error(std::size_t, const std::string&, const Exception&) {
+    return false;
+  }
+
+ private:
+  // Puts v where the parser is: the root, the end of the open array, or the
+  // open object's last key. Pointers to open containers stay valid: only the
+  // innermost one grows.
+  json* Place(json&& v) {
+    if (open_.empty()) {
+      *root_ = std::move(v);
+      return root_;
+    }
+    json& parent = *open_.back();
+    if (parent.is_array()) {
+      parent.push_back(std::move(v));
+      return &parent.back();
+    }
+    json& slot = parent[key_];
+    slot = std::move(v);
+    return &slot;
+  }
+  // While skip_ (the depth of a dropped field's key) is set, events are
+  // dropped until its value has ended.
+  template <typename T>
+  bool Value(T&& v) {
+    if (skip_ != 0) {
+      if (depth_ == skip_) skip_ = 0;
+      return true;
+    }
+    Place(json(std::forward<T>(v)));
+    return true;
+  }
+  bool Open(json&& empty) {
+    ++depth_;
+    if (skip_ == 0) open_.push_back(Place(std::move(empty)));
+    return true;
+  }
+  bool Close() {
+    --depth_;
+    if (skip_ != 0) {
+      if (depth_ == skip_) skip_ = 0;
+      return true;
+    }
+    open_.pop_back();
+    return true;
+  }
+
+  json* root_;
+  std::vector<json*> open_;  // the containers being built, outermost first
+  std::string key_;
+  int depth_ = 0;  // containers open in the text, dropped ones too
+  int skip_ = 0;
+};
+
 }  // namespace
 
 absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool chat,
@@ -92,8 +190,9 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
   if (NestsDeeperThan(body, kMaxJsonDepth)) {
     return absl::InvalidArgumentError(absl::StrCat("the body nests deeper than ", kMaxJsonDepth, " levels"));
   }
-  json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return absl::InvalidArgumentError("the body is not valid JSON");
+  json j;
+  ReadFieldsBuilder builder(&j);
+  if (!json::sax_parse(body, &builder)) return absl::InvalidArgumentError("the body is not valid JSON");
   if (!j.is_object()) return absl::InvalidArgumentError("the body must be a JSON object");
   for (const UnsupportedField& f : kUnsupported) {
     if (j.contains(f.name) && !f.harmless(j[f.name])) return Bad(f.name, "is not supported");
@@ -101,11 +200,15 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
   OpenAiRequest r;
   r.chat = chat;
   ellm::v1::GenerateRequest& g = r.generate;
-  auto number = [&](const char* field, double lo, double hi) -> absl::StatusOr<std::optional<double>> {
+  // A number in [lo, hi], or (lo, hi] when `above_lo`.
+  auto number = [&](const char* field, double lo, double hi,
+                    bool above_lo = false) -> absl::StatusOr<std::optional<double>> {
     if (!j.contains(field) || j[field].is_null()) return std::optional<double>();
     if (!j[field].is_number()) return Bad(field, "must be a number");
     const double v = j[field].get<double>();
-    if (!(v >= lo && v <= hi)) return Bad(field, absl::StrCat("must be in [", lo, ", ", hi, "]"));
+    if (!((above_lo ? v > lo : v >= lo) && v <= hi)) {
+      return Bad(field, absl::StrCat("must be in ", above_lo ? "(" : "[", lo, ", ", hi, "]"));
+    }
     return std::optional<double>(v);
   };
   auto boolean = [&](const char* field) -> absl::StatusOr<bool> {
@@ -175,12 +278,13 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
     if (!j.contains(field) || j[field].is_null()) continue;
     if (!j[field].is_number_integer()) return Bad(field, "must be an integer");
     const int64_t v = j[field].get<int64_t>();
-    if (v <= 0 || v > INT32_MAX) return Bad(field, "must be positive");
+    if (v <= 0) return Bad(field, "must be positive");
+    if (v > INT32_MAX) return Bad(field, absl::StrCat("must be at most ", INT32_MAX));
     g.set_max_tokens(static_cast<int32_t>(v));
   }
   ASSIGN_OR_RETURN(std::optional<double> temperature, number("temperature", 0, 100));
   if (temperature) g.mutable_sampling()->set_temperature(static_cast<float>(*temperature));
-  ASSIGN_OR_RETURN(std::optional<double> top_p, number("top_p", 0, 1));
+  ASSIGN_OR_RETURN(std::optional<double> top_p, number("top_p", 0, 1, /*above_lo=*/true));
   if (top_p) g.mutable_sampling()->set_top_p(static_cast<float>(*top_p));
   if (j.contains("top_k") && !j["top_k"].is_null()) {
     if (!j["top_k"].is_number_integer() || j["top_k"].get<int64_t>() < 0 || j["top_k"].get<int64_t>() > INT32_MAX) {

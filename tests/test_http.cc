@@ -16,6 +16,8 @@
 
 #include <boost/asio/connect.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/read_until.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
@@ -587,6 +589,97 @@ TEST(Http, BadFramingIsAnsweredAndHttp10StreamsArePlain) {
   const std::string sse = reply.substr(end_of_header + 4);
   EXPECT_EQ(Collect(HttpResult{200, "", sse}, false).text,
             Collect(Post(port, "/v1/completions", Completion("Once upon a time", 12, true)), false).text);
+  ExpectCleanShutdown(system);
+}
+
+// The protocol's corners: HEAD (GET's header, no body, so that the next
+// answer on the connection is read right), "Expect: 100-continue" (the
+// interim answer before the body, as curl waits for on bodies over 1 MiB),
+// codings the server cannot read (refused, not read as plain), and a request
+// line in the absolute form.
+TEST(Http, HeadExpectCodingsAndTheAbsoluteForm) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const int port = system.http_port();
+  const std::string get = RawExchange(port, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  const std::string head_then_get =
+      RawExchange(port, "HEAD /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n"
+                        "Connection: close\r\n\r\n");
+  ASSERT_TRUE(absl::StartsWith(head_then_get, "HTTP/1.1 200")) << head_then_get;
+  const size_t head_end = head_then_get.find("\r\n\r\n");
+  ASSERT_NE(head_end, std::string::npos);
+  // The HEAD answer says the GET's length and is followed at once by the GET's answer.
+  EXPECT_NE(head_then_get.substr(0, head_end).find(absl::StrCat(
+                "Content-Length: ", get.size() - get.find("\r\n\r\n") - 4)),
+            std::string::npos)
+      << head_then_get;
+  EXPECT_EQ(head_then_get.substr(head_end + 4), get);
+  const std::string head_post = RawExchange(port, "HEAD /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_TRUE(absl::StartsWith(head_post, "HTTP/1.1 405")) << head_post;
+  EXPECT_TRUE(absl::EndsWith(head_post, "\r\n\r\n")) << "a body after a HEAD answer: " << head_post;
+
+  const std::string body = Completion("Once upon a time", 4, false).dump();
+  {
+    net::io_context ioc;
+    tcp::socket socket(ioc);
+    socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
+    net::write(socket, net::buffer(absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                                "Expect: 100-continue\r\nContent-Length: ", body.size(), "\r\n\r\n")));
+    std::string interim;
+    net::read_until(socket, net::dynamic_buffer(interim), "\r\n\r\n");
+    EXPECT_TRUE(absl::StartsWith(interim, "HTTP/1.1 100 Continue\r\n")) << interim;
+    net::write(socket, net::buffer(body));
+    std::string rest;
+    beast::error_code ec;
+    net::read(socket, net::dynamic_buffer(rest), ec);
+    const std::string answer = interim.substr(interim.find("\r\n\r\n") + 4) + rest;
+    EXPECT_TRUE(absl::StartsWith(answer, "HTTP/1.1 200")) << answer;
+  }
+  const std::string post = absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n");
+  EXPECT_TRUE(absl::StartsWith(
+      RawExchange(port, absl::StrCat(post, "Expect: teapot\r\nContent-Length: ", body.size(), "\r\n\r\n", body)),
+      "HTTP/1.1 417"));
+  EXPECT_TRUE(absl::StartsWith(
+      RawExchange(port, absl::StrCat(post, "Transfer-Encoding: gzip, chunked\r\n\r\n",
+                                     absl::StrFormat("%x", body.size()), "\r\n", body, "\r\n0\r\n\r\n")),
+      "HTTP/1.1 501"));
+  EXPECT_TRUE(absl::StartsWith(
+      RawExchange(port, absl::StrCat(post, "Content-Encoding: gzip\r\nContent-Length: ", body.size(), "\r\n\r\n", body)),
+      "HTTP/1.1 415"));
+  EXPECT_TRUE(absl::StartsWith(
+      RawExchange(port, absl::StrCat(post, "Content-Encoding: identity\r\nContent-Length: ", body.size(), "\r\n\r\n", body)),
+      "HTTP/1.1 200"));
+  EXPECT_EQ(RawExchange(port, "GET http://127.0.0.1/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"), get);
+  ExpectCleanShutdown(system);
+}
+
+// Large bodies are parsed and tokenized two at a time, away from the I/O
+// threads; a small request sent while twelve of them wait is answered
+// before they all are.
+TEST(Http, LargeUploadsDoNotHoldUpSmallRequests) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const int port = system.http_port();
+  // 7 MB of prompt text: tokenized, then refused as longer than the context.
+  const json large = Completion(std::string(7 << 20, 'a'), 1, false);
+  constexpr int kUploads = 12;
+  std::vector<std::future<HttpResult>> uploads;
+  for (int i = 0; i < kUploads; ++i) {
+    uploads.push_back(std::async(std::launch::async, [&] { return Post(port, "/v1/completions", large); }));
+  }
+  // Received by then (84 MB on loopback), and far from prepared: each takes
+  // a pool thread about 0.3 s here (Release build).
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const HttpResult small = Post(port, "/v1/completions", Completion("Once upon a time", 2, false));
+  int answered = 0;
+  for (auto& f : uploads) answered += f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  EXPECT_EQ(small.status, 200) << small.body;
+  EXPECT_LT(answered, kUploads) << "the small request was answered after every large one";
+  for (auto& f : uploads) {
+    const HttpResult r = f.get();
+    EXPECT_EQ(r.status, 400);
+    EXPECT_NE(r.body.find("the context holds"), std::string::npos) << r.body;
+  }
   ExpectCleanShutdown(system);
 }
 
