@@ -280,6 +280,9 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
     const int64_t v = j[field].get<int64_t>();
     if (v <= 0) return Bad(field, "must be positive");
     if (v > INT32_MAX) return Bad(field, absl::StrCat("must be at most ", INT32_MAX));
+    if (g.has_max_tokens() && g.max_tokens() != v) {
+      return Bad(field, absl::StrCat("is ", v, " but max_tokens is ", g.max_tokens(), " (send one of them)"));
+    }
     g.set_max_tokens(static_cast<int32_t>(v));
   }
   ASSIGN_OR_RETURN(std::optional<double> temperature, number("temperature", 0, 100));

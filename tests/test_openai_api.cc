@@ -64,7 +64,8 @@ TEST(OpenAiApi, ALongListOfMessagesIsReadWhole) {
   EXPECT_EQ(r->generate.messages(200000).content(), "last");
 }
 
-// Numbers out of range name the range they must be in.
+// Numbers out of range name the range they must be in; two fields for one
+// setting must agree.
 TEST(OpenAiApi, OutOfRangeNumbersNameTheirRange) {
   auto message = [](const std::string& body) {
     return std::string(ParseOpenAiRequest(body, false, "m").status().message());
@@ -75,6 +76,13 @@ TEST(OpenAiApi, OutOfRangeNumbersNameTheirRange) {
   EXPECT_NE(message(R"({"prompt":"x","top_p":1.5})").find("(0, 1]"), std::string::npos);
   EXPECT_NE(message(R"({"prompt":"x","temperature":-1})").find("[0, 100]"), std::string::npos);
   EXPECT_TRUE(ParseOpenAiRequest(R"({"prompt":"x","top_p":1,"max_tokens":2147483647})", false, "m").ok());
+  // max_tokens and its newer name: both may come, if they agree.
+  EXPECT_NE(message(R"({"prompt":"x","max_tokens":5,"max_completion_tokens":7})").find("max_completion_tokens"),
+            std::string::npos);
+  absl::StatusOr<OpenAiRequest> both =
+      ParseOpenAiRequest(R"({"prompt":"x","max_tokens":5,"max_completion_tokens":5})", false, "m");
+  ASSERT_TRUE(both.ok()) << both.status();
+  EXPECT_EQ(both->generate.max_tokens(), 5);
 }
 
 }  // namespace
