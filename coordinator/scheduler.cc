@@ -62,7 +62,6 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Submit(GenerateOptions
   seq->options = std::move(options);
   seq->stream = std::make_shared<RequestStream>();
   seq->text = std::make_unique<TextOutput>(tokenizer_, seq->options.stop, seq->options.prompt.back());
-  seq->rng = SequenceRng(seq->options.seed);
   seq->need = blocks;
   seq->base = seq->fed = seq->options.synthetic_context;
   seq->needs_fill = seq->base > 0;
@@ -256,7 +255,9 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
       p.top_k = s->options.sampling.top_k;
       p.top_p = s->options.sampling.top_p;
       p.top_logprobs = s->options.sampling.top_logprobs;
-      p.u = p.sample ? s->rng.NextUniform() : 0;
+      // The draw of token number generated.size(): a step that fails and is
+      // run again after a recovery draws the same.
+      p.u = p.sample ? SampleUniform(s->options.seed, s->generated.size()) : 0;
       plan.seqs.push_back(p);
       in_step->push_back(s.get());
     }

@@ -143,7 +143,6 @@ class Scheduler {
     GenerateOptions options;
     std::shared_ptr<RequestStream> stream;
     std::unique_ptr<TextOutput> text;
-    SequenceRng rng{0};
     int64_t blocks = 0;     // own KV blocks reserved (not counting cached entries)
     int64_t need = 0;       // blocks for prompt + max_tokens in all
     int fed = 0;            // positions written to the KV cache (incl. synthetic ones)

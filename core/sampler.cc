@@ -158,4 +158,9 @@ uint64_t SequenceRng::Next() {
 
 float SequenceRng::NextUniform() { return static_cast<float>(Next() >> 40) * (1.0f / 16777216.0f); }
 
+float SampleUniform(uint64_t seed, uint64_t index) {
+  uint64_t x = seed + index * 0x9e3779b97f4a7c15ULL;  // SplitMix64 after `index` draws
+  return static_cast<float>(SplitMix64(x) >> 40) * (1.0f / 16777216.0f);
+}
+
 }  // namespace ellm

@@ -1,6 +1,7 @@
 // Next-token sampling: greedy, temperature, top-k, top-p. Stateless: the
-// random draw `u` comes from the sequence's own SequenceRng (kept by the
-// coordinator), so the same seed gives the same tokens wherever sampling runs.
+// random draw `u` of a sequence's k-th sampled token is SampleUniform(seed, k)
+// (drawn by the coordinator), so the same seed gives the same tokens wherever
+// sampling runs, and again after a step that failed and was run over.
 #pragma once
 
 #include <cstdint>
@@ -48,7 +49,14 @@ struct SampledToken {
 // picked; logits without a finite log-sum-exp give `finite` false.
 SampledToken Sample(const float* logits, int n, const SamplingParams& params, float u);
 
-// xoshiro256** seeded with splitmix64: a small, fast, reproducible generator.
+// The draw u for the index-th token (0: the first) sampled with `seed`: the
+// index-th output of SplitMix64 started at the seed, in [0, 1) with 24 random
+// bits. A function of (seed, index) alone: a sequence resumed after a worker
+// failure draws for its next token what the lost step drew.
+float SampleUniform(uint64_t seed, uint64_t index);
+
+// xoshiro256** seeded with splitmix64: a small, fast, reproducible generator
+// (tests draw their random inputs from it).
 class SequenceRng {
  public:
   explicit SequenceRng(uint64_t seed);

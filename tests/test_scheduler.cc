@@ -516,16 +516,17 @@ TEST_F(SchedulerTest, YieldsExactlyMaxTokens) {
   }
   EXPECT_EQ(out.text, Answer(prompt, out.tokens));
   CheckPlans(plans, options_, {{*id, {prompt, out.tokens}}});
-  // Every sampling slice carries the request's parameters and the next draw
-  // of SequenceRng(seed); slices that do not sample carry u = 0.
-  SequenceRng rng(99);
+  // Every sampling slice carries the request's parameters and the draw of
+  // the token it samples, SampleUniform(seed, k) for the k-th; slices that
+  // do not sample carry u = 0.
+  uint64_t k = 0;
   const SeqTrace trace = Traces(plans)[*id];
   for (const shm::PlanSeq& p : trace.slices) {
     EXPECT_FLOAT_EQ(p.temperature, 0.8f);
     EXPECT_EQ(p.top_k, 40);
     EXPECT_FLOAT_EQ(p.top_p, 0.9f);
     if (p.sample) {
-      EXPECT_EQ(p.u, rng.NextUniform());
+      EXPECT_EQ(p.u, SampleUniform(99, k++));
     } else {
       EXPECT_EQ(p.u, 0.0f);
     }
