@@ -317,6 +317,9 @@ absl::Status Run(const CoordinatorConfig& config) {
     credentials = grpc::SslServerCredentials(ssl);
   }
   builder.AddListeningPort(config.listen, credentials, &port);
+  // gRPC sets SO_REUSEPORT by default: a second server on the same port
+  // would start without a word and take part of this one's clients.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // Pings every 30 s: a client whose host vanished (no FIN, no RST) is found
   // within 40 s, and the thread writing its stream is freed (its request
   // cancelled), instead of waiting on TCP's retransmissions for minutes.

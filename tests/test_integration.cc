@@ -305,6 +305,22 @@ TEST(Integration, ClientThatStopsReadingIsCancelled) {
   ExpectCleanShutdown(system);
 }
 
+// A second launch on a port that one already serves fails with a clear
+// message, instead of sharing the port (gRPC's SO_REUSEPORT) and answering
+// part of the first one's clients with its own model.
+TEST(Integration, ASecondServerCannotShareThePort) {
+  EllmSystem first({"--model=" + kStories, "--attn-workers=1", "--no-numactl"});
+  ASSERT_TRUE(first.ready()) << first.Log();
+  EllmSystem second({"--model=" + kStories, "--attn-workers=1", "--no-numactl", "--max-restarts=0",
+                     absl::StrCat("--port=", first.port())});
+  EXPECT_FALSE(second.ready()) << second.Log();
+  EXPECT_NE(second.WaitExit(), 0);
+  EXPECT_NE(second.Log().find("is another server using the port?"), std::string::npos) << second.Log();
+  Generated g = Generate(first.stub(), Greedy("Once upon a time", 8));
+  EXPECT_TRUE(g.status.ok()) << g.status.error_message();
+  ExpectCleanShutdown(first);
+}
+
 // The next turn of a conversation as a client that keeps ids sends it: the
 // first prompt's ids, the answer's, then the new text's.
 ellm::v1::GenerateRequest NextTurnIds(const std::string& prompt, const std::vector<int32_t>& answer,
