@@ -49,8 +49,12 @@ size_t KvCache::BlockBytes(const KvCacheOptions& o) {
 
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& options) {
   if (options.layers <= 0 || options.kv_heads <= 0 || options.head_dim <= 0 ||
-      options.block_tokens <= 0 || options.blocks <= 0 || options.blocks > INT32_MAX) {
+      options.block_tokens <= 0 || options.blocks <= 0) {
     return absl::InvalidArgumentError("KV cache options must all be positive");
+  }
+  if (options.blocks > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(options.blocks, " KV blocks are more than ", INT32_MAX,
+                                                   " (block ids are 32-bit): ask for less memory"));
   }
   if (options.head_dim > kMaxHeadDim) {
     return absl::InvalidArgumentError(

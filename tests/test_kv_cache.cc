@@ -59,6 +59,13 @@ TEST(KvCache, RejectsBadOptions) {
     }
     EXPECT_EQ(KvCache::Create(bad).status().code(), absl::StatusCode::kInvalidArgument) << field;
   }
+  // More blocks than 32-bit ids: refused before any memory is asked for, and
+  // said so (a huge --kv-cache-mb was answered "must all be positive").
+  KvCacheOptions huge = good;
+  huge.blocks = int64_t{INT32_MAX} + 1;
+  const absl::Status st = KvCache::Create(huge).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("32-bit"), std::string::npos) << st;
   // layers x 2 x kv_heads x block_tokens x head_dim floats.
   EXPECT_EQ(KvCache::BlockBytes(good), 2u * 2 * 2 * 4 * 4 * sizeof(float));
 }
