@@ -91,7 +91,7 @@ Args Flags() {
   a.Flag("kv-store", "",
          "folder of the KV store: prefix-cache blocks written to disk, loaded back on a match "
          "(empty: none)");
-  a.Flag("kv-store-mb", "8192", "most MiB of this shard's KV store files (least recently used go first)");
+  a.Flag("kv-store-kb", "8388608", "most KiB of this shard's KV store files (least recently used go first)");
   a.Flag("probe-mb", "256",
          "read-bandwidth probe at start-up over this many MiB (the bandwidth accounting's reference; 0: none)");
   a.Flag("max-batch", "16", "most sequences in one step");
@@ -109,19 +109,20 @@ absl::StatusOr<AttnWorkerConfig> ConfigFromFlags(const Args& args) {
   c.listen = args.Get("listen");
   c.kv_store = args.Get("kv-store");
   c.control_secret_file = args.Get("control-secret-file");
-  int kv_cache_mb = 0, kv_store_mb = 0;
+  int kv_cache_mb = 0;
+  int kv_store_kb = 0;
   RETURN_IF_ERROR(args.GetInts({{"shard", &c.shard}, {"numa-node", &c.numa_node},
                                 {"kv-cache-mb", &kv_cache_mb}, {"block-tokens", &c.block_tokens},
                                 {"max-batch", &c.max_batch}, {"max-step-tokens", &c.max_step_tokens},
-                                {"probe-mb", &c.probe_mb}, {"kv-store-mb", &kv_store_mb},
+                                {"probe-mb", &c.probe_mb}, {"kv-store-kb", &kv_store_kb},
                                 {"threads", &c.threads}}));
   c.kv_cache_bytes = int64_t{kv_cache_mb} << 20;
-  c.kv_store_bytes = int64_t{kv_store_mb} << 20;
+  c.kv_store_bytes = int64_t{kv_store_kb} << 10;
   if (c.control_secret_file.empty()) {
     return absl::InvalidArgumentError("--control-secret-file is required (ellm-launch writes one)");
   }
   if (c.model_path.empty()) return absl::InvalidArgumentError("--model is required");
-  if (c.kv_store_bytes <= 0) return absl::InvalidArgumentError("--kv-store-mb must be positive");
+  if (c.kv_store_bytes <= 0) return absl::InvalidArgumentError("--kv-store-kb must be positive");
   if (c.channel.empty()) return absl::InvalidArgumentError("--channel is required");
   if (c.listen.empty()) return absl::InvalidArgumentError("--listen is required");
   absl::StatusOr<KvHeads> heads = KvHeads::Parse(args.Get("kv-heads"));

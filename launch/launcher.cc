@@ -365,7 +365,9 @@ absl::Status Launch::Start() {
         step_limit, "--log-level=" + c_.log_level, secret_flag};
     if (!c_.kv_store.empty()) {
       rest.push_back("--kv-store=" + c_.kv_store);
-      rest.push_back(absl::StrCat("--kv-store-mb=", std::max(1, c_.kv_store_mb / n)));
+      // In KiB: an even share of the total, which whole MiB would round (1
+      // MiB over 4 workers was 1 MiB each).
+      rest.push_back(absl::StrCat("--kv-store-kb=", std::clamp<int64_t>((int64_t{c_.kv_store_mb} << 10) / n, 1, INT32_MAX)));
     }
     argv.insert(argv.end(), rest.begin(), rest.end());
     children_.push_back({absl::StrCat("attn-worker ", i), Spawn(argv), address, false, 0, argv});

@@ -421,8 +421,15 @@ TEST(Integration, KvStoreSurvivesRestartsAndSkipsBadFiles) {
       ExpectCleanShutdown(system);
     }
     auto run = [&](int64_t expect_loaded_min) {
-      EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", kv, "--kv-store=" + store});
+      EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", kv, "--kv-store=" + store,
+                         "--kv-store-mb=3"});
       EXPECT_TRUE(system.ready()) << system.Log();
+      // The budget is split evenly: 1.5 MiB each (whole MiB would give 1).
+      const std::vector<pid_t> workers = system.FindChildren("ellm-attn-worker");
+      EXPECT_EQ(workers.size(), 2u);
+      for (pid_t w : workers) {
+        EXPECT_NE(Cmdline(w).find("--kv-store-kb=1536 "), std::string::npos) << Cmdline(w);
+      }
       Generated g = Generate(system.stub(), Greedy(prompt, 24));
       ellm::v1::ModelInfo info;
       grpc::ClientContext ctx;
