@@ -11,6 +11,20 @@
 namespace ellm::coord {
 namespace {
 
+// ASan holds freed memory in its quarantine (256 MiB by default): there the
+// resident peak says nothing about what the parser keeps.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAsan = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAsan = true;
+#else
+constexpr bool kAsan = false;
+#endif
+#else
+constexpr bool kAsan = false;
+#endif
+
 // This process's peak resident memory in bytes since the last ResetPeak.
 int64_t PeakResident() {
   std::ifstream status("/proc/self/status");
@@ -41,8 +55,10 @@ TEST(OpenAiApi, IgnoredFieldsAreNotKept) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->generate.prompt(), "Once upon a time");
   EXPECT_EQ(r->generate.max_tokens(), 3);
-  EXPECT_LT(grew, int64_t{32} << 20) << "parsing an 8 MiB body grew the resident peak by " << (grew >> 20)
-                                      << " MiB";
+  if (!kAsan) {
+    EXPECT_LT(grew, int64_t{32} << 20) << "parsing an 8 MiB body grew the resident peak by " << (grew >> 20)
+                                        << " MiB";
+  }
   // Fields it reads or refuses are still seen: a refused one in the same body.
   body.replace(body.rfind("{}"), 2, R"({"50": 100})");
   r = ParseOpenAiRequest(body, false, "m");
