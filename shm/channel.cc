@@ -127,8 +127,8 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::Create(const std::string& name
   return channel;
 }
 
-absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(const std::string& name,
-                                                       absl::Duration wait) {
+absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(const std::string& name, absl::Duration wait,
+                                                       const std::function<bool()>& stop) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   const auto budget = wait >= absl::Hours(24 * 365)
@@ -165,6 +165,9 @@ absl::StatusOr<std::unique_ptr<Channel>> Channel::Open(const std::string& name,
     if (now >= deadline) {
       return absl::DeadlineExceededError(absl::StrFormat(
           "channel segment '%s' %s within %s", name, not_ready, absl::FormatDuration(wait)));
+    }
+    if (stop && stop()) {
+      return absl::CancelledError(absl::StrFormat("stopped while waiting for channel segment '%s'", name));
     }
     std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(backoff, deadline - now));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(20));

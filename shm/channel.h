@@ -7,6 +7,7 @@
 // sizes of both rings) | requests ring | replies ring.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -27,10 +28,11 @@ class Channel {
                                                          uint64_t request_slot_bytes,
                                                          uint64_t reply_slot_bytes);
   // Opens a channel created by another process, retrying until it exists or
-  // `wait` has passed (DeadlineExceeded naming the segment). The opening
-  // process is recorded as producer of `requests` and consumer of `replies`.
-  static absl::StatusOr<std::unique_ptr<Channel>> Open(const std::string& name,
-                                                       absl::Duration wait);
+  // `wait` has passed (DeadlineExceeded naming the segment), or `stop` (when
+  // given) says to give up (Cancelled). The opening process is recorded as
+  // producer of `requests` and consumer of `replies`.
+  static absl::StatusOr<std::unique_ptr<Channel>> Open(const std::string& name, absl::Duration wait,
+                                                       const std::function<bool()>& stop = nullptr);
 
   Ring& requests() { return requests_; }
   Ring& replies() { return replies_; }

@@ -721,6 +721,18 @@ TEST(ChannelTest, OpenTimesOutNamingTheSegment) {
   EXPECT_TRUE(Contains(channel.status(), name)) << channel.status();
 }
 
+// A process told to stop while it waits for a channel gives up at once
+// (Cancelled), instead of waiting out its timeout: the MLP worker waiting for
+// an attention worker that failed at start-up used to be killed 5 s later.
+TEST(ChannelTest, OpenGivesUpWhenToldToStop) {
+  const std::string name = UniqueName("never");
+  std::atomic<int> polls{0};
+  auto channel = Channel::Open(name, absl::Seconds(600), [&] { return ++polls >= 3; });
+  EXPECT_EQ(channel.status().code(), absl::StatusCode::kCancelled) << channel.status();
+  EXPECT_TRUE(Contains(channel.status(), name)) << channel.status();
+  EXPECT_EQ(polls.load(), 3);
+}
+
 TEST(ChannelTest, OpenWaitsForInitialisationAndRejectsGarbage) {
   const std::string name = UniqueName("raw");
   auto raw = SharedSegment::Create(name, 4096);
