@@ -83,7 +83,7 @@ Args Flags() {
   a.Flag("max-batch", "16", "most sequences in one step");
   a.Flag("max-step-tokens", "256", "most tokens in one step");
   a.Flag("max-queue", "64", "most requests waiting for admission (more: RESOURCE_EXHAUSTED)");
-  a.Flag("default-max-tokens", "128", "max_tokens of a request that does not say");
+  a.Flag("default-max-tokens", "128", "max_tokens of a request that does not say (less where the context or the KV cache has less room left)");
   a.Flag("prefix-cache", "true", "share the KV blocks of equal prompt prefixes across requests (true or false)",
          true);
   a.Flag("kv-store", "false",

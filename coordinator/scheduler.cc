@@ -53,6 +53,13 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Submit(GenerateOptions
                      " must fit the context of ", options_.context_length));
   }
   const int64_t blocks = (total + options_.kv_block_tokens - 1) / options_.kv_block_tokens;
+  const int64_t prompt_positions = total - options.max_tokens + 1;  // and the first token generated
+  if ((prompt_positions + options_.kv_block_tokens - 1) / options_.kv_block_tokens > options_.kv_blocks) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the prompt alone needs ", prompt_positions - 1, " positions but the KV cache holds ",
+        options_.kv_blocks * options_.kv_block_tokens, " (", options_.kv_blocks, " blocks of ",
+        options_.kv_block_tokens, "); start ellm with a larger --kv-cache-mb"));
+  }
   if (blocks > options_.kv_blocks) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the request needs ", blocks, " KV blocks (", total, " positions) but the KV cache holds ",

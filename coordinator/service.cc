@@ -192,6 +192,15 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
       }
     }
   }
+  if (!r.has_max_tokens()) {
+    // The default also fits the KV cache: with a small --kv-cache-mb a request
+    // that does not say max_tokens gets what room is left, not a refusal that
+    // names a field it never set. (A prompt that alone does not fit is refused
+    // by the scheduler, which says so.)
+    const int64_t kv_positions = options_.model_info.kv_blocks_total() * options_.model_info.kv_block_tokens();
+    const int64_t room = kv_positions - n - o.synthetic_context;
+    if (room > 0 && room < o.max_tokens) o.max_tokens = static_cast<int>(room);
+  }
   if (r.stop_size() > 16) return absl::InvalidArgumentError("at most 16 stop strings");
   for (const std::string& stop : r.stop()) {
     if (stop.empty()) return absl::InvalidArgumentError("a stop string is empty");

@@ -203,6 +203,22 @@ TEST(Integration, BadRequestsGetClearErrorsAndTheServerGoesOn) {
   // The KV budget: 1 MiB per worker holds 102 blocks of 16 positions (1632).
   // A request that can never fit is refused; two that fit one at a time queue.
   expect_code(Greedy("Once upon a time", 1900), grpc::StatusCode::RESOURCE_EXHAUSTED, "KV blocks");
+  // A request that does not say max_tokens gets the room the KV cache has
+  // left, not a refusal naming max_tokens; a prompt that alone does not fit is
+  // named as such.
+  ellm::v1::GenerateRequest unsaid = Greedy("Once upon a time", 1);
+  unsaid.clear_max_tokens();
+  unsaid.set_synthetic_context(1600);
+  Generated fits = Generate(system.stub(), unsaid);
+  ASSERT_TRUE(fits.status.ok()) << fits.status.error_message();
+  const int room = 1632 - 1600 - fits.finish.prompt_tokens();
+  EXPECT_GE(fits.finish.completion_tokens(), 1);
+  EXPECT_LE(fits.finish.completion_tokens(), room);
+  if (fits.finish.reason() == ellm::v1::FINISH_REASON_MAX_TOKENS) {
+    EXPECT_EQ(fits.finish.completion_tokens(), room);
+  }
+  unsaid.set_synthetic_context(1630);
+  expect_code(unsaid, grpc::StatusCode::RESOURCE_EXHAUSTED, "the prompt alone needs");
   auto a = std::async(std::launch::async, [&] { return Generate(system.stub(), Greedy("Once upon a time", 1000)); });
   auto b = std::async(std::launch::async, [&] { return Generate(system.stub(), Greedy("The cat", 1000)); });
   Generated ga = a.get(), gb = b.get();
