@@ -1,5 +1,7 @@
 #include "coordinator/openai_api.h"
 
+#include <string_view>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
@@ -85,13 +87,17 @@ constexpr UnsupportedField kUnsupported[] = {
     {"guided_regex", IsNull},           {"guided_choice", IsNull},         {"guided_grammar", IsNull},
 };
 
-// The top-level fields ParseOpenAiRequest reads or refuses.
-bool IsReadField(const std::string& name) {
-  static const char* const kRead[] = {
-      "model", "messages", "prompt", "echo", "suffix", "max_tokens", "max_completion_tokens", "temperature",
-      "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "presence_penalty",
-      "frequency_penalty", "logprobs", "top_logprobs"};
-  for (const char* f : kRead) {
+// The top-level fields ParseOpenAiRequest reads, besides kUnsupported's.
+// The parser reaches the body's fields only through Field, whose constructor
+// is consteval: a field read but missing here does not compile, so the list
+// the SAX builder keeps (below) cannot drift from what is read.
+constexpr std::string_view kReadFields[] = {
+    "model", "messages", "prompt", "echo", "suffix", "max_tokens", "max_completion_tokens", "temperature",
+    "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "presence_penalty",
+    "frequency_penalty", "logprobs", "top_logprobs"};
+
+constexpr bool IsReadField(std::string_view name) {
+  for (std::string_view f : kReadFields) {
     if (name == f) return true;
   }
   for (const UnsupportedField& f : kUnsupported) {
@@ -99,6 +105,31 @@ bool IsReadField(const std::string& name) {
   }
   return false;
 }
+
+class Field {
+ public:
+  consteval Field(const char* name) : name_(name) {  // NOLINT: implicit on purpose
+    if (!IsReadField(name)) throw "ParseOpenAiRequest reads a field that kReadFields does not list";
+  }
+  const char* name() const { return name_; }
+
+ private:
+  const char* name_;
+};
+
+// The body's top-level object, read by Field.
+class Body {
+ public:
+  explicit Body(const json& j) : j_(j) {}
+  // The field's value; null when it is absent or null.
+  const json* Get(Field f) const {
+    const auto it = j_.find(f.name());
+    return it == j_.end() || it->is_null() ? nullptr : &*it;
+  }
+
+ private:
+  const json& j_;
+};
 
 // A SAX handler (json::sax_parse) that builds the DOM of a body's read
 // fields (IsReadField) and drops the values of all others as they are parsed:
@@ -199,38 +230,42 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
   }
   OpenAiRequest r;
   r.chat = chat;
+  const Body fields(j);
   ellm::v1::GenerateRequest& g = r.generate;
   // A number in [lo, hi], or (lo, hi] when `above_lo`.
-  auto number = [&](const char* field, double lo, double hi,
+  auto number = [&](Field field, double lo, double hi,
                     bool above_lo = false) -> absl::StatusOr<std::optional<double>> {
-    if (!j.contains(field) || j[field].is_null()) return std::optional<double>();
-    if (!j[field].is_number()) return Bad(field, "must be a number");
-    const double v = j[field].get<double>();
-    if (!((above_lo ? v > lo : v >= lo) && v <= hi)) {
-      return Bad(field, absl::StrCat("must be in ", above_lo ? "(" : "[", lo, ", ", hi, "]"));
+    const json* v = fields.Get(field);
+    if (v == nullptr) return std::optional<double>();
+    if (!v->is_number()) return Bad(field.name(), "must be a number");
+    const double x = v->get<double>();
+    if (!((above_lo ? x > lo : x >= lo) && x <= hi)) {
+      return Bad(field.name(), absl::StrCat("must be in ", above_lo ? "(" : "[", lo, ", ", hi, "]"));
     }
-    return std::optional<double>(v);
+    return std::optional<double>(x);
   };
-  auto boolean = [&](const char* field) -> absl::StatusOr<bool> {
-    if (!j.contains(field) || j[field].is_null()) return false;
-    if (!j[field].is_boolean()) return Bad(field, "must be true or false");
-    return j[field].get<bool>();
+  auto boolean = [&](Field field) -> absl::StatusOr<bool> {
+    const json* v = fields.Get(field);
+    if (v == nullptr) return false;
+    if (!v->is_boolean()) return Bad(field.name(), "must be true or false");
+    return v->get<bool>();
   };
 
-  if (j.contains("model") && !j["model"].is_null()) {
-    if (!j["model"].is_string()) return Bad("model", "must be a string");
-    const std::string model = j["model"].get<std::string>();
+  if (const json* v = fields.Get("model")) {
+    if (!v->is_string()) return Bad("model", "must be a string");
+    const std::string model = v->get<std::string>();
     if (!model.empty() && model != model_id) {
       return absl::NotFoundError(
           absl::StrCat("the model '", model, "' does not exist; this server serves '", model_id, "'"));
     }
   }
   if (chat) {
-    if (!j.contains("messages") || !j["messages"].is_array() || j["messages"].empty()) {
+    const json* messages = fields.Get("messages");
+    if (messages == nullptr || !messages->is_array() || messages->empty()) {
       return Bad("messages", "must be a non-empty list");
     }
-    for (size_t i = 0; i < j["messages"].size(); ++i) {
-      const json& m = j["messages"][i];
+    for (size_t i = 0; i < messages->size(); ++i) {
+      const json& m = (*messages)[i];
       const std::string field = absl::StrCat("messages[", i, "]");
       if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
         return Bad(field, "must be an object with a string 'role'");
@@ -243,8 +278,9 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
       }
     }
   } else {
-    if (!j.contains("prompt")) return Bad("prompt", "is required");
-    const json& p = j["prompt"];
+    const json* prompt = fields.Get("prompt");
+    if (prompt == nullptr) return Bad("prompt", "is required");
+    const json& p = *prompt;
     // A list of token ids, or a list of one such list, is a prompt of ids.
     const json* ids = p.is_array() && !p.empty() && p[0].is_number_integer() ? &p
                       : p.is_array() && p.size() == 1 && p[0].is_array()  ? &p[0]
@@ -265,23 +301,24 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
       }
       g.set_prompt(p[0].get<std::string>());
     } else {
-      ASSIGN_OR_RETURN(std::string prompt, TextOf(p, "prompt", false));
-      g.set_prompt(prompt);
+      ASSIGN_OR_RETURN(std::string text, TextOf(p, "prompt", false));
+      g.set_prompt(text);
     }
-    if (j.contains("echo") && j["echo"].is_boolean() && j["echo"].get<bool>()) {
+    if (const json* echo = fields.Get("echo"); echo != nullptr && echo->is_boolean() && echo->get<bool>()) {
       return Bad("echo", "is not supported");
     }
-    if (j.contains("suffix") && !j["suffix"].is_null()) return Bad("suffix", "is not supported");
+    if (fields.Get("suffix") != nullptr) return Bad("suffix", "is not supported");
   }
 
-  for (const char* field : {"max_tokens", "max_completion_tokens"}) {
-    if (!j.contains(field) || j[field].is_null()) continue;
-    if (!j[field].is_number_integer()) return Bad(field, "must be an integer");
-    const int64_t v = j[field].get<int64_t>();
-    if (v <= 0) return Bad(field, "must be positive");
-    if (v > INT32_MAX) return Bad(field, absl::StrCat("must be at most ", INT32_MAX));
+  for (Field field : {Field("max_tokens"), Field("max_completion_tokens")}) {
+    const json* f = fields.Get(field);
+    if (f == nullptr) continue;
+    if (!f->is_number_integer()) return Bad(field.name(), "must be an integer");
+    const int64_t v = f->get<int64_t>();
+    if (v <= 0) return Bad(field.name(), "must be positive");
+    if (v > INT32_MAX) return Bad(field.name(), absl::StrCat("must be at most ", INT32_MAX));
     if (g.has_max_tokens() && g.max_tokens() != v) {
-      return Bad(field, absl::StrCat("is ", v, " but max_tokens is ", g.max_tokens(), " (send one of them)"));
+      return Bad(field.name(), absl::StrCat("is ", v, " but max_tokens is ", g.max_tokens(), " (send one of them)"));
     }
     g.set_max_tokens(static_cast<int32_t>(v));
   }
@@ -289,23 +326,22 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
   if (temperature) g.mutable_sampling()->set_temperature(static_cast<float>(*temperature));
   ASSIGN_OR_RETURN(std::optional<double> top_p, number("top_p", 0, 1, /*above_lo=*/true));
   if (top_p) g.mutable_sampling()->set_top_p(static_cast<float>(*top_p));
-  if (j.contains("top_k") && !j["top_k"].is_null()) {
-    if (!j["top_k"].is_number_integer() || j["top_k"].get<int64_t>() < 0 || j["top_k"].get<int64_t>() > INT32_MAX) {
+  if (const json* v = fields.Get("top_k")) {
+    if (!v->is_number_integer() || v->get<int64_t>() < 0 || v->get<int64_t>() > INT32_MAX) {
       return Bad("top_k", "must be a non-negative integer");
     }
-    g.mutable_sampling()->set_top_k(static_cast<int32_t>(j["top_k"].get<int64_t>()));
+    g.mutable_sampling()->set_top_k(static_cast<int32_t>(v->get<int64_t>()));
   }
-  if (j.contains("seed") && !j["seed"].is_null()) {
-    if (!j["seed"].is_number_integer()) return Bad("seed", "must be an integer");
-    g.mutable_sampling()->set_seed(j["seed"].is_number_unsigned() ? j["seed"].get<uint64_t>()
-                                                                   : static_cast<uint64_t>(j["seed"].get<int64_t>()));
+  if (const json* v = fields.Get("seed")) {
+    if (!v->is_number_integer()) return Bad("seed", "must be an integer");
+    g.mutable_sampling()->set_seed(v->is_number_unsigned() ? v->get<uint64_t>()
+                                                           : static_cast<uint64_t>(v->get<int64_t>()));
   }
-  if (j.contains("stop") && !j["stop"].is_null()) {
-    const json& stop = j["stop"];
-    if (stop.is_string()) {
-      g.add_stop(stop.get<std::string>());
-    } else if (stop.is_array()) {
-      for (const json& s : stop) {
+  if (const json* stop = fields.Get("stop")) {
+    if (stop->is_string()) {
+      g.add_stop(stop->get<std::string>());
+    } else if (stop->is_array()) {
+      for (const json& s : *stop) {
         if (!s.is_string()) return Bad("stop", "must be a string or a list of strings");
         g.add_stop(s.get<std::string>());
       }
@@ -314,34 +350,32 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
     }
   }
   ASSIGN_OR_RETURN(r.stream, boolean("stream"));
-  if (j.contains("stream_options") && !j["stream_options"].is_null()) {
-    const json& o = j["stream_options"];
-    if (!o.is_object()) return Bad("stream_options", "must be an object");
-    if (o.contains("include_usage")) {
-      if (!o["include_usage"].is_boolean()) return Bad("stream_options.include_usage", "must be true or false");
-      r.include_usage = o["include_usage"].get<bool>();
+  if (const json* o = fields.Get("stream_options")) {
+    if (!o->is_object()) return Bad("stream_options", "must be an object");
+    if (o->contains("include_usage")) {
+      if (!(*o)["include_usage"].is_boolean()) return Bad("stream_options.include_usage", "must be true or false");
+      r.include_usage = (*o)["include_usage"].get<bool>();
     }
   }
-  if (j.contains("n") && !j["n"].is_null()) {
-    if (!j["n"].is_number_integer() || j["n"].get<int64_t>() != 1) return Bad("n", "must be 1 (one choice per request)");
+  if (const json* v = fields.Get("n")) {
+    if (!v->is_number_integer() || v->get<int64_t>() != 1) return Bad("n", "must be 1 (one choice per request)");
   }
-  for (const char* field : {"presence_penalty", "frequency_penalty"}) {
+  for (Field field : {Field("presence_penalty"), Field("frequency_penalty")}) {
     ASSIGN_OR_RETURN(std::optional<double> v, number(field, -2, 2));
-    if (v && *v != 0) return Bad(field, "is not supported (use 0)");
+    if (v && *v != 0) return Bad(field.name(), "is not supported (use 0)");
   }
   // The number of alternatives: chat's top_logprobs, completions' logprobs.
-  const char* top_field = chat ? "top_logprobs" : "logprobs";
+  const Field top_field = chat ? Field("top_logprobs") : Field("logprobs");
   if (chat) {
     ASSIGN_OR_RETURN(r.logprobs, boolean("logprobs"));
   }
-  if (j.contains(top_field) && !j[top_field].is_null()) {
-    const json& v = j[top_field];
-    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxTopLogprobs) {
-      return Bad(top_field, absl::StrCat("must be an integer in [0, ", kMaxTopLogprobs, "]"));
+  if (const json* v = fields.Get(top_field)) {
+    if (!v->is_number_integer() || v->get<int64_t>() < 0 || v->get<int64_t>() > kMaxTopLogprobs) {
+      return Bad(top_field.name(), absl::StrCat("must be an integer in [0, ", kMaxTopLogprobs, "]"));
     }
-    r.top_logprobs = static_cast<int>(v.get<int64_t>());
+    r.top_logprobs = static_cast<int>(v->get<int64_t>());
     if (!chat) r.logprobs = true;
-    if (chat && !r.logprobs && r.top_logprobs > 0) return Bad(top_field, "needs logprobs: true");
+    if (chat && !r.logprobs && r.top_logprobs > 0) return Bad(top_field.name(), "needs logprobs: true");
     g.set_top_logprobs(r.top_logprobs);
   }
   return r;
