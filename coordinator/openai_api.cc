@@ -4,6 +4,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+#include "core/unicode.h"
 
 namespace ellm::coord {
 namespace {
@@ -391,8 +394,30 @@ const char* OpenAiFinishReason(FinishReason reason) {
 
 OpenAiResponder::OpenAiResponder(const OpenAiRequest& request, std::string id, std::string model_id,
                                  int64_t created, const Tokenizer& tokenizer, int32_t last_prompt_token)
-    : request_(request), tokenizer_(tokenizer), prev_token_(last_prompt_token), id_(std::move(id)),
-      model_id_(std::move(model_id)), created_(created) {}
+    : request_(request), tokenizer_(tokenizer), prev_token_(last_prompt_token),
+      offset_decoder_(tokenizer, last_prompt_token), id_(std::move(id)), model_id_(std::move(model_id)),
+      created_(created) {}
+
+namespace {
+
+// A token's text in completions' logprobs: itself when it is whole UTF-8,
+// else "bytes:" and its bytes as \xNN escapes (OpenAI's form). Replacing the
+// bytes with U+FFFD would lose them, and would give every such alternative
+// of a position the same key in top_logprobs.
+std::string CompletionTokenText(const std::string& piece) {
+  if (IsValidUtf8(piece)) return piece;
+  std::string out = "bytes:";
+  for (unsigned char c : piece) absl::StrAppendFormat(&out, "\\x%02x", c);
+  return out;
+}
+
+int64_t CodePoints(std::string_view whole_utf8) {
+  int64_t n = 0;
+  for (unsigned char c : whole_utf8) n += (c & 0xC0) != 0x80;
+  return n;
+}
+
+}  // namespace
 
 json OpenAiResponder::Usage(const FinishInfo& f) const {
   return {{"prompt_tokens", f.prompt_tokens},
@@ -431,13 +456,15 @@ json OpenAiResponder::LogprobsOf(const std::vector<int32_t>& ids, const std::vec
     }
     // Completions: {text: logprob} of the alternatives and the chosen token.
     json alt = json::object();
-    for (const TokenLogprob& a : alternatives) alt[tokenizer_.TokenBytes(prev, a.token)] = a.logprob;
-    alt[piece] = lp;
-    tokens.push_back(piece);
+    for (const TokenLogprob& a : alternatives) {
+      alt[CompletionTokenText(tokenizer_.TokenBytes(prev, a.token))] = a.logprob;
+    }
+    alt[CompletionTokenText(piece)] = lp;
+    tokens.push_back(CompletionTokenText(piece));
     token_logprobs.push_back(lp);
     top_logprobs.push_back(alt);
     text_offset.push_back(text_offset_);
-    text_offset_ += static_cast<int64_t>(piece.size());
+    text_offset_ += CodePoints(offset_decoder_.Push(ids[i]));
   }
   if (request_.chat) return {{"content", content}};
   return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs},

@@ -78,7 +78,12 @@ class OpenAiResponder {
   OpenAiRequest request_;
   const Tokenizer& tokenizer_;
   int32_t prev_token_;       // for each token's text in logprobs
-  int64_t text_offset_ = 0;  // completions' text_offset: bytes of the tokens so far
+  // Completions' text_offset: code points of the text the tokens so far
+  // decode to, as the client's string indexes it; a multi-byte character
+  // still incomplete is not counted until it completes (its tokens' offsets
+  // are where it starts).
+  StreamDecoder offset_decoder_;
+  int64_t text_offset_ = 0;
   std::string id_, model_id_;
   int64_t created_;
   bool sent_role_ = false;

@@ -6,6 +6,10 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/gguf.h"
+#include "core/tokenizer.h"
+#include "core/unicode.h"
 #include "gtest/gtest.h"
 
 namespace ellm::coord {
@@ -99,6 +103,103 @@ TEST(OpenAiApi, OutOfRangeNumbersNameTheirRange) {
       ParseOpenAiRequest(R"({"prompt":"x","max_tokens":5,"max_completion_tokens":5})", false, "m");
   ASSERT_TRUE(both.ok()) << both.status();
   EXPECT_EQ(both->generate.max_tokens(), 5);
+}
+
+// Completions' logprobs of an answer holding characters the vocabulary has
+// only as byte tokens (stories260K's 512 pieces have "é" but no "à"): each token's
+// text_offset is where its character starts in the returned text, counted in
+// code points as a client's string indexes it, and a token that is not whole
+// UTF-8 reads "bytes:\xNN" (U+FFFD would lose its bytes and merge
+// alternatives into one key).
+TEST(OpenAiApi, CompletionLogprobsIndexTheTextInCodePoints) {
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
+  ASSERT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const std::vector<int32_t> prompt = (*tok)->Encode("Once", true);
+  // A lone continuation byte (0xA9) at the end: the text shows U+FFFD.
+  std::vector<int32_t> ids = (*tok)->Encode(" voilà, café au lait déjà vu à la", false);
+  const std::vector<int32_t> a_grave = (*tok)->Encode("à", false);
+  ASSERT_GE(a_grave.size(), 2u);
+  const int32_t lead = a_grave[a_grave.size() - 2], trail = a_grave.back();
+  ids.push_back(trail);
+  int byte_tokens = 0;
+  size_t split = 0;  // the events split inside the first à
+  int32_t prev = prompt.back();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (!IsValidUtf8((*tok)->TokenBytes(prev, ids[i]))) {
+      ++byte_tokens;
+      if (split == 0) split = i + 1;
+    }
+    prev = ids[i];
+  }
+  ASSERT_GE(byte_tokens, 6) << "the premise: à is spelled by byte tokens";
+
+  absl::StatusOr<OpenAiRequest> request = ParseOpenAiRequest(R"({"prompt": "Once", "logprobs": 2})", false, "m");
+  ASSERT_TRUE(request.ok()) << request.status();
+  OpenAiResponder responder(*request, "cmpl-1", "m", 0, **tok, prompt.back());
+  StreamDecoder decoder(**tok, prompt.back());
+  // Two events.
+  std::string text;
+  for (size_t part = 0; part < 2; ++part) {
+    StreamEvent e;
+    for (size_t i = part == 0 ? 0 : split; i < (part == 0 ? split : ids.size()); ++i) {
+      e.token_ids.push_back(ids[i]);
+      e.logprobs.push_back(-0.5f);
+      // Alternatives: both halves of an à, which must not share a key.
+      e.top_logprobs.push_back({{lead, -1.0f}, {trail, -2.0f}});
+      e.text += decoder.Push(ids[i]);
+    }
+    if (part == 1) {
+      e.text += decoder.Finish();
+      e.finished = true;
+      e.finish.reason = FinishReason::kMaxTokens;
+    }
+    text += e.text;
+    responder.Add(e);
+  }
+  const nlohmann::json body = nlohmann::json::parse(responder.Final());
+  const nlohmann::json& choice = body["choices"][0];
+  ASSERT_EQ(choice["text"].get<std::string>(), text);
+  EXPECT_NE(text.find("d\xC3\xA9j\xC3\xA0"), std::string::npos);
+  EXPECT_EQ(text.substr(text.size() - 3), "\xEF\xBF\xBD");
+  // The text as code points, as the client indexes it.
+  std::vector<std::string> chars;
+  for (size_t i = 0; i < text.size();) {
+    char32_t cp;
+    const int n = DecodeUtf8(std::string_view(text).substr(i), &cp);
+    chars.push_back(text.substr(i, n));
+    i += n;
+  }
+  const nlohmann::json& lp = choice["logprobs"];
+  ASSERT_EQ(lp["tokens"].size(), ids.size());
+  prev = prompt.back();
+  int64_t last_offset = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const std::string piece = (*tok)->TokenBytes(prev, ids[i]);
+    const std::string name = lp["tokens"][i].get<std::string>();
+    const int64_t offset = lp["text_offset"][i].get<int64_t>();
+    ASSERT_GE(offset, last_offset) << i;
+    ASSERT_LT(offset, static_cast<int64_t>(chars.size())) << i;
+    last_offset = offset;
+    if (IsValidUtf8(piece)) {
+      EXPECT_EQ(name, piece) << i;
+      std::string from_offset;
+      for (size_t c = offset; c < chars.size(); ++c) from_offset += chars[c];
+      EXPECT_EQ(from_offset.rfind(piece, 0), 0u) << i << ": '" << piece << "' at " << offset;
+    } else {
+      std::string escaped = "bytes:";
+      for (unsigned char c : piece) escaped += absl::StrFormat("\\x%02x", c);
+      EXPECT_EQ(name, escaped) << i;
+      // The byte starts (or continues) the character at the offset.
+      const std::string& ch = chars[offset];
+      EXPECT_TRUE(ch == "\xEF\xBF\xBD" || ch.find(piece.back()) != std::string::npos) << i;
+    }
+    // Two distinct byte alternatives, and the chosen token unless it is one.
+    const size_t keys = ids[i] == lead || ids[i] == trail ? 2 : 3;
+    EXPECT_EQ(lp["top_logprobs"][i].size(), keys) << i << ": " << lp["top_logprobs"][i];
+    prev = ids[i];
+  }
 }
 
 }  // namespace
