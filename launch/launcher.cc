@@ -32,6 +32,7 @@
 #include "core/log.h"
 #include "core/model_config.h"
 #include "core/signals.h"
+#include "core/tokenizer.h"
 #include "core/topology.h"
 #include "proto/control_secret.h"
 #include "proto/health.grpc.pb.h"
@@ -261,6 +262,12 @@ class Launch {
 absl::Status Launch::Start() {
   ASSIGN_OR_RETURN(auto file, GgufFile::Open(c_.model_path));
   ASSIGN_OR_RETURN(ModelConfig model, ModelConfig::FromGguf(*file));
+  // The tokenizer is the coordinator's, which starts last: a file whose
+  // tokenizer ellm refuses is refused here, before the workers spend minutes
+  // loading its weights.
+  if (absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromGguf(*file); !tokenizer.ok()) {
+    return tokenizer.status();
+  }
   Topology topo;
   if (!c_.topology_spec.empty()) {
     ASSIGN_OR_RETURN(topo, ParseTopologySpec(c_.topology_spec));
