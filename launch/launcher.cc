@@ -65,6 +65,7 @@ struct LaunchConfig {
   int max_batch = 16;
   int max_step_tokens = 256;
   int max_queue = 64;
+  int default_max_tokens = 128;
   int mlp_threads = 0;
   KvDType kv_dtype = KvDType::kInt8;
   MlpBackendKind backend = MlpBackendKind::kAuto;
@@ -414,6 +415,7 @@ absl::Status Launch::Start() {
         c_.kv_store.empty() ? "--kv-store=false" : "--kv-store=true", c_.restart ? "--recover=true" : "--recover=false",
         secret_flag, api_key_flag, "--tls-cert=" + c_.tls_cert, "--tls-key=" + c_.tls_key,
         "--control-listen=" + coordinator_address, absl::StrCat("--max-queue=", c_.max_queue),
+        absl::StrCat("--default-max-tokens=", c_.default_max_tokens),
         c_.http_port > 0 ? absl::StrCat("--http-listen=", c_.host, ":", c_.http_port) : "--http-listen=",
         absl::StrCat("--http-max-body-mb=", c_.http_max_body_mb),
         absl::StrCat("--http-max-connections=", c_.http_max_connections),
@@ -659,6 +661,8 @@ int Main(int argc, char** argv) {
   args.Flag("max-batch", "16", "most sequences decoded together");
   args.Flag("max-step-tokens", "256", "most tokens in one step (prompt chunks + decodes)");
   args.Flag("max-queue", "64", "most requests waiting for admission (more: RESOURCE_EXHAUSTED / HTTP 429)");
+  args.Flag("default-max-tokens", "128",
+            "max_tokens of a request that does not say (less where the context or the KV cache has less room left)");
   args.Flag("mlp-threads", "0", "threads of the CPU MLP backend (0: the cores of node 0)");
   args.Flag("topology", "", "NUMA topology to use instead of the machine's, e.g. 0:0-7;1:8-15 (numactl "
             "binds to these nodes: a layout this machine does not have needs --no-numactl)");
@@ -772,6 +776,7 @@ int Main(int argc, char** argv) {
                      {"client-write-timeout-s", &c.client_write_timeout_s}, {"attn-workers", &c.attn_workers},
                      {"kv-cache-mb", &c.kv_cache_mb}, {"max-batch", &c.max_batch},
                      {"max-step-tokens", &c.max_step_tokens}, {"max-queue", &c.max_queue}, {"mlp-threads", &c.mlp_threads},
+                     {"default-max-tokens", &c.default_max_tokens},
                      {"ready-timeout", &c.ready_timeout_s}, {"kv-store-mb", &c.kv_store_mb},
                      {"max-restarts", &c.max_restarts}, {"q8-act-bits", &c.q8_act_bits},
                      {"heartbeat-ms", &c.heartbeat_ms}});
@@ -792,8 +797,10 @@ int Main(int argc, char** argv) {
     LogError("--q8-act-bits: expected 8 or 7, got %d", c.q8_act_bits);
     return 2;
   }
-  if (c.port <= 0 || c.port > 65535 || c.attn_workers < 0 || c.max_batch <= 0 || c.max_step_tokens <= 0) {
-    LogError("--port must be 1..65535; --attn-workers >= 0; --max-batch and --max-step-tokens > 0");
+  if (c.port <= 0 || c.port > 65535 || c.attn_workers < 0 || c.max_batch <= 0 || c.max_step_tokens <= 0 ||
+      c.default_max_tokens <= 0) {
+    LogError("--port must be 1..65535; --attn-workers >= 0; --max-batch, --max-step-tokens and "
+             "--default-max-tokens > 0");
     return 2;
   }
   if (!c.kv_store.empty() && (!c.prefix_cache || c.kv_store_mb <= 0)) {

@@ -241,7 +241,7 @@ TEST(Integration, BadRequestsGetClearErrorsAndTheServerGoesOn) {
 
 TEST(Integration, StopStringAndCancelledClient) {
   EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--kv-dtype=f32",
-                     "--heartbeat-ms=5000", "--min-step-timeout-s=60"});
+                     "--heartbeat-ms=5000", "--min-step-timeout-s=60", "--default-max-tokens=7"});
   ASSERT_TRUE(system.ready()) << system.Log();
   ellm::v1::GenerateRequest req = Greedy("Once upon a time", 64);
   req.add_stop("Lily");
@@ -249,6 +249,13 @@ TEST(Integration, StopStringAndCancelledClient) {
   ASSERT_TRUE(g.status.ok());
   EXPECT_EQ(g.finish.reason(), ellm::v1::FINISH_REASON_STOP_STRING);
   EXPECT_EQ(g.text, ", there was a little girl named ");
+  // The launcher's --default-max-tokens reaches the coordinator.
+  req.clear_stop();
+  req.clear_max_tokens();
+  g = Generate(system.stub(), req);
+  ASSERT_TRUE(g.status.ok());
+  EXPECT_EQ(g.finish.reason(), ellm::v1::FINISH_REASON_MAX_TOKENS);
+  EXPECT_EQ(g.finish.completion_tokens(), 7);
   // synthetic_context needs --allow-synthetic-context (this server has none).
   req = Greedy("Once upon a time", 4);
   req.set_synthetic_context(16);
