@@ -74,6 +74,7 @@ struct HttpServer::Impl {
   net::thread_pool prepare{2};
   std::atomic<uint64_t> next_id{1};
   std::atomic<int> sessions{0};  // open connections (Session objects)
+  std::atomic<int> answering{0};  // generations whose response is not all out yet
   bool accept_failing = false;  // one warning per run of failed accepts
   bool refusing = false;        // one warning per run of connections over the limit
   void Accept();
@@ -89,6 +90,7 @@ class Session : public std::enable_shared_from_this<Session> {
   ~Session() {
     --server_->sessions;
     if (request_ == nullptr) return;
+    --server_->answering;
     request_->SetNotify(nullptr);
     if (!finished_) request_->Cancel();  // the client went away mid-generation
   }
@@ -300,6 +302,7 @@ class Session : public std::enable_shared_from_this<Session> {
     absl::StatusOr<std::shared_ptr<RequestStream>> request = server_->scheduler->Submit(std::move(prepared.options));
     if (!request.ok()) return SendError(request.status());
     request_ = *std::move(request);
+    ++server_->answering;
     streaming_ = parsed.stream;
     const uint64_t n = server_->next_id.fetch_add(1);
     responder_ = std::make_unique<OpenAiResponder>(
@@ -476,7 +479,10 @@ class Session : public std::enable_shared_from_this<Session> {
   // dropping pinned_ here never destroys the session under them.
   void Reset() {
     pinned_.reset();
-    if (request_ != nullptr) request_->SetNotify(nullptr);
+    if (request_ != nullptr) {
+      request_->SetNotify(nullptr);
+      --server_->answering;
+    }
     request_.reset();
     responder_.reset();
     streaming_ = finished_ = last_queued_ = last_written_ = chunked_ = false;
@@ -632,5 +638,7 @@ HttpServer::~HttpServer() {
 }
 
 int HttpServer::port() const { return impl_->acceptor.local_endpoint().port(); }
+
+int HttpServer::answering() const { return impl_->answering.load(); }
 
 }  // namespace ellm::coord

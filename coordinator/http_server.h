@@ -42,6 +42,9 @@ class HttpServer {
                                                            const Tokenizer* tokenizer);
   ~HttpServer();  // stops accepting, closes every connection, joins the threads
   int port() const;
+  // Generations whose response is not all written yet (a graceful shutdown
+  // waits for none).
+  int answering() const;
 
   struct Impl;  // the io_context, acceptor and threads (http_server.cc)
 

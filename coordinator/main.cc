@@ -62,6 +62,7 @@ struct CoordinatorConfig {
   absl::Duration heartbeat;
   int default_max_tokens = 128;
   absl::Duration connect_timeout;
+  absl::Duration drain_timeout;
 };
 
 // The flags, spelled as on every ellm binary (core/args.h).
@@ -94,6 +95,9 @@ Args Flags() {
          "before the prompt; every step waits while it is written) (true or false)",
          true);
   a.Flag("connect-timeout-s", "120", "how long to wait for the workers at start-up");
+  a.Flag("drain-timeout-s", "30",
+         "on SIGTERM or Ctrl-C: new requests are refused and those in flight run to their end for at "
+         "most this long, then are ended (0: end them at once; a second signal ends them at once)");
   a.Flag("recover", "true",
          "after a worker dies or freezes, wait for the launcher to restart the workers and resume "
          "every request; if they are not back within --recovery-timeout-s, exit with status 1 so "
@@ -123,7 +127,7 @@ absl::StatusOr<CoordinatorConfig> ConfigFromFlags(const Args& args) {
   c.http_listen = args.Get("http-listen");
   c.mlp_channel = args.Get("mlp-channel");
   c.workers = absl::StrSplit(args.Get("workers"), ',', absl::SkipEmpty());
-  int connect_timeout_s = 0, recovery_timeout_s = 0, heartbeat_ms = 0;
+  int connect_timeout_s = 0, recovery_timeout_s = 0, heartbeat_ms = 0, drain_timeout_s = 0;
   RETURN_IF_ERROR(args.GetInts({{"http-max-body-mb", &c.http_max_body_mb},
                                 {"http-max-connections", &c.http_max_connections},
                                 {"client-write-timeout-s", &c.client_write_timeout_s}, {"max-batch", &c.max_batch},
@@ -131,11 +135,13 @@ absl::StatusOr<CoordinatorConfig> ConfigFromFlags(const Args& args) {
                                 {"default-max-tokens", &c.default_max_tokens},
                                 {"connect-timeout-s", &connect_timeout_s},
                                 {"recovery-timeout-s", &recovery_timeout_s},
-                                {"heartbeat-ms", &heartbeat_ms}}));
+                                {"heartbeat-ms", &heartbeat_ms}, {"drain-timeout-s", &drain_timeout_s}}));
   ASSIGN_OR_RETURN(const double min_step_timeout_s, args.GetDouble("min-step-timeout-s"));
   if (c.http_max_body_mb <= 0) return absl::InvalidArgumentError("--http-max-body-mb must be positive");
   if (c.http_max_connections <= 0) return absl::InvalidArgumentError("--http-max-connections must be positive");
   if (c.client_write_timeout_s <= 0) return absl::InvalidArgumentError("--client-write-timeout-s must be positive");
+  if (drain_timeout_s < 0) return absl::InvalidArgumentError("--drain-timeout-s must not be negative");
+  c.drain_timeout = absl::Seconds(drain_timeout_s);
   c.prefix_cache = args.GetBool("prefix-cache");
   c.allow_synthetic_context = args.GetBool("allow-synthetic-context");
   c.kv_store = args.GetBool("kv-store") && c.prefix_cache;
@@ -202,6 +208,50 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
   text << in.rdbuf();
   if (text.str().empty()) return absl::InvalidArgumentError(absl::StrCat(path, " is empty"));
   return text.str();
+}
+
+// A graceful stop: new requests are refused while the queued and running
+// ones (and their last HTTP bytes) go on to their end, for at most `timeout`
+// or until a second SIGINT / SIGTERM. What is left then ends with
+// UNAVAILABLE (Scheduler::Stop).
+void Drain(absl::Duration timeout, Scheduler* scheduler, const HttpServer* http) {
+  scheduler->StopAdmitting();
+  // The scheduler's requests, or 1 while HTTP responses are still going out.
+  auto in_flight = [&] {
+    const SchedulerStats st = scheduler->Stats();
+    const int n = st.running + st.waiting;
+    return n > 0 ? n : (http != nullptr && http->answering() > 0 ? 1 : 0);
+  };
+  int n = in_flight();
+  if (n == 0) return;
+  if (timeout <= absl::ZeroDuration()) {
+    LogInfo("%d requests in flight end now (--drain-timeout-s 0)", n);
+    return;
+  }
+  const SchedulerStats st = scheduler->Stats();
+  LogInfo("draining: %d requests running and %d queued go on for up to %s; new ones are refused "
+          "(a second Ctrl-C or SIGTERM ends them at once)",
+          st.running, st.waiting, absl::FormatDuration(timeout));
+  const absl::Time start = absl::Now(), deadline = start + timeout;
+  absl::Time next_report = start + absl::Seconds(5);
+  const int signals = StopSignals();
+  while ((n = in_flight()) > 0) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      LogWarning("%d requests still in flight after --drain-timeout-s; ending them", n);
+      return;
+    }
+    if (StopSignals() > signals) {
+      LogWarning("stopping at once: %d requests in flight end with UNAVAILABLE", n);
+      return;
+    }
+    if (now >= next_report) {
+      LogInfo("draining: %d requests in flight", n);
+      next_report += absl::Seconds(5);
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  LogInfo("drained: no request in flight after %.1f s", absl::ToDoubleSeconds(absl::Now() - start));
 }
 
 absl::Status Run(const CoordinatorConfig& config) {
@@ -350,7 +400,7 @@ absl::Status Run(const CoordinatorConfig& config) {
   LogInfo("serving on %s (%d KV blocks of %d positions, batch up to %d, prefix cache %s)",
           config.listen, kv_blocks, block_tokens, config.max_batch, config.prefix_cache ? "on" : "off");
 
-  auto serving = [&scheduler] { return !scheduler.broken() && !scheduler.recovering(); };
+  auto serving = [&scheduler] { return !scheduler.broken() && !scheduler.recovering() && scheduler.admitting(); };
   std::unique_ptr<HttpServer> http;
   if (!config.http_listen.empty()) {
     HttpOptions ho;
@@ -379,8 +429,12 @@ absl::Status Run(const CoordinatorConfig& config) {
   // Heartbeats: a dead or frozen worker pauses every request until the
   // launcher has restarted the workers (or, without --recover, ends them).
   absl::Status exit_status;
+  absl::Time next_heartbeat = absl::Now() + config.heartbeat;
   while (!StopRequested()) {
-    std::this_thread::sleep_for(absl::ToChronoMilliseconds(config.heartbeat));
+    // A stop signal is seen within 20 ms, whatever --heartbeat-ms.
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (absl::Now() < next_heartbeat) continue;
+    next_heartbeat = absl::Now() + config.heartbeat;
     if (scheduler.broken() && config.recover && !StopRequested()) {
       // The workers did not come back (or the KV state is lost): a
       // launcher that restarts processes starts everything again.
@@ -397,9 +451,16 @@ absl::Status Run(const CoordinatorConfig& config) {
       scheduler.WorkerFailed(absl::UnavailableError(absl::StrCat("a worker failed: ", st.message())));
     }
   }
-  LogInfo("stopping");
+  scheduler.StopAdmitting();
   health->SetServingStatus(false);
+  if (exit_status.ok()) Drain(config.drain_timeout, &scheduler, http.get());
+  LogInfo("stopping");
   scheduler.Stop();
+  // The ended requests' last events (their errors) still go out, briefly.
+  for (const absl::Time end = absl::Now() + absl::Seconds(2);
+       http != nullptr && http->answering() > 0 && absl::Now() < end;) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
   http.reset();  // after the scheduler: no more events reach its sessions
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   return exit_status;

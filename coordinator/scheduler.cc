@@ -19,6 +19,11 @@ Scheduler::Scheduler(const SchedulerOptions& options, const Tokenizer& tokenizer
 
 Scheduler::~Scheduler() { Stop(); }
 
+void Scheduler::StopAdmitting() {
+  std::lock_guard<std::mutex> lock(mu_);  // a Submit holding the lock queues before it
+  admitting_.store(false);
+}
+
 void Scheduler::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -26,6 +31,7 @@ void Scheduler::Stop() {
     stop_ = true;
   }
   cv_.notify_all();
+  executor_->Abandon();  // a step on workers that no longer answer ends now
   if (thread_.joinable()) thread_.join();
   // Anything still queued or running ends now.
   std::lock_guard<std::mutex> lock(mu_);
@@ -77,7 +83,7 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Submit(GenerateOptions
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_) return broken_status_;
-    if (stop_) return absl::UnavailableError("the server is shutting down");
+    if (stop_ || !admitting_.load()) return absl::UnavailableError("the server is shutting down");
     if (static_cast<int>(waiting_.size()) >= options_.max_queue) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "the wait queue is full (", options_.max_queue, " requests wait for KV space or a batch slot)"));
@@ -410,6 +416,8 @@ void Scheduler::Loop() {
     const absl::Time now = absl::Now();
     std::lock_guard<std::mutex> lock(mu_);
     if (!result.ok()) {
+      // Abandoned by Stop, which ends its sequences with the others.
+      if (stop_ && absl::IsCancelled(result.status())) continue;
       LogError("step %d failed: %s", step, result.status().ToString());
       if (IsWorkerFailure(result.status())) {
         FailWorkersLocked(result.status());

@@ -47,6 +47,9 @@ class StepExecutor {
   virtual ~StepExecutor() = default;
   virtual absl::StatusOr<std::vector<shm::SampledSeq>> Run(uint64_t step,
                                                            const shm::StepPlan& plan) = 0;
+  // The server stops: a step in flight may stop waiting for its result
+  // (Cancelled), e.g. on workers that no longer answer.
+  virtual void Abandon() {}
   // Applies the scheduler's KV operations (publish, free, evict, attach) on
   // every attention worker. Any failure means a worker's KV no longer
   // matches the scheduler's view.
@@ -135,6 +138,10 @@ class Scheduler {
   std::function<void(bool)> on_recovering;
 
   SchedulerStats Stats();
+  // Refuses new requests (Unavailable) while those queued and running go on
+  // to their end: the first step of a graceful shutdown.
+  void StopAdmitting();
+  bool admitting() const { return admitting_.load(); }
   void Stop();
 
  private:
@@ -229,6 +236,7 @@ class Scheduler {
   uint64_t next_id_ = 1;
   uint64_t step_ = 0;
   bool stop_ = false;
+  std::atomic<bool> admitting_{true};
   std::atomic<bool> broken_{false};
   absl::Status broken_status_;
   std::atomic<bool> recovering_{false};

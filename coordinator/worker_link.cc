@@ -78,16 +78,19 @@ const ellm::v1::WorkerInfo* WorkerLink::mlp_worker() const {
 }
 
 absl::StatusOr<std::vector<shm::SampledSeq>> RunStep(shm::Channel& channel, uint64_t step,
-                                                     const shm::StepPlan& plan, absl::Duration timeout) {
+                                                     const shm::StepPlan& plan, absl::Duration timeout,
+                                                     const std::atomic<bool>* abandoned) {
   const std::string payload = shm::EncodeStepPlan(plan);
   shm::WaitOptions wait;
   wait.timeout = timeout;
-  wait.peer_alive = [&channel] { return channel.PeerAlive(); };
+  auto given_up = [abandoned] { return abandoned != nullptr && abandoned->load(); };
+  wait.peer_alive = [&channel, given_up] { return channel.PeerAlive() && !given_up(); };
   absl::Status st = channel.requests().Write(shm::StepPlanHeader(step, plan), payload.data(), wait);
   if (!st.ok()) {
     return absl::Status(st.code(), absl::StrCat("mlp-worker: ", st.message()));
   }
   absl::StatusOr<shm::Ring::Frame> frame = channel.replies().BeginRead(wait);
+  if (!frame.ok() && given_up()) return absl::CancelledError("the server is shutting down");
   if (!frame.ok()) {
     if (frame.status().code() == absl::StatusCode::kUnavailable) {
       return absl::UnavailableError(absl::StrCat("the mlp-worker (pid ",
@@ -107,7 +110,7 @@ absl::StatusOr<std::vector<shm::SampledSeq>> RunStep(shm::Channel& channel, uint
 
 absl::StatusOr<std::vector<shm::SampledSeq>> WorkerLink::Run(uint64_t step,
                                                              const shm::StepPlan& plan) {
-  return RunStep(*channel_, step, plan, step_timeout);
+  return RunStep(*channel_, step, plan, step_timeout, abandoned);
 }
 
 template <typename Rpc>

@@ -3,6 +3,7 @@
 // control stub.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,9 +20,11 @@ namespace ellm::coord {
 // One step over the mlp-worker's channel: writes the plan, then waits (up to
 // `timeout`, and while the worker lives) for its sampled tokens. Unavailable
 // when the worker has exited; the worker's own error when it could not run
-// the step; DataLoss for a reply to another step.
+// the step; DataLoss for a reply to another step; Cancelled once `abandoned`
+// (when given) turns true.
 absl::StatusOr<std::vector<shm::SampledSeq>> RunStep(shm::Channel& channel, uint64_t step,
-                                                     const shm::StepPlan& plan, absl::Duration timeout);
+                                                     const shm::StepPlan& plan, absl::Duration timeout,
+                                                     const std::atomic<bool>* abandoned = nullptr);
 
 // "attn-worker 3" or "mlp-worker": a worker as the logs name it.
 std::string WorkerName(const ellm::v1::WorkerInfo& info);
@@ -64,6 +67,8 @@ class WorkerLink final : public StepExecutor {
   const ellm::v1::WorkerInfo* mlp_worker() const;
 
   absl::Duration step_timeout = absl::Seconds(300);
+  // When set and true, Run stops waiting for its step (Cancelled).
+  const std::atomic<bool>* abandoned = nullptr;
 
  private:
   // Calls rpc(worker, context) on every attention worker with `timeout`; the

@@ -83,6 +83,7 @@ absl::StatusOr<std::vector<shm::SampledSeq>> Workers::Run(uint64_t step, const s
   {
     std::lock_guard<std::mutex> lock(mu_);
     link->step_timeout = StepDeadline(recent_, tokens, attended, options_.min_step_timeout);
+    link->abandoned = &abandoned_;
   }
   const absl::Time start = absl::Now();
   absl::StatusOr<std::vector<shm::SampledSeq>> out = link->Run(step, plan);

@@ -61,6 +61,7 @@ class Workers final : public StepExecutor {
   absl::StatusOr<int> LoadBlocks(const std::vector<uint64_t>& keys) override;
   absl::Status FillSynthetic(uint64_t id, int positions) override;
   absl::Status Recover() override;
+  void Abandon() override { abandoned_.store(true); }
 
   // One heartbeat: every worker's process alive and answering its health
   // check. Unavailable naming a dead worker; a worker that misses two
@@ -78,6 +79,7 @@ class Workers final : public StepExecutor {
   mutable std::mutex mu_;
   std::shared_ptr<WorkerLink> link_;
   std::vector<int> missed_;  // consecutive missed heartbeats, per worker of link_
+  std::atomic<bool> abandoned_{false};
   std::deque<StepCost> recent_;  // newest last
 };
 

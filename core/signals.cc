@@ -10,7 +10,11 @@ namespace ellm {
 namespace {
 // Process-wide by nature: signal dispositions are per process.
 std::atomic<bool> g_stop{false};
-void OnSignal(int) { g_stop.store(true); }
+std::atomic<int> g_signals{0};
+void OnSignal(int) {
+  g_signals.fetch_add(1);
+  g_stop.store(true);
+}
 }  // namespace
 
 void InstallStopSignalHandlers() {
@@ -23,6 +27,7 @@ void InstallStopSignalHandlers() {
 }
 
 bool StopRequested() { return g_stop.load(std::memory_order_relaxed); }
+int StopSignals() { return g_signals.load(); }
 void RequestStop() { g_stop.store(true); }
 
 void DieWithParent() {

@@ -7,6 +7,9 @@ namespace ellm {
 // Installs handlers for SIGINT and SIGTERM (and ignores SIGPIPE).
 void InstallStopSignalHandlers();
 bool StopRequested();
+// SIGINT and SIGTERM received so far: a second one asks to stop at once
+// (e.g. not to wait for requests in flight).
+int StopSignals();
 // Sets the flag from inside the process (e.g. a Shutdown RPC).
 void RequestStop();
 // Asks the kernel to send SIGTERM to this process when its parent dies, so a

@@ -60,6 +60,7 @@ struct LaunchConfig {
   int http_max_body_mb = 8;
   int http_max_connections = 1024;
   int client_write_timeout_s = 60;
+  int drain_timeout_s = 30;
   int attn_workers = 0;  // 0: one per NUMA node
   int kv_cache_mb = 0;   // per attention worker; 0: automatic
   int max_batch = 16;
@@ -420,6 +421,7 @@ absl::Status Launch::Start() {
         absl::StrCat("--http-max-body-mb=", c_.http_max_body_mb),
         absl::StrCat("--http-max-connections=", c_.http_max_connections),
         absl::StrCat("--client-write-timeout-s=", c_.client_write_timeout_s),
+        absl::StrCat("--drain-timeout-s=", c_.drain_timeout_s),
         // The coordinator waits for the workers as long as this launcher
         // does: at start-up, and for a restarted set (one start and its
         // longest backoff).
@@ -595,12 +597,18 @@ int Launch::Serve() {
 void Launch::StopAll() {
   if (stopped_) return;
   stopped_ = true;
-  // Coordinator first (it stops taking requests), then the workers.
+  // Coordinator first: it refuses new requests and lets those in flight end
+  // (up to --drain-timeout-s; a second signal to the launcher is passed on,
+  // which ends them at once), while the workers still serve them. Then the
+  // workers.
   for (auto it = children_.rbegin(); it != children_.rend(); ++it) {
     Child& c = *it;
     if (c.pid <= 0 || c.exited) continue;
     kill(c.pid, SIGTERM);
-    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    const bool coordinator = &c == &children_.back();
+    const absl::Duration wait = absl::Seconds(5 + (coordinator ? c_.drain_timeout_s : 0));
+    const absl::Time deadline = absl::Now() + wait;
+    int signals = StopSignals();
     while (absl::Now() < deadline) {
       int status = 0;
       if (waitpid(c.pid, &status, WNOHANG) == c.pid) {
@@ -608,10 +616,14 @@ void Launch::StopAll() {
         c.status = status;
         break;
       }
+      if (StopSignals() > signals) {
+        signals = StopSignals();
+        kill(c.pid, SIGTERM);
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     if (!c.exited) {
-      LogWarning("%s (pid %d) did not stop within 5 s; killing it", c.name, c.pid);
+      LogWarning("%s (pid %d) did not stop within %s; killing it", c.name, c.pid, absl::FormatDuration(wait));
       kill(c.pid, SIGKILL);
       waitpid(c.pid, &c.status, 0);
       c.exited = true;
@@ -655,6 +667,9 @@ int Main(int argc, char** argv) {
   args.Flag("http-max-connections", "1024", "most HTTP connections open at once (more: answered 503 and closed)");
   args.Flag("client-write-timeout-s", "60", "how long one write of an answer may wait for the client to "
             "read it (gRPC and HTTP); a client that reads nothing for this long has its request cancelled");
+  args.Flag("drain-timeout-s", "30",
+            "on Ctrl-C or SIGTERM, new requests are refused and those in flight run to their end for at most "
+            "this long before they are ended (0: at once); a second Ctrl-C ends them at once");
   args.Flag("attn-workers", "0", "attention workers (0: one per NUMA node); must divide the KV heads");
   args.Flag("kv-cache-mb", "0", "KV cache per attention worker in MiB (0: enough for --max-batch "
             "sequences at full context, at most a quarter of RAM)");
@@ -774,6 +789,7 @@ int Main(int argc, char** argv) {
   absl::Status st = args.GetInts({{"port", &c.port}, {"http-port", &c.http_port},
                      {"http-max-body-mb", &c.http_max_body_mb}, {"http-max-connections", &c.http_max_connections},
                      {"client-write-timeout-s", &c.client_write_timeout_s}, {"attn-workers", &c.attn_workers},
+                     {"drain-timeout-s", &c.drain_timeout_s},
                      {"kv-cache-mb", &c.kv_cache_mb}, {"max-batch", &c.max_batch},
                      {"max-step-tokens", &c.max_step_tokens}, {"max-queue", &c.max_queue}, {"mlp-threads", &c.mlp_threads},
                      {"default-max-tokens", &c.default_max_tokens},
@@ -791,6 +807,10 @@ int Main(int argc, char** argv) {
   }
   if (c.heartbeat_ms <= 0 || !(c.min_step_timeout_s > 0) || c.client_write_timeout_s <= 0) {
     LogError("--heartbeat-ms, --min-step-timeout-s and --client-write-timeout-s must be positive");
+    return 2;
+  }
+  if (c.drain_timeout_s < 0) {
+    LogError("--drain-timeout-s must not be negative");
     return 2;
   }
   if (c.q8_act_bits != 8 && c.q8_act_bits != 7) {

@@ -99,7 +99,7 @@ class EllmSystem {
     log_path_ = absl::StrCat("/tmp/ellm-test-launch-", getpid(), "-", port_, ".log");
     std::vector<std::string> argv = {std::string(ELLM_BINARY_DIR) + "/ellm-launch",
                                      absl::StrCat("--port=", port_), absl::StrCat("--http-port=", http_port_),
-                                     "--ready-timeout=60"};
+                                     "--ready-timeout=60", "--drain-timeout-s=0"};
     argv.insert(argv.end(), args.begin(), args.end());
     int out_pipe[2];
     pipe(out_pipe);

@@ -764,6 +764,90 @@ TEST(Http, AScrapeWaitingOnAFrozenWorkerHoldsNothingElse) {
   ExpectCleanShutdown(system);
 }
 
+// A graceful stop: on SIGTERM the requests in flight (gRPC, HTTP streamed
+// and whole) run to their end with every token while new ones are refused
+// and /health answers 503; a second SIGTERM ends what is left at once. The
+// attention workers are stopped meanwhile, so that nothing can end before
+// the signal.
+TEST(Http, SigtermLetsTheRequestsInFlightFinish) {
+  for (const bool second_signal : {false, true}) {
+    SCOPED_TRACE(second_signal ? "a second SIGTERM" : "one SIGTERM");
+    EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--kv-dtype=f32",
+                       "--heartbeat-ms=5000", "--min-step-timeout-s=60", "--drain-timeout-s=60"});
+    ASSERT_TRUE(system.ready()) << system.Log();
+    const int port = system.http_port();
+    constexpr int kLong = 1800;
+    const Generated alone = Generate(system.stub(), Greedy("Once upon a time", kLong));
+    ASSERT_TRUE(alone.status.ok()) << alone.status.error_message();
+    ASSERT_EQ(alone.finish.completion_tokens(), kLong);
+    const std::string alone_text = Collect(Post(port, "/v1/completions", Completion("Once upon a time", kLong, true)), false).text;
+    ASSERT_EQ(alone_text, alone.text);
+
+    // Three long requests, decoding when the workers stop (stopped before
+    // that, the control calls of their admission would time out).
+    const std::vector<pid_t> workers = system.FindChildren("ellm-attn-worker");
+    ASSERT_EQ(workers.size(), 2u);
+    auto grpc_call = std::async(std::launch::async, [&] { return Generate(system.stub(), Greedy("Once upon a time", kLong)); });
+    auto streamed = std::async(std::launch::async, [&] {
+      return Post(port, "/v1/completions", Completion("Once upon a time", kLong, true));
+    });
+    auto whole = std::async(std::launch::async, [&] {
+      return Post(port, "/v1/completions", Completion("Once upon a time", kLong, false));
+    });
+    bool running = false;
+    for (int i = 0; i < 400 && !running; ++i) {
+      ellm::v1::ModelInfo info;
+      grpc::ClientContext ctx;
+      running = system.stub()->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info).ok() && info.running() == 3;
+      if (!running) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    ASSERT_TRUE(running);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // past their prefill
+    for (pid_t w : workers) kill(w, SIGSTOP);
+    kill(system.pid(), SIGTERM);
+    // Once the coordinator has the signal (/health: 503), new requests are refused.
+    bool unhealthy = false;
+    for (int i = 0; i < 200 && !unhealthy; ++i) {
+      unhealthy = Call(port, http::verb::get, "/health").status == 503;
+      if (!unhealthy) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    ASSERT_TRUE(unhealthy);
+    const HttpResult refused = Post(port, "/v1/completions", Completion("Once", 4, false));
+    EXPECT_EQ(refused.status, 503);
+    EXPECT_NE(refused.body.find("shutting down"), std::string::npos) << refused.body;
+    const Generated late = Generate(system.stub(), Greedy("Once", 4));
+    EXPECT_EQ(late.status.error_code(), grpc::StatusCode::UNAVAILABLE) << late.status.error_message();
+    EXPECT_EQ(grpc_call.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
+        << "the request in flight ended with the signal";
+
+    if (second_signal) {
+      kill(system.pid(), SIGTERM);
+      const Generated cut = grpc_call.get();
+      EXPECT_EQ(cut.status.error_code(), grpc::StatusCode::UNAVAILABLE) << cut.status.error_message();
+      EXPECT_NE(whole.get().status, 200);
+      EXPECT_NE(streamed.get().body.find("shutting down"), std::string::npos);
+      for (pid_t w : workers) kill(w, SIGCONT);
+    } else {
+      for (pid_t w : workers) kill(w, SIGCONT);
+      const Generated g = grpc_call.get();
+      ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+      EXPECT_EQ(g.tokens, alone.tokens);
+      const Streamed s = Collect(streamed.get(), false);
+      EXPECT_EQ(s.text, alone_text);
+      const HttpResult w = whole.get();
+      ASSERT_EQ(w.status, 200) << w.body;
+      EXPECT_EQ(w.Json()["choices"][0]["text"].get<std::string>(), alone_text);
+    }
+    const int status = system.WaitExit();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << system.Log();
+    EXPECT_NE(system.Log().find(second_signal ? "stopping at once: " : "drained: no request in flight"),
+              std::string::npos)
+        << system.Log();
+    EXPECT_EQ(system.Log().find("killing it"), std::string::npos) << system.Log();
+    EXPECT_TRUE(LeftoverSegments(system.pid()).empty());
+  }
+}
+
 // A client may send its next request before the answer to the one before
 // (HTTP/1.1 pipelining): the server answers both, in order. The second
 // arrives while the first generates, which the server's hang-up watch sees
