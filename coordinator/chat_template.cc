@@ -12,6 +12,13 @@ ChatTemplate ChatTemplate::FromGgufTemplate(const std::string& jinja) {
   t.has_template_ = !jinja.empty();
   if (jinja.find("<|im_start|>") != std::string::npos && jinja.find("<think>") != std::string::npos) {
     t.format_ = ChatFormat::kQwen3;  // no default system message
+    // A generation prompt that opens the thinking block itself (QwQ, Qwen3
+    // "Thinking-2507": "<|im_start|>assistant\n<think>\n") is not Qwen3's
+    // hybrid one, which ellm renders: not guessed.
+    if (jinja.find("assistant\\n<think>") != std::string::npos ||
+        jinja.find("assistant\n<think>") != std::string::npos) {
+      t.format_ = ChatFormat::kNone;
+    }
   } else if (jinja.find("<|im_start|>") != std::string::npos) {
     t.format_ = ChatFormat::kChatMl;
     // Qwen2.5 and Qwen2 templates insert a system message when none is given.
@@ -21,6 +28,12 @@ ChatTemplate ChatTemplate::FromGgufTemplate(const std::string& jinja) {
         t.default_system_ = system;
         break;
       }
+    }
+    // A system turn of the template's own that is none of those (SmolLM2's
+    // "You are a helpful AI assistant named SmolLM...") would be left out of
+    // every prompt: not guessed.
+    if (t.default_system_.empty() && jinja.find("<|im_start|>system") != std::string::npos) {
+      t.format_ = ChatFormat::kNone;
     }
   } else if (jinja.find("<|start_header_id|>") != std::string::npos) {
     t.format_ = ChatFormat::kLlama3;

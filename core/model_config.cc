@@ -252,8 +252,10 @@ absl::Status CheckTensorNames(const GgufFile& file, const ModelConfig& c, const 
     if (absl::StartsWith(name, "blk.")) {
       const size_t dot = name.find('.', 4);
       int layer = -1;
+      // The number as the loader spells it ("blk.01." or "blk.+1." would
+      // pass SimpleAtoi but never be read).
       if (dot != std::string::npos && absl::SimpleAtoi(name.substr(4, dot - 4), &layer) &&
-          layer >= 0 && layer < c.n_layers) {
+          layer >= 0 && layer < c.n_layers && absl::StrCat(layer) == name.substr(4, dot - 4)) {
         const std::string rest = name.substr(dot + 1);
         for (const std::string& n : per_layer) known = known || rest == n;
       }
@@ -303,7 +305,8 @@ absl::StatusOr<std::vector<float>> ReadRopeFreqs(const GgufFile& file, int rope_
 // wrongly, so such a file is refused.
 absl::Status CheckLlama31RopeFreqs(const ModelConfig& c) {
   constexpr int kLlama3Vocab = 128256;
-  if (c.arch != "llama" || c.rope_base != 500000.0f || c.vocab_size != kLlama3Vocab ||
+  // (Fine-tunes may add tokens to the vocabulary.)
+  if (c.arch != "llama" || c.rope_base != 500000.0f || c.vocab_size < kLlama3Vocab ||
       c.context_length <= 8192 || !c.rope_freq_factors.empty() ||
       c.rope_scaling.type != RopeScalingType::kNone) {
     return absl::OkStatus();
@@ -324,8 +327,11 @@ absl::Status CheckLlama31RopeFreqs(const ModelConfig& c) {
 // window's, so its context is capped there, with a warning.
 void CapMistralV01Context(ModelConfig* c) {
   constexpr int kWindow = 4096;
+  // The vocabulary: 32000, or a few more where a fine-tune added tokens
+  // (OpenHermes-2.5: 32002, ChatML's); v0.3 has 32768 (and rope base 1e6).
   if (c->arch != "llama" || c->n_layers != 32 || c->dim != 4096 || c->ffn_dim != 14336 || c->n_heads != 32 ||
-      c->n_kv_heads != 8 || c->vocab_size != 32000 || c->rope_base != 10000.0f || c->context_length <= kWindow) {
+      c->n_kv_heads != 8 || c->vocab_size < 32000 || c->vocab_size >= 32768 || c->rope_base != 10000.0f ||
+      c->context_length <= kWindow) {
     return;
   }
   LogWarning("model: Mistral-7B v0.1's shape (rope base 10000): it attends through a %d-token sliding window, "
@@ -392,6 +398,14 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
   ASSIGN_OR_RETURN(c.rope_scaling, ReadRopeScaling(file, p, c.context_length));
   RETURN_IF_ERROR(CheckMetadataKeys(file, c.arch));
   RETURN_IF_ERROR(c.Validate());
+  // Partial rotary: llama.cpp refuses it for these architectures (the
+  // converter's q/k permutation spans the whole head), so what such a file
+  // means is not known; rotating only its first dimensions would be a guess.
+  if (c.rope_dims != c.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        p, "rope.dimension_count is ", c.rope_dims, ", less than the head dimension ", c.head_dim,
+        " (partial rotary): '", c.arch, "' rotates whole heads (llama.cpp refuses such files too)"));
+  }
   RETURN_IF_ERROR(CheckTensorNames(file, c, *traits));
   ASSIGN_OR_RETURN(c.rope_freq_factors, ReadRopeFreqs(file, c.rope_dims));
   RETURN_IF_ERROR(CheckLlama31RopeFreqs(c));
@@ -443,6 +457,12 @@ absl::Status ModelConfig::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat("rope scaling factor ", r.factor,
                                                    " and attn_factor ", r.attn_factor,
                                                    " must be positive"));
+  }
+  if (r.type == RopeScalingType::kYarn && r.factor < 1) {
+    // YaRN's attention magnitude for a factor below 1 differs between
+    // implementations (llama.cpp changed its own); no model ships one.
+    return absl::InvalidArgumentError(absl::StrCat("yarn rope scaling with a factor below 1 (", r.factor,
+                                                   ") is not supported"));
   }
   if (r.type == RopeScalingType::kYarn &&
       (r.original_context <= 0 || !(r.beta_fast > r.beta_slow) || !(r.beta_slow > 0))) {

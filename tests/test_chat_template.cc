@@ -29,6 +29,24 @@ TEST(ChatTemplate, RecognisesFamiliesByTheirMarkers) {
             ChatFormat::kNone);
   EXPECT_EQ(ChatTemplate::FromGgufTemplate("{{ '### Human:' }}").format(), ChatFormat::kNone);
   EXPECT_EQ(ChatTemplate::FromGgufTemplate("").format(), ChatFormat::kNone);
+  // ChatML with a default system turn ellm does not know (SmolLM2's): it
+  // would be left out of every prompt, so not guessed; Qwen2.5's is known.
+  EXPECT_EQ(ChatTemplate::FromGgufTemplate(
+                "{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a "
+                "helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}{% endif %}"
+                "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}")
+                .format(),
+            ChatFormat::kNone);
+  EXPECT_EQ(ChatTemplate::FromGgufTemplate(kQwen25Marker).format(), ChatFormat::kChatMl);
+  // A generation prompt that opens the thinking block itself (QwQ), with the
+  // escape as Jinja source holds it or as a newline: not Qwen3's.
+  for (const char* qwq : {"{{- '<|im_start|>assistant\\n<think>\\n' }}", "{{- '<|im_start|>assistant\n<think>\n' }}"}) {
+    EXPECT_EQ(ChatTemplate::FromGgufTemplate(qwq).format(), ChatFormat::kNone) << qwq;
+  }
+  EXPECT_EQ(ChatTemplate::FromGgufTemplate("{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is false %}"
+                                           "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
+                .format(),
+            ChatFormat::kQwen3);
 }
 
 TEST(ChatTemplate, ChatMlExactWithQwenDefaultSystem) {

@@ -177,7 +177,7 @@ TEST(ModelConfigTest, OptionalKeysHonoured) {
   w.SetUint32("llama.attention.head_count_kv", 2);
   w.SetUint32("llama.attention.key_length", 16);  // head_dim need not be dim / heads
   w.SetUint32("llama.attention.value_length", 16);
-  w.SetUint32("llama.rope.dimension_count", 12);
+  w.SetUint32("llama.rope.dimension_count", 16);
   w.SetFloat32("llama.rope.freq_base", 500000.0f);
   w.SetFloat32("llama.attention.layer_norm_rms_epsilon", 1e-6f);
   absl::StatusOr<ModelConfig> c = ConfigOf(w);
@@ -188,9 +188,16 @@ TEST(ModelConfigTest, OptionalKeysHonoured) {
   EXPECT_EQ(c->q_dim(), 96);
   EXPECT_EQ(c->kv_dim(), 32);
   EXPECT_EQ(c->gqa_ratio(), 3);
-  EXPECT_EQ(c->rope_dims, 12);
+  EXPECT_EQ(c->rope_dims, 16);
   EXPECT_EQ(c->rope_base, 500000.0f);
   EXPECT_EQ(c->norm_eps, 1e-6f);
+  // Partial rotary (fewer rotated dimensions than the head's) is refused,
+  // as llama.cpp refuses it for these architectures: it was served, rotating
+  // the first 12 only.
+  w.SetUint32("llama.rope.dimension_count", 12);
+  c = ConfigOf(w);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("partial rotary"), std::string::npos) << c.status();
 }
 
 TEST(ModelConfigTest, VocabFromEmbeddingWithoutTokens) {
@@ -348,6 +355,13 @@ TEST(ModelConfigTest, RopeScalingKeysAsLlamaCppReadsThem) {
   EXPECT_EQ(c->rope_scaling.attn_factor, 1);
   EXPECT_NE(c->DebugString().find("yarn(x4, original context 64)"), std::string::npos);
 
+  // A yarn factor below 1: refused (it was served with a magnitude llama.cpp
+  // no longer uses).
+  w = MinimalLlama();
+  w.SetString("llama.rope.scaling.type", "yarn");
+  w.SetFloat32("llama.rope.scaling.factor", 0.5f);
+  EXPECT_TRUE(IsInvalid(ConfigOf(w).status(), "factor below 1"));
+
   // yarn without an original context: the model's context.
   w = MinimalLlama();
   w.SetString("llama.rope.scaling.type", "yarn");
@@ -414,7 +428,7 @@ TEST(ModelConfigTest, RopeFreqsTensorIsRead) {
 // A Llama 3.1 converted before llama.cpp wrote rope_freqs.weight looks like
 // a Llama 3 with a long context: refused, never served unscaled.
 TEST(ModelConfigTest, ALlama31WithoutItsRopeFreqsIsRefused) {
-  const std::vector<std::string> tokens = NumberedTokens(128256);
+  std::vector<std::string> tokens = NumberedTokens(128256);
   const auto llama3 = [&](uint32_t context) {
     GgufWriter w = MinimalLlama();
     w.SetStringArray("tokenizer.ggml.tokens", tokens);
@@ -423,6 +437,11 @@ TEST(ModelConfigTest, ALlama31WithoutItsRopeFreqsIsRefused) {
     return w;
   };
   EXPECT_TRUE(IsInvalid(ConfigOf(llama3(131072)).status(), "without its rope_freqs.weight tensor"));
+  // A fine-tune that added tokens too (it was served).
+  tokens.push_back("<|added_1|>");
+  tokens.push_back("<|added_2|>");
+  EXPECT_TRUE(IsInvalid(ConfigOf(llama3(131072)).status(), "without its rope_freqs.weight tensor"));
+  tokens.resize(128256);
   // Llama 3 itself (8192), and a Llama 3.1 with its factors, load.
   absl::StatusOr<ModelConfig> c = ConfigOf(llama3(8192));
   ASSERT_TRUE(c.ok()) << c.status();
@@ -441,7 +460,7 @@ TEST(ModelConfigTest, ALlama31WithoutItsRopeFreqsIsRefused) {
 // away, and its context is capped to the window, where full attention is
 // the same. v0.2's (rope base 1e6, no window) is not.
 TEST(ModelConfigTest, MistralV01IsCappedToItsWindow) {
-  const std::vector<std::string> tokens = NumberedTokens(32000);
+  std::vector<std::string> tokens = NumberedTokens(32000);
   const auto mistral = [&](float rope_base) {
     GgufWriter w = MinimalLlama();
     w.SetUint32("llama.block_count", 32);
@@ -460,6 +479,13 @@ TEST(ModelConfigTest, MistralV01IsCappedToItsWindow) {
   c = ConfigOf(mistral(1e6f));
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->context_length, 32768);
+  // A fine-tune with added tokens (OpenHermes-2.5: ChatML's two, 32002): it
+  // kept its 32768 and full attention.
+  tokens.push_back("<|im_end|>");
+  tokens.push_back("<|im_start|>");
+  c = ConfigOf(mistral(10000.0f));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->context_length, 4096);
 }
 
 // Every key and tensor that would change the computation, and that ellm
@@ -532,7 +558,9 @@ TEST(ModelConfigTest, UnimplementedFeaturesAreRefusedByName) {
   // routers, layers beyond block_count, q/k norms outside qwen3.
   for (const char* name : {"blk.0.attn_q.bias", "blk.0.attn_output.bias", "blk.0.ffn_gate_inp.weight",
                            "blk.2.attn_q.weight", "blk.x.attn_q.weight", "output.bias",
-                           "blk.1.attn_q_norm.weight", "rope_factors_long.weight"}) {
+                           "blk.1.attn_q_norm.weight", "rope_factors_long.weight",
+                           // layer numbers the loader never reads (they were ignored)
+                           "blk.01.attn_q.weight", "blk.+1.attn_q.weight", "blk. 1.attn_q.weight"}) {
     GgufWriter w = MinimalLlama();
     ASSERT_TRUE(w.AddTensor(name, {4}, DType::kF32, std::string(16, '\0')).ok());
     EXPECT_TRUE(IsInvalid(ConfigOf(w).status(), absl::StrCat("tensor '", name, "'"))) << name;
