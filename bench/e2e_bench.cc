@@ -84,6 +84,7 @@ class Launched {
       dup2(log, 2);
       std::vector<char*> argv;
       std::vector<std::string> copy = args;
+      copy.insert(copy.begin() + 1, "--drain-timeout-s=0");  // a stopped bench waits for no request
       for (std::string& a : copy) argv.push_back(a.data());
       argv.push_back(nullptr);
       execv(argv[0], argv.data());
