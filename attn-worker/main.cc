@@ -384,7 +384,10 @@ absl::Status Run(const AttnWorkerConfig& config) {
   std::unique_ptr<KvStore> store;
   if (!config.kv_store.empty()) {
     KvStoreLayout layout;
+    const absl::Time start = absl::Now();
+    LogInfo("KV store: fingerprinting the model file (%.1f MiB)...", static_cast<double>(file->size()) / 1048576.0);
     layout.model = file->Fingerprint();
+    LogInfo("KV store: model fingerprint %016x (%.1f s)", layout.model, absl::ToDoubleSeconds(absl::Now() - start));
     layout.dtype = kv.dtype;
     layout.block_tokens = kv.block_tokens;
     layout.layers = kv.layers;

@@ -84,13 +84,12 @@ class GgufFile {
 
   uint32_t version() const { return version_; }
   // The file's identity for caches derived from it (the KV store): a hash of
-  // its size, of every byte before the tensor data (metadata and tensor
-  // table), and of 64 bytes at the start, middle and end of every tensor (a
-  // re-export with other weights changes those; reading all the weights
-  // would cost a pass over the file at every start). Stable across runs
-  // and machines.
+  // every byte (a pass over the file: seconds for a large model). Stable
+  // across runs and machines. (It hashed the metadata and three 64-byte
+  // windows of each tensor: a model with other weights elsewhere matched.)
   uint64_t Fingerprint() const;
   uint64_t alignment() const { return alignment_; }
+  uint64_t size() const { return size_; }  // bytes of the file
   const std::string& path() const { return path_; }
 
   bool Has(std::string_view key) const;

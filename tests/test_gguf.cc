@@ -123,13 +123,14 @@ TEST(GgufSmallFileTest, Parses) {
 // fingerprint; other metadata, or other weights of the same size and
 // layout (a re-export), give another.
 TEST(GgufSmallFileTest, FingerprintSeesMetadataAndWeights) {
-  auto build = [](const std::string& name, float middle) {
+  auto build = [](const std::string& name, float middle, float elsewhere = 3.0f) {
     GgufWriter w;
     w.SetString("general.architecture", "llama");
     w.SetString("general.name", name);
     std::vector<float> weights(4096);
     for (int i = 0; i < 4096; ++i) weights[i] = 0.25f * static_cast<float>(i % 97);
     weights[2048] = middle;
+    weights[777] = elsewhere;
     EXPECT_TRUE(w.AddTensor("blk.0.attn_q.weight", {64, 64}, DType::kF32, Bytes(weights)).ok());
     return w.ToBytes();
   };
@@ -144,6 +145,15 @@ TEST(GgufSmallFileTest, FingerprintSeesMetadataAndWeights) {
   EXPECT_EQ(fingerprint(a), fingerprint(build("hello", 1.0f)));
   EXPECT_NE(fingerprint(a), fingerprint(build("hellp", 1.0f)));
   EXPECT_NE(fingerprint(a), fingerprint(build("hello", 2.0f))) << "weights in the middle of a tensor";
+  // Anywhere (it sampled three windows of each tensor: a same-size model with
+  // other weights elsewhere reused the KV store's blocks).
+  EXPECT_NE(fingerprint(a), fingerprint(build("hello", 1.0f, 3.5f))) << "weights away from the windows";
+  std::string flipped = a;
+  for (size_t i = a.size() - 4096 * 4 + 1000; i < a.size(); i += 4096) {
+    flipped[i] ^= 1;
+    EXPECT_NE(fingerprint(a), fingerprint(flipped)) << "byte " << i;
+    flipped[i] ^= 1;
+  }
 }
 
 // --- One test per corruption -----------------------------------------------
