@@ -159,8 +159,9 @@ void Scheduler::Admit() {
     }
     // A prefix that goes on inside the next block: the rows it shares with a
     // cached child of the last whole block are copied into the sequence's own
-    // block (the source is held until it retires, so no eviction below or by
-    // a later admission can drop it before the workers copy it).
+    // block (the source is held until the workers have copied it, at the next
+    // FlushKvOps, so no eviction below or by a later admission can drop it
+    // before).
     PrefixCache::Partial partial;
     if (Cacheable(*seq)) {
       const int start = static_cast<int>(keys.size()) * bt;
@@ -169,6 +170,12 @@ void Scheduler::Admit() {
       if (partial.rows > 0) cache_.Acquire({partial.key});
     }
     const int64_t own = seq->need - static_cast<int64_t>(keys.size());
+    if (own > blocks_free_ + cache_.evictable() && partial.rows > 0) {
+      // The held source is a block this request may need (one that needs
+      // the whole pool waited for ever): it goes without the copy.
+      cache_.Release({partial.key});
+      partial = {};
+    }
     if (own > blocks_free_ + cache_.evictable()) {
       if (partial.rows > 0) cache_.Release({partial.key});
       cache_.Release(keys);
@@ -539,7 +546,21 @@ void Scheduler::FlushKvOps() {
     std::swap(ops, pending_);
   }
   const absl::Status st = executor_->UpdateKv(ops);
-  if (st.ok()) return;
+  if (st.ok()) {
+    // The workers have copied the partial blocks of the sequences attached:
+    // their sources need not be held any longer (held to the end, each took
+    // a block from the pool for as long as its sequence ran).
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const KvOps::SequenceBlocks& a : ops.attach) {
+      if (a.partial_rows == 0) continue;
+      for (auto& s : running_) {
+        if (s->id != a.seq || s->partial.rows == 0 || s->partial.key != a.partial_key) continue;
+        cache_.Release({s->partial.key});
+        s->partial = {};
+      }
+    }
+    return;
+  }
   // A worker that did not apply them no longer holds what the scheduler
   // believes: nothing it computes can be trusted.
   LogError("KV update failed: %s", st.ToString());

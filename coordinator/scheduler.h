@@ -158,8 +158,9 @@ class Scheduler {
     // published; it holds one reference to each.
     std::vector<uint64_t> keys;
     int attached = 0;       // blocks it started with from the cache
-    // The cached block whose first rows it copied into its next block (rows
-    // 0: none); it holds a reference to it until it retires.
+    // The cached block whose first rows it copies into its next block (rows
+    // 0: none); it holds a reference to it until the workers have copied
+    // them (FlushKvOps).
     PrefixCache::Partial partial;
     bool tried_store = false;  // its KV-store blocks were asked for
     int cached_tokens = -1;    // prompt tokens attached at its first admission (-1: not yet)

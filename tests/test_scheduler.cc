@@ -1293,6 +1293,54 @@ TEST_F(PrefixCacheTest, EvictsLeastRecentlyUsedUnreferencedBlocksOnlyWhenRoomIsN
   exec_.ExpectConsistent(true);
 }
 
+// A partial hit holds its source block only until the workers have copied
+// it: a request that needs the whole pool still runs (it waited for ever, and
+// every request behind it), and two that fill the pool together run side by
+// side as they do without the cache (they ran one after the other).
+TEST_F(PrefixCacheTest, APartialHitNeverCostsARequestItsRoom) {
+  options_.kv_blocks = 8;  // 128 positions
+  Start();
+  RunOne(Prompt(420, 5), 1);  // leaves a cached partial block of 5 rows
+  ASSERT_TRUE(AllReleased());
+  ASSERT_EQ(scheduler_->Stats().kv_blocks_cached, 1);
+  // Sharing its first 4 tokens: prompt 100 + 28 = the whole pool.
+  std::vector<int32_t> whole = Prompt(420, 4);
+  for (int i = 0; i < 96; ++i) whole.push_back(kFirstPiece + 50 + i % 100);
+  std::shared_ptr<RequestStream> big = Submit(whole, 28);
+  std::shared_ptr<RequestStream> small = Submit(Prompt(421, 3), 2);
+  const Outcome b = Collect(*big);
+  ASSERT_TRUE(b.finished && b.error.ok()) << b.error;
+  EXPECT_EQ(b.tokens.size(), 28u);
+  const Outcome s = Collect(*small);
+  EXPECT_TRUE(s.finished && s.error.ok()) << s.error;
+  ASSERT_TRUE(AllReleased());
+
+  // Two of 4 blocks each, both with a partial hit on the same cached block.
+  RunOne(Prompt(430, 5), 1);
+  ASSERT_TRUE(AllReleased());
+  std::vector<std::shared_ptr<RequestStream>> pair;
+  for (int k = 0; k < 2; ++k) {
+    std::vector<int32_t> p = Prompt(430, 4);
+    for (int i = 0; i < 36; ++i) p.push_back(kFirstPiece + 100 + k * 50 + i);
+    pair.push_back(Submit(p, 24));  // 40 + 24 = 64 positions: 4 blocks
+  }
+  for (auto& stream : pair) {
+    const Outcome o = Collect(*stream);
+    ASSERT_TRUE(o.finished && o.error.ok()) << o.error;
+  }
+  const std::map<uint64_t, SeqTrace> traces = Traces(exec_.plans());
+  std::vector<std::pair<size_t, size_t>> spans;  // plans each of the last two sequences ran in
+  for (auto it = traces.rbegin(); it != traces.rend() && spans.size() < 2; ++it) {
+    spans.push_back({it->second.plan_index.front(), it->second.plan_index.back()});
+  }
+  ASSERT_EQ(spans.size(), 2u);
+  EXPECT_TRUE(spans[0].first <= spans[1].second && spans[1].first <= spans[0].second)
+      << "the two ran one after the other: plans " << spans[1].first << "-" << spans[1].second << " then "
+      << spans[0].first << "-" << spans[0].second;
+  EXPECT_TRUE(AllReleased());
+  exec_.ExpectConsistent(true);
+}
+
 TEST_F(PrefixCacheTest, AFailedKvUpdateBreaksTheScheduler) {
   Start();
   const auto [first, id] = RunOne(Prompt(380, 40), 2);
