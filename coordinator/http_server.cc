@@ -174,7 +174,8 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     if (ec) return Close();  // a timeout, a reset, a request cut short
     const http::request<http::string_body>& req = parser_->get();
-    keep_alive_ = req.keep_alive();
+    // A server that stops (drains) asks kept-alive clients to go elsewhere.
+    keep_alive_ = req.keep_alive() && server_->scheduler->admitting();
     version_ = req.version();
     head_ = req.method() == http::verb::head;
     try {
@@ -451,6 +452,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void Send(int status, std::string body, const char* content_type) {
+    if (!server_->scheduler->admitting()) keep_alive_ = false;  // draining: the last answer here
     auto res = std::make_shared<http::response<http::string_body>>(static_cast<http::status>(status), version_);
     res->set(http::field::content_type, content_type);
     res->set(http::field::server, "ellm");

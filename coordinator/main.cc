@@ -140,7 +140,9 @@ absl::StatusOr<CoordinatorConfig> ConfigFromFlags(const Args& args) {
   if (c.http_max_body_mb <= 0) return absl::InvalidArgumentError("--http-max-body-mb must be positive");
   if (c.http_max_connections <= 0) return absl::InvalidArgumentError("--http-max-connections must be positive");
   if (c.client_write_timeout_s <= 0) return absl::InvalidArgumentError("--client-write-timeout-s must be positive");
-  if (drain_timeout_s < 0) return absl::InvalidArgumentError("--drain-timeout-s must not be negative");
+  if (drain_timeout_s < 0 || drain_timeout_s > 86400) {
+    return absl::InvalidArgumentError("--drain-timeout-s must be 0..86400");
+  }
   c.drain_timeout = absl::Seconds(drain_timeout_s);
   c.prefix_cache = args.GetBool("prefix-cache");
   c.allow_synthetic_context = args.GetBool("allow-synthetic-context");
@@ -251,7 +253,7 @@ void Drain(absl::Duration timeout, Scheduler* scheduler, const HttpServer* http)
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
-  LogInfo("drained: no request in flight after %.1f s", absl::ToDoubleSeconds(absl::Now() - start));
+  LogInfo("drain over: no request in flight after %.1f s", absl::ToDoubleSeconds(absl::Now() - start));
 }
 
 absl::Status Run(const CoordinatorConfig& config) {
@@ -394,8 +396,9 @@ absl::Status Run(const CoordinatorConfig& config) {
     }
     health->SetServingStatus(false);
   };
-  scheduler.on_recovering = [health](bool recovering) {
-    health->SetServingStatus(!recovering);  // NOT_SERVING while the workers restart
+  scheduler.on_recovering = [health, &scheduler](bool recovering) {
+    // NOT_SERVING while the workers restart, and after it during a drain.
+    health->SetServingStatus(!recovering && scheduler.admitting());
   };
   LogInfo("serving on %s (%d KV blocks of %d positions, batch up to %d, prefix cache %s)",
           config.listen, kv_blocks, block_tokens, config.max_batch, config.prefix_cache ? "on" : "off");

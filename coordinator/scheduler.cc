@@ -35,7 +35,7 @@ void Scheduler::Stop() {
   if (thread_.joinable()) thread_.join();
   // Anything still queued or running ends now.
   std::lock_guard<std::mutex> lock(mu_);
-  const absl::Status status = absl::UnavailableError("the server is shutting down");
+  const absl::Status status = absl::UnavailableError("the server is shutting down: it stopped before this request ended");
   for (auto& s : waiting_) s->stream->Push({.finished = true, .error = status});
   for (auto& s : running_) s->stream->Push({.finished = true, .error = status});
   waiting_.clear();
@@ -83,7 +83,9 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Submit(GenerateOptions
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_) return broken_status_;
-    if (stop_ || !admitting_.load()) return absl::UnavailableError("the server is shutting down");
+    if (stop_ || !admitting_.load()) {
+      return absl::UnavailableError("the server is shutting down: it takes no new requests");
+    }
     if (static_cast<int>(waiting_.size()) >= options_.max_queue) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "the wait queue is full (", options_.max_queue, " requests wait for KV space or a batch slot)"));

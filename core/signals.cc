@@ -24,6 +24,25 @@ void InstallStopSignalHandlers() {
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  // A process started with them blocked (ellm-launch starts its children so)
+  // gets what arrived meanwhile now, in the handler.
+  UnblockStopSignals();
+}
+
+void BlockStopSignals(sigset_t* previous) {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  sigprocmask(SIG_BLOCK, &set, previous);
+}
+
+void UnblockStopSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  sigprocmask(SIG_UNBLOCK, &set, nullptr);
 }
 
 bool StopRequested() { return g_stop.load(std::memory_order_relaxed); }

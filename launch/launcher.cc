@@ -127,8 +127,17 @@ absl::StatusOr<std::string> FindModel(const std::string& flag) {
 
 pid_t Spawn(const std::vector<std::string>& argv) {
   const pid_t parent = getpid();
+  // The child starts with SIGINT and SIGTERM blocked, through exec, until its
+  // main installs its handlers (InstallStopSignalHandlers unblocks them): a
+  // stop sent between fork and exec would otherwise run this process's
+  // handler in the child and be lost at exec (the child then served on).
+  sigset_t previous;
+  BlockStopSignals(&previous);
   pid_t pid = fork();
-  if (pid != 0) return pid;
+  if (pid != 0) {
+    sigprocmask(SIG_SETMASK, &previous, nullptr);
+    return pid;
+  }
   // Child: die with the launcher, own process group for signals from the terminal.
   prctl(PR_SET_PDEATHSIG, SIGTERM);
   if (getppid() != parent) _exit(1);
@@ -597,38 +606,50 @@ int Launch::Serve() {
 void Launch::StopAll() {
   if (stopped_) return;
   stopped_ = true;
-  // Coordinator first: it refuses new requests and lets those in flight end
-  // (up to --drain-timeout-s; a second signal to the launcher is passed on,
-  // which ends them at once), while the workers still serve them. Then the
-  // workers.
-  for (auto it = children_.rbegin(); it != children_.rend(); ++it) {
-    Child& c = *it;
-    if (c.pid <= 0 || c.exited) continue;
-    kill(c.pid, SIGTERM);
-    const bool coordinator = &c == &children_.back();
-    const absl::Duration wait = absl::Seconds(5 + (coordinator ? c_.drain_timeout_s : 0));
+  // SIGTERM to `group`, then up to `wait` for all of them to exit (a second
+  // signal to the launcher meanwhile is passed on); SIGKILL for the rest.
+  auto stop = [this](const std::vector<Child*>& group, absl::Duration wait) {
+    for (Child* c : group) kill(c->pid, SIGTERM);
     const absl::Time deadline = absl::Now() + wait;
     int signals = StopSignals();
-    while (absl::Now() < deadline) {
-      int status = 0;
-      if (waitpid(c.pid, &status, WNOHANG) == c.pid) {
-        c.exited = true;
-        c.status = status;
-        break;
+    for (;;) {
+      bool running = false;
+      for (Child* c : group) {
+        int status = 0;
+        if (!c->exited && waitpid(c->pid, &status, WNOHANG) == c->pid) {
+          c->exited = true;
+          c->status = status;
+        }
+        running = running || !c->exited;
       }
+      if (!running || absl::Now() >= deadline) break;
       if (StopSignals() > signals) {
         signals = StopSignals();
-        kill(c.pid, SIGTERM);
+        for (Child* c : group) {
+          if (!c->exited) kill(c->pid, SIGTERM);
+        }
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
-    if (!c.exited) {
-      LogWarning("%s (pid %d) did not stop within %s; killing it", c.name, c.pid, absl::FormatDuration(wait));
-      kill(c.pid, SIGKILL);
-      waitpid(c.pid, &c.status, 0);
-      c.exited = true;
+    for (Child* c : group) {
+      if (c->exited) continue;
+      LogWarning("%s (pid %d) did not stop within %s; killing it", c->name, c->pid, absl::FormatDuration(wait));
+      kill(c->pid, SIGKILL);
+      waitpid(c->pid, &c->status, 0);
+      c->exited = true;
     }
+  };
+  // Coordinator first: it refuses new requests and lets those in flight end
+  // (up to --drain-timeout-s; a second signal to the launcher is passed on,
+  // which ends them at once), while the workers still serve them. Then the
+  // workers, all at once.
+  std::vector<Child*> coordinator, workers;
+  for (Child& c : children_) {
+    if (c.pid <= 0 || c.exited) continue;
+    (&c == &children_.back() ? coordinator : workers).push_back(&c);
   }
+  stop(coordinator, absl::Seconds(5) + absl::Seconds(c_.drain_timeout_s));
+  stop(workers, absl::Seconds(5));
   RemoveSegments();
 }
 
@@ -809,8 +830,8 @@ int Main(int argc, char** argv) {
     LogError("--heartbeat-ms, --min-step-timeout-s and --client-write-timeout-s must be positive");
     return 2;
   }
-  if (c.drain_timeout_s < 0) {
-    LogError("--drain-timeout-s must not be negative");
+  if (c.drain_timeout_s < 0 || c.drain_timeout_s > 86400) {
+    LogError("--drain-timeout-s must be 0..86400");
     return 2;
   }
   if (c.q8_act_bits != 8 && c.q8_act_bits != 7) {

@@ -840,7 +840,7 @@ TEST(Http, SigtermLetsTheRequestsInFlightFinish) {
     }
     const int status = system.WaitExit();
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << system.Log();
-    EXPECT_NE(system.Log().find(second_signal ? "stopping at once: " : "drained: no request in flight"),
+    EXPECT_NE(system.Log().find(second_signal ? "stopping at once: " : "drain over: no request in flight"),
               std::string::npos)
         << system.Log();
     EXPECT_EQ(system.Log().find("killing it"), std::string::npos) << system.Log();

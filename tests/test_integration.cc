@@ -614,6 +614,7 @@ TEST(Integration, LauncherRefusesBadModelsAndSplits) {
       {{"--model=" + kStories, "--kv-dtype=q4"}, "--kv-dtype: unknown KV dtype"},
       {{"--model=" + kStories, "--backend=gpu"}, "--backend: unknown MLP backend 'gpu'"},
       {{"--model=" + kStories, "--cpu-weights=f16"}, "--cpu-weights: unknown CPU weight mode"},
+      {{"--model=" + kStories, "--drain-timeout-s=2147483647"}, "--drain-timeout-s must be 0..86400"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> args = c.args;
@@ -738,6 +739,47 @@ TEST(Integration, AModelThatFailsToLoadEndsTheLaunchQuickly) {
   EXPECT_EQ(system.Log().find("did not stop within 5 s"), std::string::npos) << system.Log();
   EXPECT_TRUE(LeftoverSegments(system.pid()).empty());
   fs::remove_all(dir);
+}
+
+// A stop that comes while the launcher starts its processes is never lost:
+// the launch ends within seconds whenever it comes. (A SIGTERM that reached
+// the coordinator between fork and exec ran the launcher's handler there and
+// was lost at exec: the coordinator served on until the launcher killed it
+// 35 s later.) The delays sweep the start-up, the coordinator's start too.
+TEST(Integration, AStopDuringStartUpIsNeverLost) {
+  const std::string log = absl::StrCat("/tmp/ellm-test-startstop-", getpid(), ".log");
+  for (int delay_ms = 0; delay_ms <= 150; delay_ms += 5) {
+    const std::string port = absl::StrCat("--port=", FreePort());
+    const std::string model = "--model=" + kStories;
+    const std::string launcher = std::string(ELLM_BINARY_DIR) + "/ellm-launch";
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      execl(launcher.c_str(), launcher.c_str(), model.c_str(), port.c_str(), "--http-port=0", "--no-numactl",
+            "--attn-workers=1", "--drain-timeout-s=30", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    kill(pid, SIGTERM);
+    int status = 0;
+    bool exited = false;
+    for (int i = 0; i < 200 && !exited; ++i) {  // 10 s
+      exited = waitpid(pid, &status, WNOHANG) == pid;
+      if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    std::ifstream in(log);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (!exited) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+    }
+    ASSERT_TRUE(exited) << "SIGTERM " << delay_ms << " ms after the launch: not stopped within 10 s\n" << text;
+    EXPECT_EQ(text.find("did not stop within"), std::string::npos) << delay_ms << " ms\n" << text;
+    EXPECT_TRUE(LeftoverSegments(pid).empty()) << delay_ms << " ms";
+  }
+  std::remove(log.c_str());
 }
 
 // A launcher killed with SIGKILL cannot clean up; the next one removes what
