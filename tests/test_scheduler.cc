@@ -1318,12 +1318,20 @@ TEST_F(PrefixCacheTest, APartialHitNeverCostsARequestItsRoom) {
   // Two of 4 blocks each, both with a partial hit on the same cached block.
   RunOne(Prompt(430, 5), 1);
   ASSERT_TRUE(AllReleased());
+  // The second arrives while the first's prefill step runs (held), after
+  // the first's copy was flushed to the workers.
   std::vector<std::shared_ptr<RequestStream>> pair;
+  const int runs = static_cast<int>(exec_.plans().size());
+  exec_.Hold();
   for (int k = 0; k < 2; ++k) {
     std::vector<int32_t> p = Prompt(430, 4);
     for (int i = 0; i < 36; ++i) p.push_back(kFirstPiece + 100 + k * 50 + i);
     pair.push_back(Submit(p, 24));  // 40 + 24 = 64 positions: 4 blocks
+    if (k == 0) {
+      ASSERT_TRUE(exec_.WaitForRuns(runs + 1));
+    }
   }
+  exec_.Release();
   for (auto& stream : pair) {
     const Outcome o = Collect(*stream);
     ASSERT_TRUE(o.finished && o.error.ok()) << o.error;
