@@ -543,7 +543,9 @@ int Launch::Serve() {
   absl::Time healthy_since = absl::Now();
   const size_t workers = children_.size() - 1;
   while (!StopRequested()) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    // A stop is passed on to the coordinator within 20 ms (it then refuses
+    // new requests).
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
     Reap();
     // What died since the last pass (the coordinator named first: it takes
     // everything down with it).
@@ -608,7 +610,7 @@ void Launch::StopAll() {
   stopped_ = true;
   // SIGTERM to `group`, then up to `wait` for all of them to exit (a second
   // signal to the launcher meanwhile is passed on); SIGKILL for the rest.
-  auto stop = [this](const std::vector<Child*>& group, absl::Duration wait) {
+  auto stop = [](const std::vector<Child*>& group, absl::Duration wait) {
     for (Child* c : group) kill(c->pid, SIGTERM);
     const absl::Time deadline = absl::Now() + wait;
     int signals = StopSignals();

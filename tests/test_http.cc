@@ -802,7 +802,7 @@ TEST(Http, SigtermLetsTheRequestsInFlightFinish) {
       if (!running) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     ASSERT_TRUE(running);
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // past their prefill
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // past their prefill and its KV update
     for (pid_t w : workers) kill(w, SIGSTOP);
     kill(system.pid(), SIGTERM);
     // Once the coordinator has the signal (/health: 503), new requests are refused.
