@@ -216,8 +216,8 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
 // ones (and their last HTTP bytes) go on to their end, for at most `timeout`
 // or until a second SIGINT / SIGTERM. What is left then ends with
 // UNAVAILABLE (Scheduler::Stop).
+// The caller has stopped admissions (Scheduler::StopAdmitting).
 void Drain(absl::Duration timeout, Scheduler* scheduler, const HttpServer* http) {
-  scheduler->StopAdmitting();
   // The scheduler's requests, or 1 while HTTP responses are still going out.
   auto in_flight = [&] {
     const SchedulerStats st = scheduler->Stats();

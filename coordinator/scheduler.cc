@@ -178,8 +178,7 @@ void Scheduler::Admit() {
       cache_.Release({partial.key});
       partial = {};
     }
-    if (own > blocks_free_ + cache_.evictable()) {
-      if (partial.rows > 0) cache_.Release({partial.key});
+    if (own > blocks_free_ + cache_.evictable()) {  // (and no partial copy: released above)
       cache_.Release(keys);
       break;  // first come, first served: wait for room
     }
@@ -555,11 +554,10 @@ void Scheduler::FlushKvOps() {
     std::lock_guard<std::mutex> lock(mu_);
     for (const KvOps::SequenceBlocks& a : ops.attach) {
       if (a.partial_rows == 0) continue;
-      for (auto& s : running_) {
-        if (s->id != a.seq || s->partial.rows == 0 || s->partial.key != a.partial_key) continue;
-        cache_.Release({s->partial.key});
-        s->partial = {};
-      }
+      const auto s = std::find_if(running_.begin(), running_.end(), [&a](const auto& r) { return r->id == a.seq; });
+      if (s == running_.end() || (*s)->partial.rows == 0 || (*s)->partial.key != a.partial_key) continue;
+      cache_.Release({a.partial_key});
+      (*s)->partial = {};
     }
     return;
   }

@@ -15,6 +15,13 @@ void OnSignal(int) {
   g_signals.fetch_add(1);
   g_stop.store(true);
 }
+sigset_t StopSignalSet() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  return set;
+}
 }  // namespace
 
 void InstallStopSignalHandlers() {
@@ -30,18 +37,12 @@ void InstallStopSignalHandlers() {
 }
 
 void BlockStopSignals(sigset_t* previous) {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
+  const sigset_t set = StopSignalSet();
   sigprocmask(SIG_BLOCK, &set, previous);
 }
 
 void UnblockStopSignals() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
+  const sigset_t set = StopSignalSet();
   sigprocmask(SIG_UNBLOCK, &set, nullptr);
 }
 

@@ -289,7 +289,7 @@ absl::Status Run(const MlpWorkerConfig& config) {
   for (size_t i = 0; i < config.shards.size(); ++i) {
     LogInfo("connecting to attn-worker %d (channel %s)", static_cast<int>(i), config.shards[i].channel);
     ASSIGN_OR_RETURN(auto channel, shm::Channel::Open(config.shards[i].channel, config.connect_timeout,
-                                                      [] { return StopRequested(); }));
+                                                      StopRequested));
     links.push_back({static_cast<int>(i), config.shards[i].heads, channel.get()});
     channels.push_back(std::move(channel));
   }
