@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <fstream>
 #include <cstdio>
@@ -271,7 +272,11 @@ absl::Status Run(const CoordinatorConfig& config) {
   wo.recovery_timeout = config.recovery_timeout;
   wo.min_step_timeout = config.min_step_timeout;
   wo.heartbeat_timeout = std::max(config.heartbeat, absl::Milliseconds(500));
-  wo.stop = [] { return StopRequested(); };
+  // A recovery goes on during a drain (the launcher still replaces dead
+  // workers then, and the requests in flight resume); it is given up when
+  // the drain is over.
+  std::atomic<bool> drained{false};
+  wo.stop = [&drained] { return drained.load(); };
   ASSIGN_OR_RETURN(wo.control_secret,
                    CallSecret::FromFile(CallSecret::Kind::kControl, config.control_secret_file));
   ASSIGN_OR_RETURN(std::unique_ptr<Workers> workers, Workers::Connect(wo));
@@ -457,6 +462,7 @@ absl::Status Run(const CoordinatorConfig& config) {
   scheduler.StopAdmitting();
   health->SetServingStatus(false);
   if (exit_status.ok()) Drain(config.drain_timeout, &scheduler, http.get());
+  drained = true;
   LogInfo("stopping");
   scheduler.Stop();
   // The ended requests' last events (their errors) still go out, briefly.

@@ -262,11 +262,21 @@ class Launch {
   absl::Status Respawn(size_t first, size_t end);
   // Waits until children [first, end) answer their health checks.
   absl::Status WaitHealthy(size_t first, size_t end, absl::Duration timeout);
+  // Once serving: passes each new stop signal on to the coordinator (the
+  // first starts its drain, a second ends it at once).
+  void PassOnStop();
+  // Once serving: true after a second stop signal or past the drain's
+  // deadline; before, after any stop signal (start-up is simply cut short).
+  bool StopNow() const;
 
   LaunchConfig c_;
   std::string prefix_;   // of every shared-memory segment of this launch
   std::string run_dir_;  // control sockets
   std::vector<Child> children_;
+  bool serving_ = false;
+  bool draining_ = false;        // the coordinator has its first SIGTERM
+  absl::Time drain_deadline_;    // for the coordinator to end its drain
+  int signals_passed_ = 0;
   bool stopped_ = false;
 };
 
@@ -478,7 +488,8 @@ absl::Status Launch::WaitHealthy(size_t first, size_t end, absl::Duration timeou
                                                      " during start-up; see its log above"));
         }
       }
-      if (StopRequested()) return absl::CancelledError("interrupted during start-up");
+      PassOnStop();
+      if (StopNow()) return absl::CancelledError("interrupted during start-up");
       if (absl::Now() > deadline) {
         return absl::DeadlineExceededError(absl::StrCat(child.name, " did not become healthy within ",
                                                         absl::FormatDuration(timeout)));
@@ -528,6 +539,24 @@ absl::Status Launch::Respawn(size_t first, size_t end) {
   return WaitHealthy(first, end, absl::Seconds(c_.ready_timeout_s));
 }
 
+void Launch::PassOnStop() {
+  if (!serving_ || StopSignals() == signals_passed_) return;
+  signals_passed_ = StopSignals();
+  Child& coordinator = children_.back();
+  if (!draining_) {
+    draining_ = true;
+    drain_deadline_ = absl::Now() + absl::Seconds(5) + absl::Seconds(c_.drain_timeout_s);
+    LogInfo("stopping ellm: the coordinator refuses new requests and lets those in flight end (up to %d s; "
+            "Ctrl-C again to end them at once)", c_.drain_timeout_s);
+  }
+  if (coordinator.pid > 0 && !coordinator.exited) kill(coordinator.pid, SIGTERM);
+}
+
+bool Launch::StopNow() const {
+  if (!serving_) return StopRequested();
+  return StopSignals() >= 2 || (draining_ && absl::Now() >= drain_deadline_);
+}
+
 int Launch::Serve() {
   // Restarts: the workers (children_ but the last, the coordinator) are
   // replaced together when one of them dies, the coordinator resuming its
@@ -538,15 +567,22 @@ int Launch::Serve() {
   // is not healthy within --ready-timeout), or when a set dies within
   // kStable of being healthy; a killed worker that had been serving
   // restarts at once.
+  // A stop signal starts the coordinator's drain; the workers are still
+  // replaced meanwhile, so that the requests in flight end as they would
+  // have. The drain ends with the coordinator's exit, a second signal or
+  // --drain-timeout-s (StopAll).
   constexpr absl::Duration kStable = absl::Seconds(2);
+  serving_ = true;
   int streak = 0;
   absl::Time healthy_since = absl::Now();
   const size_t workers = children_.size() - 1;
-  while (!StopRequested()) {
+  for (;;) {
     // A stop is passed on to the coordinator within 20 ms (it then refuses
     // new requests).
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    PassOnStop();
     Reap();
+    if (StopNow() || (draining_ && children_.back().exited)) break;
     // What died since the last pass (the coordinator named first: it takes
     // everything down with it).
     const Child* dead = nullptr;
@@ -585,8 +621,11 @@ int Launch::Serve() {
                  end == children_.size() ? "every process" : "the workers (the coordinator resumes its requests)",
                  backoff > absl::ZeroDuration() ? absl::StrCat(" in ", absl::FormatDuration(backoff)) : "");
       KillChildren(0, end);
-      absl::SleepFor(backoff);
-      if (StopRequested()) break;
+      for (const absl::Time until = absl::Now() + backoff; absl::Now() < until && !StopNow();) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        PassOnStop();
+      }
+      if (StopNow()) break;
       const absl::Time start = absl::Now();
       const absl::Status st = Respawn(0, end);
       if (st.ok()) {
@@ -594,64 +633,67 @@ int Launch::Serve() {
         LogInfo("restarted in %.1f s", absl::ToDoubleSeconds(healthy_since - start));
         break;
       }
-      if (st.code() == absl::StatusCode::kCancelled) break;  // a stop signal
+      if (st.code() == absl::StatusCode::kCancelled) break;  // stopping at once
       why = absl::StrCat("the restart failed: ", st.message());
       ++streak;
       Reap();
       if (children_[workers].exited) end = children_.size();  // the coordinator went too
     }
   }
-  LogInfo("stopping ellm");
   return 0;
 }
 
 void Launch::StopAll() {
   if (stopped_) return;
   stopped_ = true;
-  // SIGTERM to `group`, then up to `wait` for all of them to exit (a second
-  // signal to the launcher meanwhile is passed on); SIGKILL for the rest.
-  auto stop = [](const std::vector<Child*>& group, absl::Duration wait) {
-    for (Child* c : group) kill(c->pid, SIGTERM);
-    const absl::Time deadline = absl::Now() + wait;
-    int signals = StopSignals();
-    for (;;) {
-      bool running = false;
-      for (Child* c : group) {
-        int status = 0;
-        if (!c->exited && waitpid(c->pid, &status, WNOHANG) == c->pid) {
-          c->exited = true;
-          c->status = status;
-        }
-        running = running || !c->exited;
-      }
-      if (!running || absl::Now() >= deadline) break;
-      if (StopSignals() > signals) {
-        signals = StopSignals();
-        for (Child* c : group) {
-          if (!c->exited) kill(c->pid, SIGTERM);
-        }
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  auto reaped = [](Child& c) {
+    int status = 0;
+    if (!c.exited && waitpid(c.pid, &status, WNOHANG) == c.pid) {
+      c.exited = true;
+      c.status = status;
     }
+    return c.exited;
+  };
+  auto kill_rest = [](const std::vector<Child*>& group, absl::Duration waited) {
     for (Child* c : group) {
       if (c->exited) continue;
-      LogWarning("%s (pid %d) did not stop within %s; killing it", c->name, c->pid, absl::FormatDuration(wait));
+      LogWarning("%s (pid %d) did not stop within %s; killing it", c->name, c->pid, absl::FormatDuration(waited));
       kill(c->pid, SIGKILL);
       waitpid(c->pid, &c->status, 0);
       c->exited = true;
     }
   };
-  // Coordinator first: it refuses new requests and lets those in flight end
-  // (up to --drain-timeout-s; a second signal to the launcher is passed on,
-  // which ends them at once), while the workers still serve them. Then the
-  // workers, all at once.
   std::vector<Child*> coordinator, workers;
   for (Child& c : children_) {
     if (c.pid <= 0 || c.exited) continue;
     (&c == &children_.back() ? coordinator : workers).push_back(&c);
   }
-  stop(coordinator, absl::Seconds(5) + absl::Seconds(c_.drain_timeout_s));
-  stop(workers, absl::Seconds(5));
+  // Coordinator first: it refuses new requests and lets those in flight end
+  // (up to --drain-timeout-s; a second signal to the launcher is passed on,
+  // which ends them at once), while the workers still serve them (Serve
+  // replaced any that died meanwhile). Then the workers, all at once.
+  if (!coordinator.empty()) {
+    if (!draining_) {
+      // Start-up cut short, or Serve gave up: no drain was asked for.
+      serving_ = draining_ = true;
+      drain_deadline_ = absl::Now() + absl::Seconds(5) + absl::Seconds(c_.drain_timeout_s);
+      signals_passed_ = StopSignals();
+      kill(coordinator[0]->pid, SIGTERM);
+    }
+    while (!reaped(*coordinator[0]) && absl::Now() < drain_deadline_) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      PassOnStop();
+    }
+    kill_rest(coordinator, absl::Seconds(5) + absl::Seconds(c_.drain_timeout_s));
+  }
+  for (Child* c : workers) kill(c->pid, SIGTERM);
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(5); absl::Now() < deadline;) {
+    bool running = false;
+    for (Child* c : workers) running = !reaped(*c) || running;
+    if (!running) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  kill_rest(workers, absl::Seconds(5));
   RemoveSegments();
 }
 

@@ -766,12 +766,15 @@ TEST(Http, AScrapeWaitingOnAFrozenWorkerHoldsNothingElse) {
 
 // A graceful stop: on SIGTERM the requests in flight (gRPC, HTTP streamed
 // and whole) run to their end with every token while new ones are refused
-// and /health answers 503; a second SIGTERM ends what is left at once. The
-// attention workers are stopped meanwhile, so that nothing can end before
-// the signal.
+// and /health answers 503, also when a worker dies during the drain (it is
+// replaced and they resume); a second SIGTERM ends what is left at once.
+// The attention workers are stopped meanwhile, so that nothing can end
+// before the signal.
 TEST(Http, SigtermLetsTheRequestsInFlightFinish) {
-  for (const bool second_signal : {false, true}) {
-    SCOPED_TRACE(second_signal ? "a second SIGTERM" : "one SIGTERM");
+  enum class Then { kNothing, kSecondSignal, kWorkerDies };
+  for (const Then then : {Then::kNothing, Then::kSecondSignal, Then::kWorkerDies}) {
+    const bool second_signal = then == Then::kSecondSignal;
+    SCOPED_TRACE(second_signal ? "a second SIGTERM" : then == Then::kWorkerDies ? "a worker dies" : "one SIGTERM");
     EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--kv-dtype=f32",
                        "--heartbeat-ms=5000", "--min-step-timeout-s=60", "--drain-timeout-s=60"});
     ASSERT_TRUE(system.ready()) << system.Log();
@@ -828,6 +831,7 @@ TEST(Http, SigtermLetsTheRequestsInFlightFinish) {
       EXPECT_NE(streamed.get().body.find("shutting down"), std::string::npos);
       for (pid_t w : workers) kill(w, SIGCONT);
     } else {
+      if (then == Then::kWorkerDies) kill(workers[0], SIGKILL);
       for (pid_t w : workers) kill(w, SIGCONT);
       const Generated g = grpc_call.get();
       ASSERT_TRUE(g.status.ok()) << g.status.error_message();
@@ -844,6 +848,8 @@ TEST(Http, SigtermLetsTheRequestsInFlightFinish) {
               std::string::npos)
         << system.Log();
     EXPECT_EQ(system.Log().find("killing it"), std::string::npos) << system.Log();
+    EXPECT_EQ(system.Log().find("restarting the workers") != std::string::npos, then == Then::kWorkerDies)
+        << system.Log();
     EXPECT_TRUE(LeftoverSegments(system.pid()).empty());
   }
 }
