@@ -164,7 +164,12 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
   o.sampling.top_p = s.has_top_p() ? s.top_p() : 1.0f;
   o.sampling.top_logprobs = r.top_logprobs();
   RETURN_IF_ERROR(ValidateSamplingParams(o.sampling, config_.vocab_size));
-  o.seed = s.has_seed() ? s.seed() : std::random_device{}() * 0x100000001ULL;
+  if (s.has_seed()) {
+    o.seed = s.seed();
+  } else {
+    std::random_device rd;  // 32 bits a call
+    o.seed = uint64_t{rd()} << 32 | rd();
+  }
   if (r.synthetic_context() < 0) {
     return absl::InvalidArgumentError("synthetic_context must not be negative");
   }

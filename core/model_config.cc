@@ -398,13 +398,14 @@ absl::StatusOr<ModelConfig> ModelConfig::FromGguf(const GgufFile& file) {
   ASSIGN_OR_RETURN(c.rope_scaling, ReadRopeScaling(file, p, c.context_length));
   RETURN_IF_ERROR(CheckMetadataKeys(file, c.arch));
   RETURN_IF_ERROR(c.Validate());
-  // Partial rotary: llama.cpp refuses it for these architectures (the
-  // converter's q/k permutation spans the whole head), so what such a file
-  // means is not known; rotating only its first dimensions would be a guess.
+  // Partial rotary: llama.cpp refuses it for llama (the converter's q/k
+  // permutation spans the whole head), and the Qwen2 and Qwen3 models rotate
+  // whole heads, so what such a file means is not known; rotating only its
+  // first dimensions would be a guess.
   if (c.rope_dims != c.head_dim) {
     return absl::InvalidArgumentError(absl::StrCat(
         p, "rope.dimension_count is ", c.rope_dims, ", less than the head dimension ", c.head_dim,
-        " (partial rotary): '", c.arch, "' rotates whole heads (llama.cpp refuses such files too)"));
+        " (partial rotary): '", c.arch, "' rotates whole heads"));
   }
   RETURN_IF_ERROR(CheckTensorNames(file, c, *traits));
   ASSIGN_OR_RETURN(c.rope_freq_factors, ReadRopeFreqs(file, c.rope_dims));

@@ -13,9 +13,8 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int vocab_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("temperature must be in [0, 100], got ", p.temperature));
   }
-  if (p.top_k < 0 || p.top_k > vocab_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_k must be in [0, ", vocab_size, "], got ", p.top_k));
+  if (p.top_k < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("top_k must not be negative, got ", p.top_k));
   }
   if (!std::isfinite(p.top_p) || p.top_p <= 0 || p.top_p > 1) {
     return absl::InvalidArgumentError(absl::StrCat("top_p must be in (0, 1], got ", p.top_p));
@@ -159,7 +158,10 @@ uint64_t SequenceRng::Next() {
 float SequenceRng::NextUniform() { return static_cast<float>(Next() >> 40) * (1.0f / 16777216.0f); }
 
 float SampleUniform(uint64_t seed, uint64_t index) {
-  uint64_t x = seed + index * 0x9e3779b97f4a7c15ULL;  // SplitMix64 after `index` draws
+  // The seed is mixed first: started at the seed itself, the stream of
+  // seed + 0x9e37... would be this one's shifted by one draw.
+  uint64_t mixed = seed;
+  uint64_t x = SplitMix64(mixed) + index * 0x9e3779b97f4a7c15ULL;  // SplitMix64 after `index` draws
   return static_cast<float>(SplitMix64(x) >> 40) * (1.0f / 16777216.0f);
 }
 

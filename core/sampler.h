@@ -21,9 +21,9 @@ struct SamplingParams {
   int32_t top_logprobs = 0;  // report this many most likely tokens with each pick (not a sampling rule)
 };
 
-// InvalidArgument naming the parameter: temperature in [0, 100], top_k in
-// [0, vocab_size], top_p in (0, 1], all finite, top_logprobs in
-// [0, min(kMaxTopLogprobs, vocab_size)].
+// InvalidArgument naming the parameter: temperature in [0, 100], top_k >= 0
+// (0 or the vocabulary's size or more: off), top_p in (0, 1], all finite,
+// top_logprobs in [0, min(kMaxTopLogprobs, vocab_size)].
 absl::Status ValidateSamplingParams(const SamplingParams& params, int vocab_size);
 
 // A token and log p(token) under the model's raw distribution (temperature 1,
@@ -50,7 +50,8 @@ struct SampledToken {
 SampledToken Sample(const float* logits, int n, const SamplingParams& params, float u);
 
 // The draw u for the index-th token (0: the first) sampled with `seed`: the
-// index-th output of SplitMix64 started at the seed, in [0, 1) with 24 random
+// index-th output of SplitMix64 started at the seed's SplitMix64 mix (so
+// that no two seeds' streams are shifts of each other), in [0, 1) with 24 random
 // bits. A function of (seed, index) alone: a sequence resumed after a worker
 // failure draws for its next token what the lost step drew.
 float SampleUniform(uint64_t seed, uint64_t index);

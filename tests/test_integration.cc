@@ -159,7 +159,7 @@ TEST(Integration, BadRequestsGetClearErrorsAndTheServerGoesOn) {
   bad.mutable_sampling()->set_top_p(1.5f);
   expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "top_p");
   bad = Greedy("Once", 5);
-  bad.mutable_sampling()->set_top_k(100000);
+  bad.mutable_sampling()->set_top_k(-1);
   expect_code(bad, grpc::StatusCode::INVALID_ARGUMENT, "top_k");
   bad = Greedy("Once", 5);
   bad.add_stop("");

@@ -131,6 +131,18 @@ TEST(SamplerGreedy, TopKOneIsArgmaxForEveryDraw) {
   }
 }
 
+// top_k of the vocabulary's size or more keeps every token, as 0 does.
+TEST(SamplerTopK, TheVocabularyOrMoreIsOff) {
+  const std::vector<float> logits = RandomLogits(50, 11, 2.0f);
+  for (int i = 0; i < 200; ++i) {
+    const float u = i / 200.0f;
+    const int off = Sample(logits.data(), 50, {.temperature = 1.2f, .top_p = 0.9f}, u).token;
+    for (int k : {50, 51, 1 << 30}) {
+      EXPECT_EQ(Sample(logits.data(), 50, {.temperature = 1.2f, .top_k = k, .top_p = 0.9f}, u).token, off) << k;
+    }
+  }
+}
+
 TEST(SamplerTemperature, SameUniformGivesSameToken) {
   const std::vector<float> logits = RandomLogits(64, 3, 1.0f);
   const SamplingParams params{.temperature = 0.8f, .top_k = 20, .top_p = 0.9f};
@@ -386,6 +398,7 @@ TEST(ValidateSamplingParams, AcceptsTheEdgesOfEachRange) {
   EXPECT_TRUE(ValidateSamplingParams({.temperature = 100}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.top_k = 0}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.top_k = 100}, 100).ok());
+  EXPECT_TRUE(ValidateSamplingParams({.top_k = 1000}, 100).ok());  // more than the vocabulary: off
   EXPECT_TRUE(ValidateSamplingParams({.top_p = 1.0f}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.top_p = 1e-6f}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.top_logprobs = kMaxTopLogprobs}, 100).ok());
@@ -402,7 +415,7 @@ TEST(ValidateSamplingParams, RejectsEachBadParameterByName) {
   const std::vector<Case> cases = {
       {{.temperature = -0.5f}, "temperature"}, {{.temperature = nan}, "temperature"},
       {{.temperature = inf}, "temperature"},   {{.temperature = 100.5f}, "temperature"},
-      {{.top_k = -1}, "top_k"},                {{.top_k = 101}, "top_k"},
+      {{.top_k = -1}, "top_k"},
       {{.top_p = 0.0f}, "top_p"},              {{.top_p = -0.1f}, "top_p"},
       {{.top_p = 1.01f}, "top_p"},             {{.top_p = nan}, "top_p"},
       {{.top_logprobs = -1}, "top_logprobs"},  {{.top_logprobs = kMaxTopLogprobs + 1}, "top_logprobs"},
@@ -491,6 +504,12 @@ TEST(SampleUniform, IsAFunctionOfSeedAndIndexAndUniform) {
     for (int k = 0; k < 1000; ++k) equal += SampleUniform(seed, k) == forward[k];
   }
   EXPECT_LT(equal, 5) << "draws of other seeds matched seed 12345's";  // 24 bits: ~0.0002 expected
+  // Nor is another seed's stream this one's shifted: seed + SplitMix64's
+  // increment would be, were the seed not mixed first.
+  const uint64_t shifted = 12345 + 0x9e3779b97f4a7c15ULL;
+  equal = 0;
+  for (int k = 0; k + 1 < 1000; ++k) equal += SampleUniform(shifted, k) == forward[k + 1];
+  EXPECT_LT(equal, 5) << "seed 12345 + 0x9e37...'s draws are seed 12345's shifted";
 }
 
 }  // namespace
