@@ -175,7 +175,7 @@ TEST(StepPlan, TokenOutsideVocabIsAnError) {
 TEST(StepPlan, BadSamplingParamsAreAnError) {
   const std::vector<std::pair<std::function<void(PlanSeq*)>, std::string>> cases = {
       {[](PlanSeq* p) { p->temperature = -1; }, "temperature"},
-      {[](PlanSeq* p) { p->top_k = kVocab + 1; }, "top_k"},
+      {[](PlanSeq* p) { p->top_k = -1; }, "top_k"},
       {[](PlanSeq* p) { p->top_p = 0; }, "top_p"},
       {[](PlanSeq* p) { p->top_logprobs = kMaxTopLogprobs + 1; }, "top_logprobs"},
       {[](PlanSeq* p) { p->top_logprobs = -3; }, "top_logprobs"},
