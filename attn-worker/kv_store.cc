@@ -141,7 +141,7 @@ absl::StatusOr<KvStore::Stored> KvStore::ReadFile(const std::string& path, uint6
   std::string check(reinterpret_cast<const char*>(&zeroed), sizeof(zeroed));
   check.append(reinterpret_cast<const char*>(tokens.data()), n_tokens * sizeof(int32_t));
   if (Checksum64(check.data(), check.size()) != h.header_checksum) {
-    return absl::DataLossError(absl::StrCat(path, " fails its header checksum"));
+    return absl::DataLossError(absl::StrCat(path, ": it fails its header checksum"));
   }
   if (h.model != L.model) return mismatch("the model file");
   if (h.dtype != static_cast<uint32_t>(L.dtype)) return mismatch("the KV dtype");
@@ -165,7 +165,7 @@ absl::StatusOr<KvStore::Stored> KvStore::ReadFile(const std::string& path, uint6
       return absl::DataLossError(absl::StrCat(path, " is truncated (payload)"));
     }
     if (Checksum64(payload->data(), payload->size()) != h.payload_checksum) {
-      return absl::DataLossError(absl::StrCat(path, " fails its payload checksum"));
+      return absl::DataLossError(absl::StrCat(path, ": it fails its payload checksum"));
     }
   }
   return Stored{h.key, h.parent, std::move(tokens)};

@@ -314,7 +314,7 @@ int E2eMain(int argc, char** argv) {
   Args args(
       "ellm-bench e2e: decode ms/token of the whole system at long context, against the bound\n"
       "(KV bytes + weight bytes read per token) / probe bandwidth.\n\n"
-      "Launches ellm (build/ellm-launch) on --model, or uses a running one with --server.\n"
+      "Launches ellm (ellm-launch from --bin-dir) on --model, or uses a running one with --server.\n"
       "For each context it brings one sequence to that length, by real prefill (--fill prefill)\n"
       "or by writing random K/V straight into the attention workers' caches (--fill synthetic,\n"
       "the default; rows are labelled fill=synthetic), then decodes --tokens tokens and reports\n"

@@ -72,7 +72,8 @@ const char* ChatTemplate::name() const {
     case ChatFormat::kLlama3: return "llama3";
     case ChatFormat::kNone: break;
   }
-  return "none";
+  return has_template_ ? "not one ellm knows (chat requests are refused; raw prompts work)"
+                       : "none (chat requests are refused; raw prompts work)";
 }
 
 absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& messages) const {

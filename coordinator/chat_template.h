@@ -36,6 +36,7 @@ class ChatTemplate {
   static ChatTemplate FromGgufTemplate(const std::string& jinja);
 
   ChatFormat format() const { return format_; }
+  // "chatml", "qwen3", "llama2", "llama3", or what kNone means for chat.
   const char* name() const;
 
   // The prompt, ending where the assistant's answer begins; special tokens

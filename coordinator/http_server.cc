@@ -8,6 +8,7 @@
 #include <chrono>
 #include <deque>
 #include <optional>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -73,6 +74,12 @@ struct HttpServer::Impl {
   // every other connection's stream going meanwhile. After ioc, as blocking is.
   net::thread_pool prepare{2};
   std::atomic<uint64_t> next_id{1};
+  // Response ids are id_base ^ (n * an odd constant): distinct within a run,
+  // and random across runs (a restarted server does not repeat them).
+  const uint64_t id_base = [] {
+    std::random_device rd;
+    return uint64_t{rd()} << 32 | rd();
+  }();
   std::atomic<int> sessions{0};  // open connections (Session objects)
   std::atomic<int> answering{0};  // generations whose response is not all out yet
   bool accept_failing = false;  // one warning per run of failed accepts
@@ -307,7 +314,8 @@ class Session : public std::enable_shared_from_this<Session> {
     streaming_ = parsed.stream;
     const uint64_t n = server_->next_id.fetch_add(1);
     responder_ = std::make_unique<OpenAiResponder>(
-        parsed, absl::StrFormat("%s-%016x", chat ? "chatcmpl" : "cmpl", n * 0x9E3779B97F4A7C15ULL),
+        parsed, absl::StrFormat("%s-%016x", chat ? "chatcmpl" : "cmpl",
+                        server_->id_base ^ (n * 0x9E3779B97F4A7C15ULL)),
         server_->options.model_id, static_cast<int64_t>(std::time(nullptr)), *server_->tokenizer,
         last_prompt_token);
     stream_.expires_never();

@@ -358,6 +358,8 @@ absl::Status Run(const CoordinatorConfig& config) {
       file->Has("tokenizer.chat_template") ? file->GetString("tokenizer.chat_template").value_or("")
                                            : "");
   LogInfo("chat template: %s", service_options.chat.name());
+  info.set_chat_template(service_options.chat.name());
+  info.set_chat(service_options.chat.format() != ChatFormat::kNone);
   EllmService service(service_options, model, *tokenizer, &scheduler);
 
   grpc::EnableDefaultHealthCheckService(true);

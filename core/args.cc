@@ -1,5 +1,6 @@
 #include "core/args.h"
 
+#include <algorithm>
 #include <cstdio>
 
 #include "absl/strings/numbers.h"
@@ -114,15 +115,22 @@ bool Args::GetBool(const std::string& name) const { return Get(name) == "true"; 
 
 std::string Args::HelpText() const {
   std::string out = usage_ + "\n\nFlags:\n";
+  // Names in a column of 28, descriptions after it (on the next line when
+  // the name is longer). A switch shows its default only when it is on.
+  auto line = [&out](std::string left, const std::string& text) {
+    constexpr size_t kColumn = 28;
+    if (left.size() >= kColumn) left = absl::StrCat(left, "\n", std::string(kColumn, ' '));
+    left.resize(std::max(left.size(), kColumn), ' ');
+    absl::StrAppend(&out, left, " ", text, "\n");
+  };
   for (const std::string& name : order_) {
     const Spec& s = specs_.at(name);
-    std::string left = absl::StrCat("  --", name, s.is_bool ? "" : " VALUE");
-    if (left.size() < 28) left.resize(28, ' ');
-    absl::StrAppend(&out, left, " ", s.help);
-    if (!s.default_value.empty() && !s.is_bool) absl::StrAppend(&out, " (default: ", s.default_value, ")");
-    absl::StrAppend(&out, "\n");
+    std::string text = s.help;
+    if (!s.is_bool && !s.default_value.empty()) absl::StrAppend(&text, " (default: ", s.default_value, ")");
+    if (s.is_bool && s.default_value == "true") absl::StrAppend(&text, " (default: true; --", name, "=false turns it off)");
+    line(absl::StrCat("  --", name, s.is_bool ? "" : " VALUE"), text);
   }
-  absl::StrAppend(&out, "  --help                       show this help\n");
+  line("  --help", "show this help");
   return out;
 }
 

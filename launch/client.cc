@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
@@ -32,7 +33,13 @@ int FailRpc(const grpc::Status& st, const std::string& server) {
   if (st.error_code() == grpc::StatusCode::UNAVAILABLE && st.error_message().find("failed to connect") != std::string::npos) {
     hint = absl::StrCat(" (is ellm running? start it with launch/ellm-launch; server ", server, ")");
   }
-  return Fail(absl::StrCat(st.error_message(), " [", st.error_code(), "]", hint));
+  static constexpr const char* kCodes[] = {
+      "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+      "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+      "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  const int code = st.error_code();
+  const std::string name = code >= 0 && code <= 16 ? kCodes[code] : absl::StrCat(code);
+  return Fail(absl::StrCat(st.error_message(), " [", name, "]", hint));
 }
 
 const char* ReasonName(ellm::v1::FinishReason r) {
@@ -49,6 +56,15 @@ const char* ReasonName(ellm::v1::FinishReason r) {
 // streams back and joins the history. Ctrl-D ends it.
 int Chat(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRequest& base, const std::string& system,
          const std::string& server, const std::function<void(grpc::ClientContext*)>& authorize) {
+  {
+    // A model without a chat format ellm knows is told before the first turn.
+    ellm::v1::ModelInfo info;
+    grpc::ClientContext ctx;
+    authorize(&ctx);
+    const grpc::Status status = stub->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info);
+    if (!status.ok()) return FailRpc(status, server);
+    if (!info.chat()) return Fail(absl::StrCat("the model's chat template: ", info.chat_template()));
+  }
   std::vector<std::pair<std::string, std::string>> history;
   if (!system.empty()) history.push_back({"system", system});
   std::string line;
@@ -77,7 +93,7 @@ int Chat(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRequest& base, cons
       std::fwrite(resp.text().data(), 1, resp.text().size(), stdout);
       std::fflush(stdout);
     }
-    std::printf("\n");
+    if (!reply.empty()) std::printf("\n");
     grpc::Status status = reader->Finish();
     if (!status.ok()) return FailRpc(status, server);
     history.push_back({"assistant", reply});
@@ -171,8 +187,9 @@ int Main(int argc, char** argv) {
     auto reader = stub->Generate(&ctx, req);
     ellm::v1::GenerateResponse resp;
     ellm::v1::Finish finish;
-    bool finished = false;
+    bool finished = false, wrote = false;
     while (reader->Read(&resp)) {
+      wrote = wrote || !resp.text().empty();
       std::fwrite(resp.text().data(), 1, resp.text().size(), stdout);
       std::fflush(stdout);
       if (resp.has_finish()) {
@@ -181,14 +198,15 @@ int Main(int argc, char** argv) {
       }
     }
     grpc::Status status = reader->Finish();
-    std::printf("\n");
+    if (wrote) std::printf("\n");
     std::fflush(stdout);
     if (!status.ok()) return FailRpc(status, server);
     if (finished && args.GetBool("stats")) {
       std::fprintf(stderr,
-                   "[%s; %d prompt + %d generated tokens; first token %.1f ms; %.2f ms/token]\n",
-                   ReasonName(finish.reason()), finish.prompt_tokens(), finish.completion_tokens(),
-                   finish.time_to_first_token_ms(), finish.decode_ms_per_token());
+                   "[%s; %d prompt tokens (%d from the prefix cache) + %d generated; first token %.1f ms; "
+                   "%.2f ms/token]\n",
+                   ReasonName(finish.reason()), finish.prompt_tokens(), finish.cached_tokens(),
+                   finish.completion_tokens(), finish.time_to_first_token_ms(), finish.decode_ms_per_token());
     }
     return 0;
   }
@@ -213,7 +231,15 @@ int Main(int argc, char** argv) {
     authorize(&ctx);
     grpc::Status status = stub->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info);
     if (!status.ok()) return FailRpc(status, server);
-    std::printf("%s", info.DebugString().c_str());
+    // Every field, also those at their default (false, 0), which
+    // DebugString leaves out.
+    google::protobuf::util::JsonPrintOptions options;
+    options.add_whitespace = true;
+    options.always_print_primitive_fields = true;
+    options.preserve_proto_field_names = true;
+    std::string text;
+    if (!google::protobuf::util::MessageToJsonString(info, &text, options).ok()) text = info.DebugString();
+    std::printf("%s", text.c_str());
     return 0;
   }
   if (command == "health") {

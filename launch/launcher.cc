@@ -305,7 +305,7 @@ absl::Status Launch::Start() {
   for (const char* bin : {"ellm-attn-worker", "ellm-mlp-worker", "ellm-coordinator"}) {
     if (!Executable(c_.bin_dir + "/" + bin)) {
       return absl::NotFoundError(absl::StrCat("cannot find ", c_.bin_dir, "/", bin,
-                                              "; build ellm first or set ELLM_BIN_DIR"));
+                                              "; build ellm first, or point --bin-dir (or $ELLM_BIN_DIR) at the binaries"));
     }
   }
   const bool numactl = c_.use_numactl && system("command -v numactl >/dev/null 2>&1") == 0;
@@ -752,13 +752,13 @@ int Main(int argc, char** argv) {
             "(dequantised at load; bit-exact with the reference forward)");
   args.Flag("matmul-isa", "auto", "cpu backend: force the matrix kernels' instruction set: reference, avx2, "
             "avx2-vnni, avx512 or amx (Q8_0 prefill on the AMX tile unit in bf16; results then depend on "
-            "how prompts are cut into steps) (default: the fastest batch-independent set this CPU runs)");
+            "how prompts are cut into steps); auto: the fastest batch-independent set this CPU runs");
   args.Flag("q8-act-bits", "8", "cpu backend, plain avx2 matrix kernels: bits of the activation codes Q8_0 "
             "weights are multiplied with: 8, or 7 (prefill's matrix work about 20% faster, at about twice "
             "the activation rounding); the other kernel sets always take 8");
   args.Flag("attn-kernel", "auto", "force the attention kernel: reference, avx2, avx2-vnni, avx512 or "
             "amx (int8 prefill on the AMX tile unit with p·V in bf16; results then depend on how prompts "
-            "are cut into steps) (default: the fastest batch-independent kernel this CPU runs)");
+            "are cut into steps); auto: the fastest batch-independent kernel this CPU runs");
   args.Flag("bin-dir", "", "folder holding ellm-attn-worker, ellm-mlp-worker, ellm-coordinator");
   args.Flag("log-level", "info", "debug, info, warning or error");
   args.Flag("no-numactl", "", "do not wrap the workers in numactl (it binds each attention worker's CPUs and "
@@ -819,7 +819,9 @@ int Main(int argc, char** argv) {
   const std::string host = args.Get("host");
   const bool loopback = host == "localhost" || host == "::1" || host == "[::1]" || host.rfind("127.", 0) == 0;
   if (!loopback) {
-    LogWarning("--host %s listens beyond this machine: anyone who reaches it can use the model%s", host,
+    LogWarning("--host %s listens beyond this machine: %s%s", host,
+               c.api_key.empty() ? "anyone who reaches it can use the model"
+                                 : "whoever reaches it and has the API key can use the model",
                c.tls_cert.empty() ? ", and traffic is not encrypted (--tls-cert, --tls-key)" : "");
     if (c.api_key.empty() && !c.insecure_public) {
       LogError("a non-loopback --host needs --api-key KEY (or $ELLM_API_KEY), or --insecure-public to "
@@ -882,11 +884,16 @@ int Main(int argc, char** argv) {
     LogError("--q8-act-bits: expected 8 or 7, got %d", c.q8_act_bits);
     return 2;
   }
-  if (c.port <= 0 || c.port > 65535 || c.attn_workers < 0 || c.max_batch <= 0 || c.max_step_tokens <= 0 ||
-      c.default_max_tokens <= 0) {
-    LogError("--port must be 1..65535; --attn-workers >= 0; --max-batch, --max-step-tokens and "
-             "--default-max-tokens > 0");
-    return 2;
+  for (const auto& [bad, message] : std::initializer_list<std::pair<bool, const char*>>{
+           {c.port <= 0 || c.port > 65535, "--port must be 1..65535"},
+           {c.attn_workers < 0, "--attn-workers must be 0 (one per NUMA node) or more"},
+           {c.max_batch <= 0, "--max-batch must be positive"},
+           {c.max_step_tokens <= 0, "--max-step-tokens must be positive"},
+           {c.default_max_tokens <= 0, "--default-max-tokens must be positive"}}) {
+    if (bad) {
+      LogError("%s", message);
+      return 2;
+    }
   }
   if (!c.kv_store.empty() && (!c.prefix_cache || c.kv_store_mb <= 0)) {
     LogError("--kv-store needs the prefix cache (no --no-prefix-cache) and a positive --kv-store-mb");

@@ -1,6 +1,7 @@
 // ellm-make-model: writes a GGUF model with random weights of any shape, with
 // the tokenizer of a given vocabulary GGUF. For tests and benchmarks.
 #include <cstdio>
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "core/args.h"
@@ -130,7 +131,9 @@ int Main(int argc, char** argv) {
   absl::StatusOr<ModelConfig> config = file.ok() ? ModelConfig::FromGguf(**file)
                                                  : absl::StatusOr<ModelConfig>(file.status());
   if (!config.ok()) {
-    LogError("the written file does not load: %s", config.status().message());
+    LogError("the written file does not load: %s (removed it)", config.status().message());
+    std::error_code ec;
+    std::filesystem::remove(out, ec);
     return 1;
   }
   LogInfo("wrote %s: %s", out, config->DebugString());

@@ -69,6 +69,20 @@ TEST(Args, RefusesWhatItCannotRead) {
   EXPECT_TRUE(help.help());
   EXPECT_NE(help.HelpText().find("--max-batch VALUE"), std::string::npos) << help.HelpText();
   EXPECT_NE(help.HelpText().find("(default: 16)"), std::string::npos);
+  // Every description starts in one column, also after a long name and for --help.
+  Args wide("usage");
+  wide.Flag("a-rather-long-flag-name-here", "1", "long one");
+  wide.Flag("x", "2", "short one");
+  wide.Flag("on-switch", "true", "a switch that is on", true);
+  wide.Flag("off-switch", "", "a switch that is off", true);
+  const std::string text = wide.HelpText();
+  for (const char* d : {"long one", "short one", "a switch that is on", "a switch that is off", "show this help"}) {
+    const size_t at = text.find(d);
+    ASSERT_NE(at, std::string::npos) << d;
+    EXPECT_EQ(at - text.rfind('\n', at) - 1, 29u) << d << " in\n" << text;
+  }
+  EXPECT_NE(text.find("a switch that is on (default: true; --on-switch=false turns it off)"), std::string::npos) << text;
+  EXPECT_EQ(text.find("a switch that is off (default"), std::string::npos) << text;
 }
 
 TEST(Names, EachParsesItsOwnSpellingAndNothingElse) {

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <future>
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -483,6 +484,23 @@ TEST(Http, ApiKeyIsRequiredWhenSet) {
   EXPECT_EQ(Post(port, "/v1/completions", Completion("Once", 4, false), "k3y").status, 200);
   EXPECT_EQ(Call(port, http::verb::get, "/health").status, 200);  // load balancers need no key
   ExpectCleanShutdown(system);
+}
+
+// Response ids are unique: within a run, and across a restart (the first
+// request of every run had the same id).
+TEST(Http, ResponseIdsDifferAcrossRequestsAndRestarts) {
+  std::set<std::string> ids;
+  for (int run = 0; run < 2; ++run) {
+    EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl"});
+    ASSERT_TRUE(system.ready()) << system.Log();
+    for (int i = 0; i < 2; ++i) {
+      const HttpResult r = Post(system.http_port(), "/v1/completions", Completion("Once", 2, false));
+      ASSERT_EQ(r.status, 200) << r.body;
+      ids.insert(r.Json()["id"].get<std::string>());
+    }
+    ExpectCleanShutdown(system);
+  }
+  EXPECT_EQ(ids.size(), 4u);
 }
 
 // HTTP/1.1 keeps the connection: requests sent one after another on it,

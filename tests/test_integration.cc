@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -615,6 +616,8 @@ TEST(Integration, LauncherRefusesBadModelsAndSplits) {
       {{"--model=" + kStories, "--backend=gpu"}, "--backend: unknown MLP backend 'gpu'"},
       {{"--model=" + kStories, "--cpu-weights=f16"}, "--cpu-weights: unknown CPU weight mode"},
       {{"--model=" + kStories, "--drain-timeout-s=2147483647"}, "--drain-timeout-s must be 0..86400"},
+      {{"--model=" + kStories, "--max-batch=0"}, "--max-batch must be positive"},
+      {{"--model=" + kStories, "--bin-dir=/nonexistent"}, "point --bin-dir"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> args = c.args;
@@ -629,6 +632,61 @@ TEST(Integration, LauncherRefusesBadModelsAndSplits) {
     EXPECT_TRUE(LeftoverSegments(system.pid()).empty());
   }
   fs::remove_all(dir);
+}
+
+// The command-line client (launch/client.cc): generate prints the server's
+// text and, with --stats, its counts; info prints every field (also those
+// at false or 0); chat on a model without a chat template stops before the
+// first turn; errors name their gRPC code and print no stray output.
+TEST(Integration, TheCommandLineClient) {
+  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const std::string dir = testing::MakeTempDir("client");
+  struct Run {
+    int status = -1;
+    std::string out, err;
+  };
+  auto client = [&](const std::string& args, const std::string& input) {
+    std::ofstream(dir + "/in") << input;
+    const std::string cmd = absl::StrCat(ELLM_BINARY_DIR, "/ellm --server=127.0.0.1:", system.port(), " ", args,
+                                         " < ", dir, "/in 2> ", dir, "/err");
+    Run r;
+    FILE* out = popen(cmd.c_str(), "r");
+    if (out == nullptr) return r;
+    char buf[512];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof(buf), out)) > 0) r.out.append(buf, n);
+    r.status = pclose(out);
+    std::ifstream err(dir + "/err");
+    r.err.assign(std::istreambuf_iterator<char>(err), std::istreambuf_iterator<char>());
+    return r;
+  };
+  const Generated expected = Generate(system.stub(), Greedy("Once upon a time", 12));
+  ASSERT_TRUE(expected.status.ok());
+  Run r = client("generate 'Once upon a time' --max-tokens 12 --temperature 0 --stats", "");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out, expected.text + "\n");
+  EXPECT_NE(r.err.find("[max tokens; 5 prompt tokens ("), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("from the prefix cache) + 12 generated"), std::string::npos) << r.err;
+
+  r = client("info", "");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("\"prefix_cache\": true"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"kv_store\": false"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"chat\": false"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"running\": 0"), std::string::npos) << r.out;
+
+  r = client("chat", "hello\n");
+  EXPECT_NE(r.status, 0);
+  EXPECT_EQ(r.out, "") << "the prompt was shown";
+  EXPECT_NE(r.err.find("chat template: none"), std::string::npos) << r.err;
+
+  r = client("generate ''", "");
+  EXPECT_NE(r.status, 0);
+  EXPECT_EQ(r.out, "");
+  EXPECT_NE(r.err.find("[INVALID_ARGUMENT]"), std::string::npos) << r.err;
+  fs::remove_all(dir);
+  ExpectCleanShutdown(system);
 }
 
 // An attention worker started by hand with a block size its KV format cannot
