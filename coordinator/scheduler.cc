@@ -522,12 +522,14 @@ void Scheduler::Deliver(const shm::SampledSeq& r, absl::Time now) {
     if (stopped) reason = FinishReason::kStopString;
   }
   const int generated = static_cast<int>(s->generated.size());
-  if (reason == FinishReason::kNone && generated >= s->options.max_tokens) {
-    reason = FinishReason::kMaxTokens;
-  }
+  // The context first: a request without max_tokens is given the room the
+  // context leaves (EllmService::Validate), and ends there with "context full".
   if (reason == FinishReason::kNone &&
       s->base + static_cast<int>(s->options.prompt.size()) + generated >= options_.context_length) {
     reason = FinishReason::kContext;
+  }
+  if (reason == FinishReason::kNone && generated >= s->options.max_tokens) {
+    reason = FinishReason::kMaxTokens;
   }
   if (reason == FinishReason::kNone) {
     s->stream->Push(std::move(e));

@@ -538,6 +538,23 @@ TEST_F(SchedulerTest, YieldsExactlyMaxTokens) {
   }));
 }
 
+TEST_F(SchedulerTest, ARequestThatFillsTheContextEndsWithContextFull) {
+  options_.context_length = 40;
+  Start();
+  const std::vector<int32_t> prompt = Prompt(300, 12);
+  std::shared_ptr<RequestStream> full = Submit(prompt, options_.context_length - 12);
+  std::shared_ptr<RequestStream> short_of_it = Submit(Prompt(301, 12), options_.context_length - 13);
+  ASSERT_NE(full, nullptr);
+  ASSERT_NE(short_of_it, nullptr);
+  const Outcome a = Collect(*full);
+  const Outcome b = Collect(*short_of_it);
+  ASSERT_TRUE(a.finished && b.finished);
+  EXPECT_EQ(a.finish.reason, FinishReason::kContext);
+  EXPECT_EQ(a.finish.completion_tokens, options_.context_length - 12);
+  EXPECT_EQ(b.finish.reason, FinishReason::kMaxTokens);
+  EXPECT_EQ(b.finish.completion_tokens, options_.context_length - 13);
+}
+
 TEST_F(SchedulerTest, InvalidRequestsAreRefused) {
   Start();
   GenerateOptions o;
