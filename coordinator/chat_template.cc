@@ -64,7 +64,33 @@ ChatTemplate ChatTemplate::FromGgufTemplate(const std::string& jinja) {
   return t;
 }
 
+void ChatTemplate::CheckVocabulary(const Tokenizer& tokenizer) {
+  std::vector<const char*> special;  // the turn's end first
+  switch (format_) {
+    case ChatFormat::kChatMl:
+    case ChatFormat::kQwen3: special = {"<|im_end|>", "<|im_start|>"}; break;
+    case ChatFormat::kLlama2: special = {"</s>", "<s>"}; break;
+    case ChatFormat::kLlama3:
+      special = {"<|eot_id|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>"};
+      break;
+    case ChatFormat::kNone: return;
+  }
+  for (const char* text : special) {
+    const std::vector<int32_t> ids = tokenizer.Encode(text, /*add_bos=*/false, /*parse_special=*/true);
+    const char* wrong = ids.size() != 1                                                ? "is not one token"
+                        : text == special.front() && !tokenizer.IsEndOfGeneration(ids[0]) ? "does not end generation"
+                                                                                          : nullptr;
+    if (wrong != nullptr) {
+      refused_ = absl::StrCat("a ", name(), " template, but ", text, " ", wrong,
+                              " in this vocabulary (chat requests are refused; raw prompts work)");
+      format_ = ChatFormat::kNone;
+      return;
+    }
+  }
+}
+
 const char* ChatTemplate::name() const {
+  if (!refused_.empty()) return refused_.c_str();
   switch (format_) {
     case ChatFormat::kChatMl: return "chatml";
     case ChatFormat::kQwen3: return "qwen3";
@@ -78,6 +104,7 @@ const char* ChatTemplate::name() const {
 
 absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& messages) const {
   if (format_ == ChatFormat::kNone) {
+    if (!refused_.empty()) return absl::InvalidArgumentError(absl::StrCat("chat is off: ", refused_));
     return absl::InvalidArgumentError(
         has_template_ ? "the model's chat template is not one ellm knows (ChatML, Qwen3, Llama-2, "
                         "Llama-3); send a raw prompt instead"

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "core/tokenizer.h"
 
 namespace ellm::coord {
 
@@ -39,6 +40,13 @@ class ChatTemplate {
   // "chatml", "qwen3", "llama2", "llama3", or what kNone means for chat.
   const char* name() const;
 
+  // Turns chat off (kNone, with a name() and Render() error that say why)
+  // when a special token the markup writes ("<|im_start|>", "<s>", ...) is
+  // not one token of `tokenizer`'s vocabulary, or the token that ends a turn
+  // ("<|im_end|>", "</s>", "<|eot_id|>") does not end generation: the markup
+  // would reach the model as plain text, or answers run on to max_tokens.
+  void CheckVocabulary(const Tokenizer& tokenizer);
+
   // The prompt, ending where the assistant's answer begins; special tokens
   // appear as text in its markup (tokenize with special tokens parsed in
   // ChatPrompt::markup only). Qwen3: earlier answers lose their <think>
@@ -51,6 +59,7 @@ class ChatTemplate {
  private:
   ChatFormat format_ = ChatFormat::kNone;
   bool has_template_ = false;
+  std::string refused_;  // why a known format was turned off (Refuse)
   std::string default_system_;  // ChatML: Qwen's templates add one
   bool knowledge_header_ = false;  // Llama 3.1+: the dated system block
   std::string date_string_;        // its "Today Date"

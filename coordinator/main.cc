@@ -357,6 +357,7 @@ absl::Status Run(const CoordinatorConfig& config) {
   service_options.chat = ChatTemplate::FromGgufTemplate(
       file->Has("tokenizer.chat_template") ? file->GetString("tokenizer.chat_template").value_or("")
                                            : "");
+  service_options.chat.CheckVocabulary(*tokenizer);
   LogInfo("chat template: %s", service_options.chat.name());
   info.set_chat_template(service_options.chat.name());
   info.set_chat(service_options.chat.format() != ChatFormat::kNone);

@@ -234,5 +234,47 @@ TEST(ChatTemplate, MessagesCannotInjectControlTokens) {
   }
 }
 
+// A template whose special tokens the vocabulary lacks would feed its markup
+// to the model as plain text: chat is turned off, saying which token.
+TEST(ChatTemplate, IsTurnedOffWhenTheVocabularyLacksItsSpecialTokens) {
+  auto spm_file = GgufFile::Open(ELLM_MODELS_DIR "/vocab/ggml-vocab-llama-spm.gguf");
+  auto qwen_file = GgufFile::Open(ELLM_MODELS_DIR "/vocab/qwen2.5-vocab-derived.gguf");
+  ASSERT_TRUE(spm_file.ok() && qwen_file.ok());
+  auto spm = Tokenizer::FromGguf(**spm_file);
+  auto qwen = Tokenizer::FromGguf(**qwen_file);
+  ASSERT_TRUE(spm.ok() && qwen.ok());
+  const std::vector<ChatMessage> chat = {{"user", "Hi"}};
+  struct Case {
+    const char* jinja;
+    const Tokenizer* tokenizer;
+    bool kept;
+    const char* missing;
+  } cases[] = {
+      {"<|im_start|>", spm->get(), false, "<|im_end|> is not one token"},
+      {"<|start_header_id|>", spm->get(), false, "<|eot_id|> is not one token"},
+      {"<|start_header_id|>", qwen->get(), false, "<|eot_id|> is not one token"},
+      {kLlama2Marker, spm->get(), true, ""},
+      {"<|im_start|>", qwen->get(), true, ""},
+      {"<|im_start|> <think>", qwen->get(), true, ""},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.jinja);
+    ChatTemplate t = ChatTemplate::FromGgufTemplate(c.jinja);
+    ASSERT_NE(t.format(), ChatFormat::kNone);
+    const std::string before = t.name();
+    t.CheckVocabulary(*c.tokenizer);
+    if (c.kept) {
+      EXPECT_EQ(t.name(), before);
+      EXPECT_TRUE(t.Render(chat).ok());
+      continue;
+    }
+    EXPECT_EQ(t.format(), ChatFormat::kNone);
+    EXPECT_NE(std::string(t.name()).find(before + " template, but " + c.missing), std::string::npos) << t.name();
+    const absl::StatusOr<ChatPrompt> p = t.Render(chat);
+    ASSERT_FALSE(p.ok());
+    EXPECT_NE(p.status().message().find(c.missing), std::string::npos) << p.status();
+  }
+}
+
 }  // namespace
 }  // namespace ellm::coord
