@@ -96,10 +96,22 @@ absl::StatusOr<ModelWeights> LoadWeights(const GgufFile& file, const ModelConfig
     }
     if (options.progress) options.progress(std::min(done, total), total);
   };
+  // A vector or norm, as fp32.
+  auto vec = [&](const std::string& name, int64_t n, std::vector<float>* f) -> absl::Status {
+    if (options.check_only) {
+      RETURN_IF_ERROR(FindReadableTensor(file, name, {n}).status());
+    } else {
+      ASSIGN_OR_RETURN(*f, ReadTensorF32(file, name, {n}));
+    }
+    tick(name);
+    return absl::OkStatus();
+  };
   // A matrix {cols, rows}: fp32 into `f`, or as stored into `raw`.
   auto matrix = [&](const std::string& name, int64_t cols, int64_t rows, std::vector<float>* f,
                     RawMatrix* raw) -> absl::Status {
-    if (options.raw_matrices) {
+    if (options.check_only) {
+      RETURN_IF_ERROR(FindReadableTensor(file, name, {cols, rows}).status());
+    } else if (options.raw_matrices) {
       ASSIGN_OR_RETURN(*raw, ReadTensorRaw(file, name, cols, rows));
     } else {
       ASSIGN_OR_RETURN(*f, ReadTensorF32(file, name, {cols, rows}));
@@ -119,34 +131,26 @@ absl::StatusOr<ModelWeights> LoadWeights(const GgufFile& file, const ModelConfig
   for (int l = 0; l < c.n_layers; ++l) {
     LayerWeights& L = w.layers[l];
     const std::string p = absl::StrCat("blk.", l, ".");
-    ASSIGN_OR_RETURN(L.attn_norm, ReadTensorF32(file, p + "attn_norm.weight", {dim}));
-    tick(p + "attn_norm.weight");
+    RETURN_IF_ERROR(vec(p + "attn_norm.weight", dim, &L.attn_norm));
     RETURN_IF_ERROR(matrix(p + "attn_q.weight", dim, q, &L.wq, &L.raw_wq));
     RETURN_IF_ERROR(matrix(p + "attn_k.weight", dim, kv, &L.wk, &L.raw_wk));
     RETURN_IF_ERROR(matrix(p + "attn_v.weight", dim, kv, &L.wv, &L.raw_wv));
     if (c.qkv_bias) {
-      ASSIGN_OR_RETURN(L.bq, ReadTensorF32(file, p + "attn_q.bias", {q}));
-      tick(p + "attn_q.bias");
-      ASSIGN_OR_RETURN(L.bk, ReadTensorF32(file, p + "attn_k.bias", {kv}));
-      tick(p + "attn_k.bias");
-      ASSIGN_OR_RETURN(L.bv, ReadTensorF32(file, p + "attn_v.bias", {kv}));
-      tick(p + "attn_v.bias");
+      RETURN_IF_ERROR(vec(p + "attn_q.bias", q, &L.bq));
+      RETURN_IF_ERROR(vec(p + "attn_k.bias", kv, &L.bk));
+      RETURN_IF_ERROR(vec(p + "attn_v.bias", kv, &L.bv));
     }
     if (c.qk_norm) {
-      ASSIGN_OR_RETURN(L.q_norm, ReadTensorF32(file, p + "attn_q_norm.weight", {c.head_dim}));
-      tick(p + "attn_q_norm.weight");
-      ASSIGN_OR_RETURN(L.k_norm, ReadTensorF32(file, p + "attn_k_norm.weight", {c.head_dim}));
-      tick(p + "attn_k_norm.weight");
+      RETURN_IF_ERROR(vec(p + "attn_q_norm.weight", c.head_dim, &L.q_norm));
+      RETURN_IF_ERROR(vec(p + "attn_k_norm.weight", c.head_dim, &L.k_norm));
     }
     RETURN_IF_ERROR(matrix(p + "attn_output.weight", q, dim, &L.wo, &L.raw_wo));
-    ASSIGN_OR_RETURN(L.ffn_norm, ReadTensorF32(file, p + "ffn_norm.weight", {dim}));
-    tick(p + "ffn_norm.weight");
+    RETURN_IF_ERROR(vec(p + "ffn_norm.weight", dim, &L.ffn_norm));
     RETURN_IF_ERROR(matrix(p + "ffn_gate.weight", dim, ffn, &L.w_gate, &L.raw_w_gate));
     RETURN_IF_ERROR(matrix(p + "ffn_up.weight", dim, ffn, &L.w_up, &L.raw_w_up));
     RETURN_IF_ERROR(matrix(p + "ffn_down.weight", ffn, dim, &L.w_down, &L.raw_w_down));
   }
-  ASSIGN_OR_RETURN(w.output_norm, ReadTensorF32(file, "output_norm.weight", {dim}));
-  tick("output_norm.weight");
+  RETURN_IF_ERROR(vec("output_norm.weight", dim, &w.output_norm));
   if (file.FindTensor("output.weight") != nullptr) {
     RETURN_IF_ERROR(matrix("output.weight", dim, c.vocab_size, &w.output, &w.raw_output));
   } else {

@@ -81,6 +81,9 @@ struct LoadOptions {
   // Keep token_embd, output and the layers' seven projection matrices as the
   // file stores them (RawMatrix) instead of dequantising them to fp32.
   bool raw_matrices = false;
+  // Only check every tensor's name, shape and type; read nothing (the
+  // launcher's check before any worker starts).
+  bool check_only = false;
   LoadProgress progress;
 };
 

@@ -33,6 +33,7 @@
 #include "core/model_config.h"
 #include "core/signals.h"
 #include "core/tokenizer.h"
+#include "core/weights.h"
 #include "core/topology.h"
 #include "proto/control_secret.h"
 #include "proto/health.grpc.pb.h"
@@ -289,6 +290,11 @@ absl::Status Launch::Start() {
   if (absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromGguf(*file); !tokenizer.ok()) {
     return tokenizer.status();
   }
+  // So are a missing tensor, a wrong shape or a type ellm cannot read: the
+  // MLP worker's load checks the same table, but after the others started.
+  LoadOptions table_only;
+  table_only.check_only = true;
+  RETURN_IF_ERROR(LoadWeights(*file, model, table_only).status());
   Topology topo;
   if (!c_.topology_spec.empty()) {
     ASSIGN_OR_RETURN(topo, ParseTopologySpec(c_.topology_spec));

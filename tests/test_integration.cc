@@ -582,20 +582,23 @@ TEST(Integration, LauncherRefusesBadModelsAndSplits) {
     w.SetUint32("mamba.block_count", 2);
     ASSERT_TRUE(w.WriteFile(dir + "/mamba.gguf").ok());
   }
-  // stories260K with a tokenizer ellm does not have: refused by the launcher,
-  // before any worker loads weights (it was the coordinator's error, after
-  // every worker had started).
+  // stories260K with a tokenizer ellm does not have, and without one tensor:
+  // refused by the launcher, before any worker loads weights (they were the
+  // coordinator's and the MLP worker's errors, after the others had started).
   {
     auto full = GgufFile::Open(kStories);
     ASSERT_TRUE(full.ok());
-    GgufWriter w;
-    for (const auto& [key, value] : (*full)->metadata()) w.SetValue(key, value);
-    w.SetString("tokenizer.ggml.model", "wordpiece");
-    for (const GgufTensorInfo& t : (*full)->tensors()) {
-      const uint8_t* data = (*full)->TensorData(t);
-      ASSERT_TRUE(w.AddTensor(t.name, t.shape, t.type, std::string(reinterpret_cast<const char*>(data), t.bytes)).ok());
+    for (const std::string name : {"wordpiece", "no-ffn-down"}) {
+      GgufWriter w;
+      for (const auto& [key, value] : (*full)->metadata()) w.SetValue(key, value);
+      if (name == "wordpiece") w.SetString("tokenizer.ggml.model", "wordpiece");
+      for (const GgufTensorInfo& t : (*full)->tensors()) {
+        if (name == "no-ffn-down" && t.name == "blk.1.ffn_down.weight") continue;
+        const uint8_t* data = (*full)->TensorData(t);
+        ASSERT_TRUE(w.AddTensor(t.name, t.shape, t.type, std::string(reinterpret_cast<const char*>(data), t.bytes)).ok());
+      }
+      ASSERT_TRUE(w.WriteFile(dir + "/" + name + ".gguf").ok());
     }
-    ASSERT_TRUE(w.WriteFile(dir + "/wordpiece.gguf").ok());
   }
   struct Case {
     std::vector<std::string> args;
@@ -607,6 +610,7 @@ TEST(Integration, LauncherRefusesBadModelsAndSplits) {
       {{"--model=" + dir + "/missing.gguf"}, "missing.gguf"},
       {{"--model=" + dir + "/mamba.gguf"}, "mamba"},
       {{"--model=" + dir + "/wordpiece.gguf"}, "tokenizer model 'wordpiece' is not supported"},
+      {{"--model=" + dir + "/no-ffn-down.gguf"}, "model file has no tensor 'blk.1.ffn_down.weight'"},
       {{"--model=" + kStories, "--attn-workers=3"}, "cannot split"},
       // Flags read once, in the launcher, before anything starts.
       {{"--model=" + kStories, "--matmul-isa=avx2vnni"}, "--matmul-isa: unknown instruction set"},
@@ -628,7 +632,7 @@ TEST(Integration, LauncherRefusesBadModelsAndSplits) {
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << c.args[0];
     EXPECT_NE(system.Log().find(c.needle), std::string::npos) << c.args[0] << "\n" << system.Log();
     // Refused before the launcher starts any worker.
-    EXPECT_EQ(system.Log().find("attention workers with"), std::string::npos) << c.args[0] << "\n" << system.Log();
+    EXPECT_EQ(system.Log().find("launch I topology "), std::string::npos) << c.args[0] << "\n" << system.Log();
     EXPECT_TRUE(LeftoverSegments(system.pid()).empty());
   }
   fs::remove_all(dir);
