@@ -228,11 +228,11 @@ void Drain(absl::Duration timeout, Scheduler* scheduler, const HttpServer* http)
   int n = in_flight();
   if (n == 0) return;
   if (timeout <= absl::ZeroDuration()) {
-    LogInfo("%d requests in flight end now (--drain-timeout-s 0)", n);
+    LogInfo("%s in flight end now (--drain-timeout-s 0)", Count(n, "request"));
     return;
   }
   const SchedulerStats st = scheduler->Stats();
-  LogInfo("draining: %d requests running and %d queued go on for up to %s; new ones are refused "
+  LogInfo("draining: %d running and %d queued requests go on for up to %s; new ones are refused "
           "(a second Ctrl-C or SIGTERM ends them at once)",
           st.running, st.waiting, absl::FormatDuration(timeout));
   const absl::Time start = absl::Now(), deadline = start + timeout;
@@ -241,15 +241,15 @@ void Drain(absl::Duration timeout, Scheduler* scheduler, const HttpServer* http)
   while ((n = in_flight()) > 0) {
     const absl::Time now = absl::Now();
     if (now >= deadline) {
-      LogWarning("%d requests still in flight after --drain-timeout-s; ending them", n);
+      LogWarning("%s still in flight after --drain-timeout-s; ending them", Count(n, "request"));
       return;
     }
     if (StopSignals() > signals) {
-      LogWarning("stopping at once: %d requests in flight end with UNAVAILABLE", n);
+      LogWarning("stopping at once: %s in flight end with UNAVAILABLE", Count(n, "request"));
       return;
     }
     if (now >= next_report) {
-      LogInfo("draining: %d requests in flight", n);
+      LogInfo("draining: %s in flight", Count(n, "request"));
       next_report += absl::Seconds(5);
     }
     absl::SleepFor(absl::Milliseconds(20));

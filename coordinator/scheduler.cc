@@ -360,7 +360,7 @@ void Scheduler::Loop() {
         }
         recovering_ = false;
         ++recoveries_;
-        LogInfo("workers are back; resuming %d requests", static_cast<int>(waiting_.size()));
+        LogInfo("workers are back; resuming %s", Count(static_cast<int64_t>(waiting_.size()), "request"));
         if (on_recovering) on_recovering(false);
         continue;
       }
@@ -593,9 +593,9 @@ void Scheduler::FailWorkersLocked(const absl::Status& status) {
     return;
   }
   if (broken_ || recovering_) return;
-  LogWarning("a worker failed (%s); pausing %d running and %d waiting requests until the workers "
-             "are back", status.message(), static_cast<int>(running_.size()),
-             static_cast<int>(waiting_.size()));
+  LogWarning("a worker failed (%s); pausing %d running and %d waiting %s until the workers are back",
+             status.message(), static_cast<int>(running_.size()), static_cast<int>(waiting_.size()),
+             running_.size() + waiting_.size() == 1 ? "request" : "requests");
   recovering_ = true;
   if (on_recovering) on_recovering(true);
   // The workers come back with empty caches: every running request goes back

@@ -40,4 +40,9 @@ void LogDebug(const absl::FormatSpec<Args...>& fmt, const Args&... args) {
   LogLine(LogLevel::kDebug, absl::StrFormat(fmt, args...));
 }
 
+// "1 request", "3 requests": a count and its noun (plural by an "s").
+inline std::string Count(int64_t n, const char* noun) {
+  return absl::StrCat(n, " ", noun, n == 1 ? "" : "s");
+}
+
 }  // namespace ellm

@@ -330,8 +330,8 @@ absl::Status Launch::Start() {
     LogInfo("MLP backend %s (%s)", MlpBackendName(backend), answer.empty() ? "no CUDA probe" : answer);
   }
   LogInfo("model %s: %s", c_.model_path, model.DebugString());
-  LogInfo("topology %s; %d attention workers with %d KV heads each%s", topo.DebugString(), n,
-          heads_each, numactl ? " (bound with numactl)" : "");
+  LogInfo("topology %s; %s with %s each%s", topo.DebugString(), Count(n, "attention worker"),
+          Count(heads_each, "KV head"), numactl ? " (bound with numactl)" : "");
 
   RemoveStaleLaunches();
   std::random_device rd;
@@ -459,8 +459,8 @@ absl::Status Launch::Start() {
 
   // Wait until every process answers its health check.
   RETURN_IF_ERROR(WaitHealthy(0, children_.size(), absl::Seconds(c_.ready_timeout_s)));
-  LogInfo("ellm is ready: listening on %s (model %s, %d attention workers, %d MiB KV cache each)",
-          public_address, fs::path(c_.model_path).filename().string(), n, kv_mb);
+  LogInfo("ellm is ready: listening on %s (model %s, %s, %d MiB KV cache each)", public_address,
+          fs::path(c_.model_path).filename().string(), Count(n, "attention worker"), kv_mb);
   LogInfo("KV cache %s; MLP backend %s%s", KvDTypeName(c_.kv_dtype), MlpBackendName(backend),
           backend == MlpBackendKind::kCpu
               ? absl::StrCat(" (", ToAbsl(CpuWeightsName(c_.cpu_weights)), " weights, ", mlp_threads, " threads)")
