@@ -8,6 +8,7 @@
 #include "absl/container/flat_hash_map.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/log.h"
 #include "core/signals.h"
 #include "proto/grpc_status.h"
@@ -110,7 +111,13 @@ absl::StatusOr<std::vector<shm::SampledSeq>> RunStep(shm::Channel& channel, uint
 
 absl::StatusOr<std::vector<shm::SampledSeq>> WorkerLink::Run(uint64_t step,
                                                              const shm::StepPlan& plan) {
-  return RunStep(*channel_, step, plan, step_timeout, abandoned);
+  absl::StatusOr<std::vector<shm::SampledSeq>> result = RunStep(*channel_, step, plan, step_timeout, abandoned);
+  if (!result.ok() && result.status().code() == absl::StatusCode::kUnavailable) {
+    // Name every worker that is gone: the launcher stops the others when one
+    // dies, so the MLP worker this step waits on is often not the first.
+    if (absl::Status gone = CheckWorkers(); !gone.ok()) return gone;
+  }
+  return result;
 }
 
 template <typename Rpc>
@@ -204,17 +211,17 @@ std::vector<ellm::v1::WorkerInfo> WorkerLink::PollInfo() {
 }
 
 absl::Status WorkerLink::CheckWorkers() {
-  if (!channel_->PeerAlive()) {
-    return absl::UnavailableError(
-        absl::StrCat("the mlp-worker (pid ", channel_->replies().producer_pid(), ") has exited"));
-  }
+  std::vector<std::string> gone;
   for (WorkerHandle& w : workers_) {
-    if (!shm::ProcessAlive(w.info.pid())) {
-      return absl::UnavailableError(absl::StrCat(
-          WorkerName(w.info), " (pid ", w.info.pid(), ") has exited"));
-    }
+    if (w.info.role() == ellm::v1::WORKER_ROLE_MLP) continue;  // through its channel, below
+    if (!shm::ProcessAlive(w.info.pid())) gone.push_back(absl::StrCat(WorkerName(w.info), " (pid ", w.info.pid(), ")"));
   }
-  return absl::OkStatus();
+  if (!channel_->PeerAlive()) {
+    gone.push_back(absl::StrCat("the mlp-worker (pid ", channel_->replies().producer_pid(), ")"));
+  }
+  if (gone.empty()) return absl::OkStatus();
+  return absl::UnavailableError(
+      absl::StrCat(absl::StrJoin(gone, " and "), gone.size() == 1 ? " has exited" : " have exited"));
 }
 
 }  // namespace ellm::coord

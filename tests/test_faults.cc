@@ -113,6 +113,18 @@ std::pair<std::vector<Generated>, double> RunWithFault(EllmSystem& system, const
   if (pauses.size() > pauses_before) {
     EXPECT_GE(pauses[pauses_before], 1) << "the fault came after the streams had ended";
   }
+  // ... and named the killed worker among those gone (the launcher stops the
+  // others when one dies: the MLP worker the step waited on was blamed).
+  if (signal == SIGKILL) {
+    const std::string log = system.Log();
+    const size_t failed = log.rfind("a worker failed (");
+    const size_t end = failed == std::string::npos ? failed : log.find("; pausing ", failed);
+    EXPECT_NE(end, std::string::npos) << log;
+    if (end != std::string::npos) {
+      EXPECT_NE(log.substr(failed, end - failed).find(absl::StrCat("(pid ", pid, ")")), std::string::npos)
+          << victim << " pid " << pid << ": " << log.substr(failed, end - failed);
+    }
+  }
   return {out, back};
 }
 
