@@ -59,7 +59,7 @@ class ChatTemplate {
  private:
   ChatFormat format_ = ChatFormat::kNone;
   bool has_template_ = false;
-  std::string refused_;  // why a known format was turned off (Refuse)
+  std::string refused_;  // why CheckVocabulary turned a known format off
   std::string default_system_;  // ChatML: Qwen's templates add one
   bool knowledge_header_ = false;  // Llama 3.1+: the dated system block
   std::string date_string_;        // its "Today Date"

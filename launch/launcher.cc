@@ -33,8 +33,8 @@
 #include "core/model_config.h"
 #include "core/signals.h"
 #include "core/tokenizer.h"
-#include "core/weights.h"
 #include "core/topology.h"
+#include "core/weights.h"
 #include "proto/control_secret.h"
 #include "proto/health.grpc.pb.h"
 
