@@ -303,7 +303,10 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void Submit(Prepared prepared) {
-    if (!prepared.status.ok()) return SendError(prepared.status);
+    if (!prepared.status.ok()) {
+      server_->scheduler->Refused(prepared.status);
+      return SendError(prepared.status);
+    }
     const OpenAiRequest& parsed = prepared.request;
     const bool chat = parsed.chat;
     const int32_t last_prompt_token = prepared.options.prompt.empty() ? -1 : prepared.options.prompt.back();

@@ -72,13 +72,15 @@ std::string Metrics::Render(const SchedulerStats& st, const std::vector<WorkerSa
     sample(absl::StrCat(name, "_count"), static_cast<double>(h.count));
   };
 
-  head("ellm_requests_total", "counter", "Finished requests by outcome (stop, length, cancelled, error).");
-  for (const char* outcome : {"stop", "length", "cancelled", "error"}) {
+  head("ellm_requests_total", "counter",
+       "Requests by outcome: stop, length, cancelled, error, and refused (never queued: a bad request, a full "
+       "queue, a stopping server).");
+  for (const char* outcome : {"stop", "length", "cancelled", "error", "refused"}) {
     const auto it = requests_.find(outcome);
     sample(absl::StrCat("ellm_requests_total{outcome=\"", outcome, "\"}"),
            it == requests_.end() ? 0.0 : static_cast<double>(it->second));
   }
-  head("ellm_prompt_tokens_total", "counter", "Prompt tokens of finished requests.");
+  head("ellm_prompt_tokens_total", "counter", "Prompt tokens of admitted requests (at their first admission).");
   sample("ellm_prompt_tokens_total", static_cast<double>(prompt_tokens_));
   head("ellm_cached_prompt_tokens_total", "counter", "Prompt tokens whose KV came from the prefix cache.");
   sample("ellm_cached_prompt_tokens_total", static_cast<double>(cached_tokens_));
@@ -86,7 +88,7 @@ std::string Metrics::Render(const SchedulerStats& st, const std::vector<WorkerSa
   sample("ellm_generated_tokens_total", static_cast<double>(generated_tokens_));
   histogram("ellm_time_to_first_token_seconds", "Time from a request's arrival to its first token.", ttft_);
   histogram("ellm_inter_token_latency_seconds", "Time between a request's consecutive tokens.", itl_);
-  histogram("ellm_queue_wait_seconds", "Time a request waited for admission.", queue_);
+  histogram("ellm_queue_wait_seconds", "Time a request waited for its first admission.", queue_);
 
   head("ellm_requests_running", "gauge", "Requests in the running batch.");
   sample("ellm_requests_running", st.running);

@@ -21,7 +21,8 @@ struct SchedulerStats;
 class Metrics {
  public:
   // Observations (any thread).
-  void RequestEnded(const std::string& outcome);  // "stop", "length", "cancelled", "error"
+  void RequestEnded(const std::string& outcome);  // "stop", "length", "cancelled", "error", "refused"
+  // At a request's first admission, whatever its end.
   void PromptTokens(int prompt, int cached);
   void GeneratedToken();
   void TimeToFirstToken(absl::Duration d);

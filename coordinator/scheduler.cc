@@ -43,6 +43,17 @@ void Scheduler::Stop() {
 }
 
 absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Submit(GenerateOptions options) {
+  absl::StatusOr<std::shared_ptr<RequestStream>> stream = Enqueue(std::move(options));
+  if (!stream.ok()) Refused(stream.status());
+  return stream;
+}
+
+void Scheduler::Refused(const absl::Status& status) {
+  LogWarning("request refused: %s", status.ToString());
+  if (options_.metrics != nullptr) options_.metrics->RequestEnded("refused");
+}
+
+absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Enqueue(GenerateOptions options) {
   if (options.synthetic_context < 0) {
     return absl::InvalidArgumentError("synthetic_context must not be negative");
   }
@@ -194,17 +205,26 @@ void Scheduler::Admit() {
     seq->attached = static_cast<int>(keys.size());
     seq->partial = partial;
     const int attached_tokens = seq->attached * bt + partial.rows;
-    if (seq->cached_tokens < 0) seq->cached_tokens = attached_tokens;
     seq->fed += attached_tokens;
     if (attached_tokens > 0) {
       pending_.attach.push_back({seq->id, 0, keys, 0, {}, partial.key, partial.rows});
       seq->in_kv = true;
       ++prefix_hits_;
-      cached_tokens_ += attached_tokens;
     } else if (Cacheable(*seq)) {
       ++prefix_misses_;
     }
-    seq->admitted = absl::Now();
+    // Counted at its first admission, whatever its end: a request resumed
+    // after a worker failure is admitted again, but neither waited in the
+    // queue nor brought its prompt a second time.
+    if (seq->cached_tokens < 0) {
+      seq->cached_tokens = attached_tokens;
+      cached_tokens_ += attached_tokens;
+      seq->admitted = absl::Now();
+      if (Metrics* m = options_.metrics) {
+        m->PromptTokens(static_cast<int>(seq->options.prompt.size()), attached_tokens);
+        m->QueueWait(seq->admitted - seq->submitted);
+      }
+    }
     LogDebug("admitted sequence %d (%d prompt tokens, %d of them cached; %d KV blocks)", seq->id,
              seq->options.prompt.size(), attached_tokens, own);
     running_.push_back(std::move(waiting_.front()));
@@ -297,9 +317,6 @@ void Scheduler::Finish(Sequence* s, FinishReason reason) {
   f.cached_tokens = std::max(0, s->cached_tokens);
   if (Metrics* m = options_.metrics) {
     m->RequestEnded(reason == FinishReason::kMaxTokens || reason == FinishReason::kContext ? "length" : "stop");
-    m->PromptTokens(f.prompt_tokens, f.cached_tokens);
-    m->QueueWait(s->admitted - s->submitted);
-    if (!s->generated.empty()) m->TimeToFirstToken(s->first_token - s->submitted);
   }
   if (!s->generated.empty()) {
     f.time_to_first_token_ms = absl::ToDoubleMilliseconds(s->first_token - s->submitted);
@@ -370,7 +387,9 @@ void Scheduler::Loop() {
         if (s->stream->cancelled()) cancelled.push_back(s.get());
       }
       for (Sequence* s : cancelled) {
-        LogInfo("sequence %d cancelled by the client", s->id);
+        LogInfo("sequence %d cancelled by the client: prompt %d tokens, %d from the prefix cache; queued %.1f ms, "
+                "%d generated", s->id, static_cast<int>(s->options.prompt.size()), std::max(0, s->cached_tokens),
+                absl::ToDoubleMilliseconds(s->admitted - s->submitted), static_cast<int>(s->generated.size()));
         if (options_.metrics != nullptr) options_.metrics->RequestEnded("cancelled");
         Retire(s, /*publish=*/true);
       }
@@ -379,7 +398,9 @@ void Scheduler::Loop() {
           ++it;
           continue;
         }
-        LogInfo("sequence %d cancelled by the client while it waited", (*it)->id);
+        LogInfo("sequence %d cancelled by the client while it waited (%.1f ms, prompt %d tokens)", (*it)->id,
+                absl::ToDoubleMilliseconds(absl::Now() - (*it)->submitted),
+                static_cast<int>((*it)->options.prompt.size()));
         if (options_.metrics != nullptr) options_.metrics->RequestEnded("cancelled");
         it = waiting_.erase(it);
       }
@@ -503,6 +524,7 @@ void Scheduler::Deliver(const shm::SampledSeq& r, absl::Time now) {
   if (Metrics* m = options_.metrics) {
     m->GeneratedToken();
     if (!s->generated.empty()) m->InterTokenLatency(now - s->last_token);
+    if (s->generated.empty()) m->TimeToFirstToken(now - s->submitted);
   }
   if (s->generated.empty()) s->first_token = now;
   s->last_token = now;

@@ -226,12 +226,12 @@ grpc::Status EllmService::Generate(grpc::ServerContext* context,
                                    grpc::ServerWriter<ellm::v1::GenerateResponse>* writer) {
   if (grpc::Status denied = options_.api_key.Check(context, "Generate"); !denied.ok()) return denied;
   absl::StatusOr<GenerateOptions> options = Validate(*request);
-  if (!options.ok()) return ToGrpcStatus(options.status());
-  absl::StatusOr<std::shared_ptr<RequestStream>> stream = scheduler_->Submit(*std::move(options));
-  if (!stream.ok()) {
-    LogWarning("request refused: %s", stream.status().ToString());
-    return ToGrpcStatus(stream.status());
+  if (!options.ok()) {
+    scheduler_->Refused(options.status());
+    return ToGrpcStatus(options.status());
   }
+  absl::StatusOr<std::shared_ptr<RequestStream>> stream = scheduler_->Submit(*std::move(options));  // logs a refusal
+  if (!stream.ok()) return ToGrpcStatus(stream.status());
   for (;;) {
     if (context->IsCancelled()) {
       (*stream)->Cancel();

@@ -1001,6 +1001,7 @@ TEST(Http, MetricsCountWhatHappenedAndReflectionListsTheApi) {
   EXPECT_TRUE(absl::StartsWith(m.content_type, "text/plain"));
   std::map<std::string, double> samples = Samples(m.body);
   EXPECT_EQ(samples["ellm_requests_total{outcome=\"length\"}"], 3);
+  EXPECT_EQ(samples["ellm_requests_total{outcome=\"refused\"}"], 1);  // the empty prompt
   EXPECT_EQ(samples["ellm_generated_tokens_total"], 60);
   EXPECT_EQ(samples["ellm_prompt_tokens_total"], 15);
   EXPECT_EQ(samples["ellm_time_to_first_token_seconds_count"], 3);

@@ -199,12 +199,14 @@ class FakeExecutor : public StepExecutor {
   // Recover: counts the calls; the workers come back empty (the model of
   // their caches is cleared) unless `recover_status_` says otherwise.
   absl::Status Recover() override {
+    absl::SleepFor(recover_delay_);
     std::lock_guard<std::mutex> lock(mu_);
     ++recovers_;
     seq_keys_.clear();
     refs_.clear();
     return recover_status_;
   }
+  void SetRecoverDelay(absl::Duration d) { recover_delay_ = d; }  // before the scheduler starts
   void SetRecoverStatus(absl::Status st) {
     std::lock_guard<std::mutex> lock(mu_);
     recover_status_ = std::move(st);
@@ -308,6 +310,7 @@ class FakeExecutor : public StepExecutor {
   bool fail_kv_ = false;
   int recovers_ = 0;
   absl::Status recover_status_;
+  absl::Duration recover_delay_ = absl::ZeroDuration();
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Event> log_;
@@ -969,6 +972,48 @@ TEST_F(SchedulerTest, CancelledWaitingRequestNeverRuns) {
   EXPECT_TRUE(absl::StrContains(metrics.Render(scheduler_->Stats(), {}), "ellm_requests_total{outcome=\"cancelled\"} 1\n"));
 }
 
+// One sample of a metrics exposition, by its full name ("name{labels}").
+double Sample(const std::string& exposition, const std::string& name) {
+  const size_t at = exposition.find("\n" + name + " ");
+  return at == std::string::npos ? -1 : std::stod(exposition.substr(at + name.size() + 2));
+}
+
+// Every request is counted once, whatever its end: prompt and cached tokens
+// and its queue wait at its first admission, its first token when it comes
+// (a cancelled request's too), and a refusal as outcome "refused". (Counted
+// at the end, a cancelled request's prompt and first token were missing.)
+TEST_F(SchedulerTest, MetricsCountEveryRequestOnceWhateverItsEnd) {
+  Metrics metrics;
+  options_.metrics = &metrics;
+  Start();
+  exec_.Hold();
+  std::shared_ptr<RequestStream> a = Submit(Prompt(300, 20), options_.kv_blocks * options_.kv_block_tokens - 20);
+  ASSERT_TRUE(exec_.WaitForRuns(1));
+  std::shared_ptr<RequestStream> b = Submit(Prompt(301, 9), 5);  // waits: a holds every block
+  ASSERT_NE(b, nullptr);
+  b->Cancel();
+  a->Cancel();
+  exec_.Release();
+  EXPECT_TRUE(WaitForStats([&](const SchedulerStats& st) { return st.running == 0 && st.waiting == 0; }));
+  size_t a_tokens = 0;  // a cancelled stream gets no finish event
+  while (std::optional<StreamEvent> e = a->Pop(absl::ZeroDuration())) a_tokens += e->token_ids.size();
+  GenerateOptions bad;
+  bad.prompt = Prompt(302, 4);
+  bad.max_tokens = 0;
+  EXPECT_FALSE(scheduler_->Submit(bad).ok());
+  const Outcome out_d = Collect(*Submit(Prompt(303, 7), 5));
+  ASSERT_TRUE(out_d.error.ok()) << out_d.error;
+  const std::string text = metrics.Render(scheduler_->Stats(), {});
+  EXPECT_EQ(Sample(text, "ellm_requests_total{outcome=\"cancelled\"}"), 2) << text;
+  EXPECT_EQ(Sample(text, "ellm_requests_total{outcome=\"refused\"}"), 1) << text;
+  EXPECT_EQ(Sample(text, "ellm_requests_total{outcome=\"length\"}"), 1) << text;
+  EXPECT_EQ(Sample(text, "ellm_prompt_tokens_total"), 20 + 7) << "a's and d's; b never ran\n" << text;
+  EXPECT_EQ(Sample(text, "ellm_queue_wait_seconds_count"), 2) << text;
+  EXPECT_EQ(Sample(text, "ellm_time_to_first_token_seconds_count"), (a_tokens == 0 ? 0 : 1) + 1) << text;
+  EXPECT_EQ(Sample(text, "ellm_generated_tokens_total"), static_cast<double>(a_tokens + 5)) << text;
+  EXPECT_EQ(Sample(text, "ellm_cached_prompt_tokens_total"), static_cast<double>(scheduler_->Stats().cached_tokens));
+}
+
 TEST_F(SchedulerTest, MarkBrokenFailsRunningAndWaitingRequests) {
   options_.kv_blocks = 2;
   Start();
@@ -1597,6 +1642,26 @@ TEST_F(RecoveryTest, RequestsResumeWithTheTokensOfARunWithoutTheFailure) {
   EXPECT_EQ(restarts, 3);
   faulty.ExpectConsistent(true);
   scheduler.Stop();
+}
+
+// A request resumed after a worker failure is admitted again, but counted
+// once: its queue wait is the wait for its first admission (the pause for
+// the recovery was booked as queue wait), its prompt counted once.
+TEST_F(RecoveryTest, AResumedRequestCountsItsQueueWaitAndPromptOnce) {
+  Metrics metrics;
+  options_.metrics = &metrics;
+  exec_.SetRecoverDelay(absl::Milliseconds(400));
+  exec_.FailAtRun(5, absl::UnavailableError("the mlp-worker (pid 1) has exited"));
+  Start();
+  const Outcome out = Collect(*Submit(Prompt(330, 40), 30));
+  ASSERT_TRUE(out.error.ok()) << out.error;
+  ASSERT_EQ(exec_.recovers(), 1);
+  EXPECT_LT(out.finish.queue_ms, 200) << "the recovery's 400 ms counted as queue wait";
+  const std::string text = metrics.Render(scheduler_->Stats(), {});
+  EXPECT_EQ(Sample(text, "ellm_queue_wait_seconds_count"), 1) << text;
+  EXPECT_LT(Sample(text, "ellm_queue_wait_seconds_sum"), 0.2) << text;
+  EXPECT_EQ(Sample(text, "ellm_prompt_tokens_total"), 40) << text;
+  EXPECT_EQ(Sample(text, "ellm_time_to_first_token_seconds_count"), 1) << text;
 }
 
 TEST_F(RecoveryTest, WorkerFailedPausesIdleRequestsAndRecoversToo) {
