@@ -474,7 +474,14 @@ absl::Status Run(const CoordinatorConfig& config) {
     absl::SleepFor(absl::Milliseconds(10));
   }
   http.reset();  // after the scheduler: no more events reach its sessions
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  // The same for gRPC's Generate calls; then a short grace for their last
+  // messages. (Shutdown waits for every connection to close, so a client
+  // that merely keeps an idle channel open held every stop for the whole
+  // deadline: 2 s.)
+  for (const absl::Time end = absl::Now() + absl::Seconds(2); service.generating() > 0 && absl::Now() < end;) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(250));
   return exit_status;
 }
 

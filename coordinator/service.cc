@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <random>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "core/unicode.h"
@@ -225,6 +226,8 @@ grpc::Status EllmService::Generate(grpc::ServerContext* context,
                                    const ellm::v1::GenerateRequest* request,
                                    grpc::ServerWriter<ellm::v1::GenerateResponse>* writer) {
   if (grpc::Status denied = options_.api_key.Check(context, "Generate"); !denied.ok()) return denied;
+  ++generating_;
+  const absl::Cleanup returned = [this] { --generating_; };
   absl::StatusOr<GenerateOptions> options = Validate(*request);
   if (!options.ok()) {
     scheduler_->Refused(options.status());

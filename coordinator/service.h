@@ -3,6 +3,7 @@
 // Generate's protobuf types meet the scheduler.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
@@ -85,6 +86,9 @@ class EllmService final : public ellm::v1::Ellm::Service {
   grpc::Status GetModelInfo(grpc::ServerContext* context, const ellm::v1::GetModelInfoRequest* request,
                             ellm::v1::ModelInfo* response) override;
 
+  // Generate calls that have not returned yet.
+  int generating() const { return generating_.load(); }
+
   // The HTTP front's API-key check (the Authorization header's value).
   bool AuthorizeHttp(std::string_view authorization) const { return options_.api_key.Matches(authorization); }
   // Turns a request into scheduler options (InvalidArgument on bad input).
@@ -118,6 +122,7 @@ class EllmService final : public ellm::v1::Ellm::Service {
   const Tokenizer& tokenizer_;
   Scheduler* scheduler_;
   WriteWatchdog watchdog_;
+  std::atomic<int> generating_{0};
   mutable std::mutex encode_mu_;
   mutable std::condition_variable encode_cv_;
   mutable int large_texts_ = 0;  // being tokenized now
