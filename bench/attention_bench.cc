@@ -14,7 +14,7 @@
 //
 // gb_per_s counts the KV bytes the kernels read (K and V codes, scales and
 // mins) per layer at the sequence's length, divided by the time per layer.
-// probe_gb_per_s is a plain streaming read (the widest loads the CPU has) of
+// probe_gb_per_s is a plain streaming read (256-bit loads where the CPU has AVX2) of
 // a buffer of --probe-mb with the same threads, run just before each case;
 // the ratio is taken against the best probe of the run so far for that
 // thread count (ratio = gb_per_s / probe_gb_per_s), so that a probe caught

@@ -36,6 +36,7 @@
 #include "core/model_maker.h"
 #include "core/quants.h"
 #include "core/reference_forward.h"
+#include "core/read_probe.h"
 #include "core/thread_pool.h"
 #include "core/topology.h"
 #include "core/weights.h"
@@ -971,45 +972,6 @@ double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_cloc
   return std::chrono::duration<double>(b - a).count();
 }
 
-// Sum of n uint64 (n a multiple of 16) with 256-bit loads where the CPU has
-// AVX2: the read probe must be limited by memory, not by the adds.
-__attribute__((target("avx2"))) uint64_t SumAvx2(const uint64_t* p, size_t n) {
-  __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
-  for (size_t i = 0; i < n; i += 16) {
-    s0 = _mm256_add_epi64(s0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
-    s1 = _mm256_add_epi64(s1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 4)));
-    s2 = _mm256_add_epi64(s2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 8)));
-    s3 = _mm256_add_epi64(s3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 12)));
-  }
-  alignas(32) uint64_t l[4];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(l),
-                     _mm256_add_epi64(_mm256_add_epi64(s0, s1), _mm256_add_epi64(s2, s3)));
-  return l[0] + l[1] + l[2] + l[3];
-}
-
-uint64_t SumScalar(const uint64_t* p, size_t n) {
-  uint64_t s = 0;
-  for (size_t i = 0; i < n; ++i) s += p[i];
-  return s;
-}
-
-// Best GB/s of a pass over `buf` split across the pool's threads.
-double ReadBandwidth(const std::vector<uint64_t>& buf, ThreadPool& pool) {
-  const bool avx2 = ellm::testing::CpuinfoHas("avx2");
-  std::vector<uint64_t> sums(pool.size());
-  double best = 0;
-  for (int rep = 0; rep < 3; ++rep) {
-    const auto t0 = std::chrono::steady_clock::now();
-    pool.ParallelFor(static_cast<int64_t>(buf.size() / 4096), [&](int64_t b, int64_t e, int th) {
-      const uint64_t* p = buf.data() + b * 4096;
-      const size_t n = (e - b) * 4096;
-      sums[th] += avx2 ? SumAvx2(p, n) : SumScalar(p, n);
-    });
-    best = std::max(best, buf.size() * 8 / Seconds(t0, std::chrono::steady_clock::now()) / 1e9);
-  }
-  return best;
-}
-
 // The kernel sets to time: ELLM_BENCH_ISAS="avx2,avx2-vnni" (names as
 // ParseMatIsa reads them), else the best one.
 std::vector<Isa> BenchIsas() {
@@ -1053,11 +1015,13 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
   const size_t kWorkingSet = ws_env != nullptr ? std::max(1LL, std::atoll(ws_env)) * size_t{1024} : size_t{1} << 30;
   // The probe runs again right before every row, on the row's threads: this
   // VM's bandwidth moves by a third within minutes, so each row's ratio is
-  // to the probe of its own moment.
-  std::vector<uint64_t> probe(kWorkingSet / 8, 1);
+  // to the probe of its own moment. It is the attention bench's (huge pages,
+  // core/read_probe.h): a probe of its own here, on 4 KiB pages, read 7-15%
+  // less and put Q8_0 at 1.11 of it.
+  ReadProbe probe(static_cast<int64_t>(kWorkingSet));
   for (int threads : {1, 2}) {
     ThreadPool pool(threads);
-    std::printf("read probe, %d thread(s): %.1f GB/s\n", threads, ReadBandwidth(probe, pool));
+    std::printf("read probe, %d thread(s): %.1f GB/s\n", threads, probe.Measure(pool));
   }
   const char* types_env = std::getenv("ELLM_BENCH_TYPES");
   const std::vector<std::string> wanted = absl::StrSplit(types_env != nullptr ? types_env : "", ',');
@@ -1093,7 +1057,7 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
         for (Isa isa : isas) {
           Activations act;
           act.Set(x.data(), T, kN);
-          const double probe_gbs = ReadBandwidth(probe, pool);
+          const double probe_gbs = probe.Measure(pool);
           MatMul(ms[0], act, y.data(), &pool, isa, bits);  // converts the activations
           double best = 0;
           for (int rep = 0; rep < 2; ++rep) {
