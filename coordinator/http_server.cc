@@ -304,21 +304,24 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void Submit(Prepared prepared) {
     if (!prepared.status.ok()) {
-      server_->scheduler->Refused(prepared.status);
+      server_->scheduler->Refused(prepared.status, "HTTP");
       return SendError(prepared.status);
     }
     const OpenAiRequest& parsed = prepared.request;
     const bool chat = parsed.chat;
+    // The id the answer carries, in the request's log lines too.
+    const uint64_t n = server_->next_id.fetch_add(1);
+    const std::string id =
+        absl::StrFormat("%s-%016x", chat ? "chatcmpl" : "cmpl", server_->id_base ^ (n * 0x9E3779B97F4A7C15ULL));
+    prepared.options.source = absl::StrCat("HTTP ", id);
     const int32_t last_prompt_token = prepared.options.prompt.empty() ? -1 : prepared.options.prompt.back();
     absl::StatusOr<std::shared_ptr<RequestStream>> request = server_->scheduler->Submit(std::move(prepared.options));
     if (!request.ok()) return SendError(request.status());
     request_ = *std::move(request);
     ++server_->answering;
     streaming_ = parsed.stream;
-    const uint64_t n = server_->next_id.fetch_add(1);
     responder_ = std::make_unique<OpenAiResponder>(
-        parsed, absl::StrFormat("%s-%016x", chat ? "chatcmpl" : "cmpl",
-                        server_->id_base ^ (n * 0x9E3779B97F4A7C15ULL)),
+        parsed, id,
         server_->options.model_id, static_cast<int64_t>(std::time(nullptr)), *server_->tokenizer,
         last_prompt_token);
     stream_.expires_never();

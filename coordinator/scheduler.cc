@@ -43,13 +43,19 @@ void Scheduler::Stop() {
 }
 
 absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Submit(GenerateOptions options) {
+  const std::string source = options.source;
   absl::StatusOr<std::shared_ptr<RequestStream>> stream = Enqueue(std::move(options));
-  if (!stream.ok()) Refused(stream.status());
+  if (!stream.ok()) Refused(stream.status(), source);
   return stream;
 }
 
-void Scheduler::Refused(const absl::Status& status) {
-  LogWarning("request refused: %s", status.ToString());
+std::string Scheduler::Named(const Sequence& s) {
+  return s.options.source.empty() ? absl::StrCat("sequence ", s.id)
+                                  : absl::StrCat("sequence ", s.id, " (", s.options.source, ")");
+}
+
+void Scheduler::Refused(const absl::Status& status, const std::string& source) {
+  LogWarning("request %srefused: %s", source.empty() ? "" : absl::StrCat("(", source, ") "), status.ToString());
   if (options_.metrics != nullptr) options_.metrics->RequestEnded("refused");
 }
 
@@ -225,7 +231,7 @@ void Scheduler::Admit() {
         m->QueueWait(seq->admitted - seq->submitted);
       }
     }
-    LogDebug("admitted sequence %d (%d prompt tokens, %d of them cached; %d KV blocks)", seq->id,
+    LogDebug("admitted %s (%d prompt tokens, %d of them cached; %d KV blocks)", Named(*seq),
              seq->options.prompt.size(), attached_tokens, own);
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
@@ -325,9 +331,9 @@ void Scheduler::Finish(Sequence* s, FinishReason reason) {
           absl::ToDoubleMilliseconds(s->last_token - s->first_token) / (s->generated.size() - 1);
     }
   }
-  LogInfo("sequence %d finished (%s): prompt %d tokens, %d from the prefix cache; tokenized in %.1f ms, "
+  LogInfo("%s finished (%s): prompt %d tokens, %d from the prefix cache; tokenized in %.1f ms, "
           "queued %.1f ms, first token %.1f ms after submission, %d generated at %.2f ms/token",
-          s->id, FinishReasonName(reason), f.prompt_tokens, f.cached_tokens, s->options.tokenize_ms,
+          Named(*s), FinishReasonName(reason), f.prompt_tokens, f.cached_tokens, s->options.tokenize_ms,
           f.queue_ms, f.time_to_first_token_ms, f.completion_tokens, f.decode_ms_per_token);
   s->stream->Push(std::move(e));
 }
@@ -387,8 +393,8 @@ void Scheduler::Loop() {
         if (s->stream->cancelled()) cancelled.push_back(s.get());
       }
       for (Sequence* s : cancelled) {
-        LogInfo("sequence %d cancelled by the client: prompt %d tokens, %d from the prefix cache; queued %.1f ms, "
-                "%d generated", s->id, static_cast<int>(s->options.prompt.size()), std::max(0, s->cached_tokens),
+        LogInfo("%s cancelled by the client: prompt %d tokens, %d from the prefix cache; queued %.1f ms, "
+                "%d generated", Named(*s), static_cast<int>(s->options.prompt.size()), std::max(0, s->cached_tokens),
                 absl::ToDoubleMilliseconds(s->admitted - s->submitted), static_cast<int>(s->generated.size()));
         if (options_.metrics != nullptr) options_.metrics->RequestEnded("cancelled");
         Retire(s, /*publish=*/true);
@@ -398,7 +404,7 @@ void Scheduler::Loop() {
           ++it;
           continue;
         }
-        LogInfo("sequence %d cancelled by the client while it waited (%.1f ms, prompt %d tokens)", (*it)->id,
+        LogInfo("%s cancelled by the client while it waited (%.1f ms, prompt %d tokens)", Named(**it),
                 absl::ToDoubleMilliseconds(absl::Now() - (*it)->submitted),
                 static_cast<int>((*it)->options.prompt.size()));
         if (options_.metrics != nullptr) options_.metrics->RequestEnded("cancelled");
@@ -471,7 +477,7 @@ void Scheduler::Loop() {
       if (!plan.seqs[i].sample) continue;
       const absl::Status answer = CheckAnswer(*s, *result);
       if (!answer.ok()) {
-        LogError("step %d: sequence %d ends: %s", step, s->id, answer.ToString());
+        LogError("step %d: %s ends: %s", step, Named(*s), answer.ToString());
         Fail(s, answer);
         Retire(s, /*publish=*/false);
         continue;

@@ -93,6 +93,9 @@ struct GenerateOptions {
   std::vector<std::string> stop;
   int synthetic_context = 0;  // benchmarks: random K/V positions before the prompt
   double tokenize_ms = 0;     // time the service took to tokenize the prompt (for the log)
+  // Who asked, for the log lines of the request: "HTTP cmpl-…" (the id its
+  // answer carries), "gRPC ipv4:…" (the peer). Empty: not said.
+  std::string source;
 };
 
 struct SchedulerStats {
@@ -122,7 +125,7 @@ class Scheduler {
   // request, a full queue, a server that is stopping): "refused" in the
   // metrics' requests by outcome. Submit calls it; so do the fronts for the
   // requests they refuse before Submit.
-  void Refused(const absl::Status& status);
+  void Refused(const absl::Status& status, const std::string& source = "");
 
   // The KV store's blocks at start-up (the blocks every attention worker
   // lists): prompts that continue a cached prefix into them load them. The
@@ -188,6 +191,8 @@ class Scheduler {
   shm::StepPlan PlanStep(std::vector<Sequence*>* in_step);
   absl::StatusOr<std::shared_ptr<RequestStream>> Enqueue(GenerateOptions options);  // Submit's work
   void Admit();  // locked
+  // "sequence 3 (HTTP cmpl-…)": how the log names a request.
+  static std::string Named(const Sequence& s);
   // The final event (reason, counts, timings) of a finished sequence.
   void Finish(Sequence* seq, FinishReason reason);
   // Takes `seq` out of running_ and releases its KV: its full blocks go to

@@ -229,10 +229,12 @@ grpc::Status EllmService::Generate(grpc::ServerContext* context,
   ++generating_;
   const absl::Cleanup returned = [this] { --generating_; };
   absl::StatusOr<GenerateOptions> options = Validate(*request);
+  const std::string source = absl::StrCat("gRPC ", context->peer());
   if (!options.ok()) {
-    scheduler_->Refused(options.status());
+    scheduler_->Refused(options.status(), source);
     return ToGrpcStatus(options.status());
   }
+  options->source = source;
   absl::StatusOr<std::shared_ptr<RequestStream>> stream = scheduler_->Submit(*std::move(options));  // logs a refusal
   if (!stream.ok()) return ToGrpcStatus(stream.status());
   for (;;) {

@@ -487,18 +487,22 @@ TEST(Http, ApiKeyIsRequiredWhenSet) {
 }
 
 // Response ids are unique: within a run, and across a restart (the first
-// request of every run had the same id).
+// request of every run had the same id); a request's log lines name its id.
 TEST(Http, ResponseIdsDifferAcrossRequestsAndRestarts) {
   std::set<std::string> ids;
   for (int run = 0; run < 2; ++run) {
     EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl"});
     ASSERT_TRUE(system.ready()) << system.Log();
+    std::string last;
     for (int i = 0; i < 2; ++i) {
       const HttpResult r = Post(system.http_port(), "/v1/completions", Completion("Once", 2, false));
       ASSERT_EQ(r.status, 200) << r.body;
-      ids.insert(r.Json()["id"].get<std::string>());
+      last = r.Json()["id"].get<std::string>();
+      ids.insert(last);
     }
     ExpectCleanShutdown(system);
+    // The request's log line names the id its answer carried.
+    EXPECT_NE(system.Log().find(absl::StrCat("(HTTP ", last, ") finished")), std::string::npos) << system.Log();
   }
   EXPECT_EQ(ids.size(), 4u);
 }
