@@ -529,8 +529,11 @@ void Scheduler::Deliver(const shm::SampledSeq& r, absl::Time now) {
   Sequence* s = it->get();
   if (Metrics* m = options_.metrics) {
     m->GeneratedToken();
-    if (!s->generated.empty()) m->InterTokenLatency(now - s->last_token);
-    if (s->generated.empty()) m->TimeToFirstToken(now - s->submitted);
+    if (s->generated.empty()) {
+      m->TimeToFirstToken(now - s->submitted);
+    } else {
+      m->InterTokenLatency(now - s->last_token);
+    }
   }
   if (s->generated.empty()) s->first_token = now;
   s->last_token = now;
@@ -621,9 +624,8 @@ void Scheduler::FailWorkersLocked(const absl::Status& status) {
     return;
   }
   if (broken_ || recovering_) return;
-  LogWarning("a worker failed (%s); pausing %d running and %d waiting %s until the workers are back",
-             status.message(), static_cast<int>(running_.size()), static_cast<int>(waiting_.size()),
-             running_.size() + waiting_.size() == 1 ? "request" : "requests");
+  LogWarning("a worker failed (%s); pausing %d running and %d waiting requests until the workers are back",
+             status.message(), static_cast<int>(running_.size()), static_cast<int>(waiting_.size()));
   recovering_ = true;
   if (on_recovering) on_recovering(true);
   // The workers come back with empty caches: every running request goes back

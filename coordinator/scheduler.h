@@ -118,14 +118,15 @@ class Scheduler {
   ~Scheduler();
 
   // Queues a request. ResourceExhausted when it can never fit the KV budget or
-  // the queue is full; Unavailable once the workers have failed.
-  // Every refusal is logged and counted (Refused).
+  // the queue is full; Unavailable once the workers have failed. Every
+  // refusal is logged and counted (Refused).
   absl::StatusOr<std::shared_ptr<RequestStream>> Submit(GenerateOptions options);
   // Logs and counts a request refused before it reached the queue (a bad
   // request, a full queue, a server that is stopping): "refused" in the
   // metrics' requests by outcome. Submit calls it; so do the fronts for the
   // requests they refuse before Submit.
-  void Refused(const absl::Status& status, const std::string& source = "");
+  // `source` as GenerateOptions::source.
+  void Refused(const absl::Status& status, const std::string& source);
 
   // The KV store's blocks at start-up (the blocks every attention worker
   // lists): prompts that continue a cached prefix into them load them. The

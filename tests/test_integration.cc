@@ -823,6 +823,7 @@ TEST(Integration, AnIdleClientDoesNotHoldAStop) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   EXPECT_LT(seconds, 1.5) << system.Log();
+  std::printf("stop with an idle client: %.2f s\n", seconds);
 }
 
 TEST(Integration, AStopDuringStartUpIsNeverLost) {
