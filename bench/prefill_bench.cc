@@ -41,7 +41,7 @@ int PrefillMain(int argc, char** argv) {
   Args args(
       "ellm-bench prefill: cold prefill of prompts in one process, split into matrix work and\n"
       "attention, each in G multiply-adds/s against the peak of its dot-product instruction\n"
-      "on the same threads (the mean of the peaks measured before and after the prompt).\n"
+      "on the same threads (the higher of the peaks measured before and after the prompt).\n"
       "Prints one key=value line per prompt length:\n"
       "  prompt= tokens_per_s= matrix_gmacs= matrix_peak= matrix_ratio= attention_gmacs=\n"
       "  attention_peak= attention_ratio= attention_peak_before= attention_peak_after= cpu=\n"
@@ -124,7 +124,7 @@ int PrefillMain(int argc, char** argv) {
   const DotUnit matrix_unit = MatrixDotUnit(*isa, matrix_type);  // ParseMatIsa resolved "auto"
   const DotUnit attention_unit = AttentionDotUnit(shard.kernel_name(), *dtype, /*prefill=*/true);
   // The peaks are measured before the first prompt and again after each, and
-  // a prompt is held against the mean of the measurements around it: on a
+  // a prompt is held against the higher of the measurements around it: on a
   // shared VM they moved from 480 to 880 GMAC/s within minutes.
   struct Peaks {
     double matrix = 0, attention = 0;
