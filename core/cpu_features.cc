@@ -41,6 +41,7 @@ CpuFeatures Detect() {
     f.avx512bw = (ebx >> 30) & 1;
     f.avx512vl = (ebx >> 31) & 1;
     f.avx512_vnni = (ecx >> 11) & 1;
+    f.avx512_vbmi = (ecx >> 1) & 1;
   }
   f.amx_tile = (edx >> 24) & 1;
   f.amx_int8 = (edx >> 25) & 1;
@@ -92,7 +93,7 @@ bool CpuHas(Isa isa) {
     case Isa::kAvx2Vnni: return f.Avx2Set() && f.avx_vnni;
     case Isa::kAvx512: return f.Avx512Set();
     case Isa::kAmx:
-      return f.Avx512Set() && f.avx512_bf16 && f.amx_tile && f.amx_int8 && f.amx_bf16 &&
+      return f.Avx512Set() && f.avx512_bf16 && f.avx512_vbmi && f.amx_tile && f.amx_int8 && f.amx_bf16 &&
              AmxTileStateGranted();
   }
   return false;

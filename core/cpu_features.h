@@ -17,6 +17,7 @@ struct CpuFeatures {
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512_vnni = false;
   bool avx512_bf16 = false;  // VCVTNE2PS2BF16 and friends
+  bool avx512_vbmi = false;  // VPERMB (the amx kernels' bf16 dequantiser)
   bool amx_tile = false, amx_int8 = false, amx_bf16 = false;  // CPUID only (CpuHas(kAmx) also asks Linux)
   // The AVX2 kernels' baseline (AVX2 + FMA + F16C + BMI1/2, as every AVX2
   // CPU has, but a VM may hide) and the AVX-512 one (F, BW, VL, DQ, VNNI):

@@ -364,6 +364,9 @@ TEST(CpuFeatures, AgreeWithProcCpuinfo) {
   EXPECT_EQ(cpu.avx512vl, CpuinfoHas("avx512vl"));
   EXPECT_EQ(cpu.avx512dq, CpuinfoHas("avx512dq"));
   EXPECT_EQ(cpu.avx512_vnni, CpuinfoHas("avx512_vnni"));
+  EXPECT_EQ(cpu.avx512_vbmi, CpuinfoHas("avx512vbmi"));
+  EXPECT_EQ(cpu.avx512_bf16, CpuinfoHas("avx512_bf16"));
+  EXPECT_EQ(cpu.amx_bf16, CpuinfoHas("amx_bf16"));
   EXPECT_EQ(cpu.amx_tile, CpuinfoHas("amx_tile"));
   EXPECT_EQ(cpu.amx_int8, CpuinfoHas("amx_int8"));
 }

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "absl/algorithm/container.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/peak.h"
@@ -216,7 +217,9 @@ TEST(MatMulDispatch, PicksASimdKernelOnThisCpu) {
                       CpuinfoHas("avx512vl") && CpuinfoHas("avx512dq") && CpuinfoHas("avx512f");
   // AMX also needs Linux's permission (granted by every kernel that lists
   // the flags, 5.16 and later).
-  EXPECT_EQ(MatIsaSupported(Isa::kAmx), avx512 && CpuinfoHas("amx_tile") && CpuinfoHas("amx_int8"));
+  EXPECT_EQ(MatIsaSupported(Isa::kAmx), avx512 && CpuinfoHas("avx512_bf16") && CpuinfoHas("avx512vbmi") &&
+                                            CpuinfoHas("amx_tile") && CpuinfoHas("amx_int8") &&
+                                            CpuinfoHas("amx_bf16"));
   if (avx512) {  // amx only when asked for: its rounding depends on the step (matmul.h)
     EXPECT_EQ(best, Isa::kAvx512);
   } else if (avx2 && CpuinfoHas("avx_vnni")) {
@@ -600,8 +603,9 @@ float RoundBf16(float x) {
 // columns cross the kernel's chunks of 1024) costs a whole product or more.
 // Checked at token counts that fill tile pairs, leave a single and a partial
 // tile, with a partial group (17, 129 rows), with groups in pairs and one
-// left over (48, 129 rows), on 1 and 3 threads; below 16
-// tokens the set is avx512 bit for bit.
+// left over (48, 129 rows), with more groups than a band of the kernel (537
+// rows: 34 groups, in bands of 32 and 2 on 1 thread), on 1 and 3 threads;
+// below 16 tokens the set is avx512 bit for bit.
 TEST(MatMul, AmxTilesMatchTheirBf16Oracle) {
   if (!MatIsaSupported(Isa::kAmx)) GTEST_SKIP() << "no AMX-BF16 on this CPU (or Linux refused the tile state)";
   ThreadPool three(3);
@@ -612,10 +616,13 @@ TEST(MatMul, AmxTilesMatchTheirBf16Oracle) {
   std::vector<int64_t> all_cols = ColsFor(type);
   if (Traits(type).block_elements == 32) all_cols.push_back(2080);
   for (int64_t cols : all_cols) {
-    for (int rows : {16, 17, 48, 129}) {
+    for (int rows : {16, 17, 48, 129, 537}) {
+      const bool bands = rows > 16 * 32;  // the largest and smallest cols only, 2 token counts (time)
+      if (bands && cols != all_cols.front() && cols != all_cols.back()) continue;
       const TestMatrix m = MakeMatrix(type, rows, cols, 41 * rows + cols);
       const QuantMatrix q = Repack(m);
       for (int T : {5, 16, 17, 31, 40, 77}) {
+        if (bands && T != 17 && T != 40) continue;
         const std::vector<float> x = RandomActivations(T, cols, 5 * T + cols);
         Activations act;
         act.Set(x.data(), T, cols);
@@ -992,6 +999,7 @@ std::vector<Isa> BenchIsas() {
 // ELLM_BENCH_MATVEC_N (default 5120) and ELLM_BENCH_WORKING_SET_KB (default
 // 1 GiB, beyond the last-level cache) change the shape and the bytes cycled
 // through: e.g. 512 and 300 measure the kernels on weights in cache.
+// ELLM_BENCH_TOKENS="1,4,256" sets the tokens per step (default 1,4,16).
 // ELLM_BENCH_TYPES="q8_0,q4_K" times only those weight types (of q8_0, q4_0,
 // q4_K, q5_K, q6_K and f16). ELLM_BENCH_Q8_ACT_BITS=7 runs MatMul with
 // q8_act_bits = 7 (plain avx2 Q8_0 on 7-bit activation codes; the row's
@@ -1023,6 +1031,15 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
     ThreadPool pool(threads);
     std::printf("read probe, %d thread(s): %.1f GB/s\n", threads, probe.Measure(pool));
   }
+  std::vector<int> token_counts = {1, 4, 16};
+  if (const char* tokens_env = std::getenv("ELLM_BENCH_TOKENS"); tokens_env != nullptr) {
+    token_counts.clear();
+    for (absl::string_view t : absl::StrSplit(tokens_env, ',')) {
+      int n = 0;
+      if (absl::SimpleAtoi(t, &n) && n > 0) token_counts.push_back(n);
+    }
+    ASSERT_FALSE(token_counts.empty()) << "ELLM_BENCH_TOKENS: comma-separated token counts, e.g. 1,4,256";
+  }
   const char* types_env = std::getenv("ELLM_BENCH_TYPES");
   const std::vector<std::string> wanted = absl::StrSplit(types_env != nullptr ? types_env : "", ',');
   for (DType type : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K, DType::kF16}) {
@@ -1049,11 +1066,12 @@ TEST(MatMulBench, DISABLED_Matvec5120) {
       ms.push_back(*QuantMatrix::FromRaw(type, kN, kN, reinterpret_cast<const uint8_t*>(raw.data()),
                                          raw.size()));
     }
-    const std::vector<float> x = RandomActivations(16, kN, 2);
-    std::vector<float> y(16 * kN);
+    const int max_tokens = *absl::c_max_element(token_counts);
+    const std::vector<float> x = RandomActivations(max_tokens, kN, 2);
+    std::vector<float> y(static_cast<size_t>(max_tokens) * kN);
     for (int threads : {1, 2}) {
       ThreadPool pool(threads);
-      for (int T : {1, 4, 16}) {
+      for (int T : token_counts) {
         for (Isa isa : isas) {
           Activations act;
           act.Set(x.data(), T, kN);

@@ -9,11 +9,11 @@
 // tokens' bf16 activations (Activations::bf16, one 64-byte row per token and
 // block), B = the group's block dequantised once into the VNNI pair layout
 // (row k2 = [16 r][2 j]: elements 2 k2 + j), C = the fp32 sums, carried in
-// the tile across all blocks of a chunk of kChunkBlocks and in y between
-// chunks. w is the reference dequantisation's fp32 value (BlockSource);
-// both operands are then rounded to bfloat16 (8 bits of mantissa, nearest
-// even), and the products
-// (exact in fp32) are summed in fp32 by the tile unit. So the results differ
+// the tile across all blocks of a chunk of kChunkBlocks and in a tile-major
+// scratch between chunks (KernelAmxTiles). w is the reference
+// dequantisation's fp32 value (BlockSource); both operands are then rounded
+// to bfloat16 (8 bits of mantissa, nearest even), and the products (exact in
+// fp32) are summed in fp32 by the tile unit. So the results differ
 // from avx512's (int8 activation codes per block) by rounding, and the
 // same token gives a slightly different y in a step of 16 tokens or more than
 // in a smaller one; within either kind, a token's y depends neither on the
@@ -27,11 +27,12 @@
 // G multiply-adds/s). In bf16 the scales are folded into the operands and the
 // sums stay in the tile.
 //
-// Order of work per kernel call (a range of groups): chunks of kChunkBlocks
-// blocks (1024 columns) outside, so the chunk's activations (T x 2 KiB) stay
-// in L2 while every group of the range uses them; per pair of groups the
-// chunk's weights, dequantised into 2 x 32 KiB, serve every token tile,
-// two token tiles at a time (2 x 2 C tiles), while the vector units
+// Order of work per band of up to kBandGroups groups of a kernel call (a
+// range of groups): chunks of kChunkBlocks blocks (1024 columns) outside, so
+// the chunk's activations (T x 2 KiB) stay in L2 while every group of the
+// band uses them; per pair of groups the chunk's weights, dequantised into
+// 2 x 32 KiB, serve every token tile, two token tiles at a time (2 x 2 C
+// tiles), while the vector units
 // dequantise the next pair's, a line of each group per block step (two
 // buffers). Measured on 5120 x 5120 at T = 256, 1 thread, Xeon family 6
 // model 207, one group at a time: 0.52-0.55 of avx512's time; chunks of 16
@@ -40,6 +41,15 @@
 // time): matrix work 676-749 against 586-642 G multiply-adds/s (1.12-1.21x);
 // chunks of 16 blocks then ran no faster than single groups, chunks of 64
 // within the noise of 32, and prefetching the next A tiles slower.
+//
+// What bounds it now (5120 x 5120 Q8_0 at T = 256, 1 thread, the same Xeon,
+// the Matvec5120 bench with ELLM_BENCH_TOKENS=256: 9.7-9.9 ms, 0.33 of
+// TDPBF16PS's peak; experiments, not kept): without the dequantisation 7.0
+// ms; without it and with every tile load from L1 4.8 ms (0.68); also
+// without the C tiles' trips to the scratch 4.6 ms. The dequantisation alone
+// (no tile work) takes about 2.8 ms, but with the tile work it adds 3-4 ms:
+// its stores and the tile loads do not overlap well (without its stores, 8.9
+// ms). Chunks of 16 or 8 blocks (B in L1) ran 5-10% slower.
 //
 // The tile instructions are inline assembly in the one function that loads
 // the tile configuration (DESIGN.md "Build facts": GCC 12 can drop a
@@ -58,11 +68,11 @@
 #include "mlp-worker/cpu/matmul_layout.h"
 
 #define ELLM_AVX512_BF16_TARGET \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma")))
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,f16c,fma")))
 #define ELLM_INLINE inline __attribute__((always_inline))
 #define ELLM_AMX_TARGET                                                                     \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16," \
-                        "f16c,fma")))
+                        "avx512vbmi,f16c,fma")))
 
 namespace ellm::mlp::internal {
 
@@ -95,15 +105,26 @@ AmxTileConfig MakeConfig(int n) {
   return c;
 }
 
-// The permutes of the dequantiser (below): kSpread[q] spreads rows 4q..4q+3
-// of a 16-row vector over (r, j) lanes; kAmxEvenOddDwords[p] (core/amx.h)
-// gathers the pairs p.
-alignas(64) constexpr int32_t kSpread[4][16] = {
-    {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},
-    {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7},
-    {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11},
-    {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15}};
-// (Row r = 4q + rr: dword (q < 2 ? 0 : 16) + 8 (q % 2) + 2 rr + p.)
+// The dequantiser's (below) lane orders. Quarter q = 2 p + hb of a virtual
+// line (levels [16 r][4 j]) holds, in lane i, the level of row 8 hb + i / 2
+// and column j = 2 p + i % 2: kQuarterBytes[q] picks those bytes (VPERMB
+// into the low byte of each dword, the others zeroed), and kRowOfLane[hb]
+// spreads the rows' scales over the lanes. Two quarters rounded to bf16
+// (VCVTNE2PS2BF16: lanes of the first, then the second) are then the B tile
+// row k2 = 2 v + p as it is: [16 r][2 j].
+constexpr __mmask64 kLowBytes = 0x1111111111111111ULL;
+alignas(64) constexpr uint8_t kQuarterBytes[4][64] = {
+#define ELLM_Q(hb, p, i) static_cast<uint8_t>(4 * (8 * (hb) + (i) / 2) + 2 * (p) + (i) % 2), 0, 0, 0
+#define ELLM_QUARTER(hb, p)                                                                              \
+  {ELLM_Q(hb, p, 0),  ELLM_Q(hb, p, 1),  ELLM_Q(hb, p, 2),  ELLM_Q(hb, p, 3),  ELLM_Q(hb, p, 4),  \
+   ELLM_Q(hb, p, 5),  ELLM_Q(hb, p, 6),  ELLM_Q(hb, p, 7),  ELLM_Q(hb, p, 8),  ELLM_Q(hb, p, 9),  \
+   ELLM_Q(hb, p, 10), ELLM_Q(hb, p, 11), ELLM_Q(hb, p, 12), ELLM_Q(hb, p, 13), ELLM_Q(hb, p, 14), \
+   ELLM_Q(hb, p, 15)}
+    ELLM_QUARTER(0, 0), ELLM_QUARTER(1, 0), ELLM_QUARTER(0, 1), ELLM_QUARTER(1, 1)};
+#undef ELLM_QUARTER
+#undef ELLM_Q
+alignas(64) constexpr int32_t kRowOfLane[2][16] = {{0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7},
+                                                   {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15}};
 
 // The 16 rows' scale and offset of one block of 32 columns (x = scale *
 // level + offset), for its first and its second 16 columns (the same but for
@@ -212,10 +233,13 @@ struct BlockSource<DType::kQ6_K> {
 // line per Step, so that the tile kernel can run it between its tile
 // instructions: out + (b - b0) * 512 is block b, row k2 = 2v + p (elements
 // 4v + 2p, 4v + 2p + 1 of the 16 rows, as 16 pairs). A virtual line's 64
-// levels ([16 r][4 j]) go as four quarters of 4 rows, each widened to 16
-// floats in (r, j) order and scaled by its rows' scale and offset (spread
-// over the quarter's lanes), then two quarters at a time rounded to bf16,
-// whose dword 8 q + 2 r + p holds the pair p of row 4 q + r.
+// levels ([16 r][4 j]) go as four quarters (kQuarterBytes), each widened to
+// 16 floats and scaled by its rows' scale and offset, then two quarters at a
+// time rounded to bf16: one B tile row each, with no permute. Before, the
+// quarters were 4 rows each (extracts, VPMOVZXBD) and the pairs were gathered
+// by two VPERMT2Ds: 19 vector instructions a line, now 14 (the kernel's time
+// moved within the noise, 10.0 -> 9.9 ms in the case above). The values, and
+// so every bit of y, are the same.
 template <DType kType>
 struct Bf16Dequantizer {
   using Source = BlockSource<kType>;
@@ -224,7 +248,9 @@ struct Bf16Dequantizer {
   int64_t b0 = 0;
   int line = 0, lines = 0;  // next, and all (8 per block)
   uint16_t* out = nullptr;
-  __m512 s[2][4], o[2][4];  // the current block's scales and offsets, per half and quarter
+  const uint8_t* q = nullptr;  // the current block's super-block
+  int sub = 0;                 // and its block in it
+  __m512 s[2][2], o[2][2];  // the current block's scales and offsets, per half and row half (hb)
 
   void Start(const QuantMatrix& w, int64_t g, int64_t first, int64_t end, uint16_t* dst) {
     const int64_t supers = w.cols() / (32 * Source::kSuper);
@@ -240,38 +266,33 @@ struct Bf16Dequantizer {
 
   ELLM_AVX512_BF16_TARGET ELLM_INLINE void Step() {
     if (line >= lines) return;
-    const int64_t b = b0 + line / 8;
     const int v = line % 8;
-    const int64_t super = b / Source::kSuper;
-    const int sub = static_cast<int>(b % Source::kSuper);
-    const uint8_t* q = quant + super * Source::kQuant;
-    if (v == 0) {
+    if (v == 0) {  // a new block: its quant data and its rows' scales and offsets
+      const int64_t b = b0 + line / 8;
+      const int64_t super = b / Source::kSuper;
+      sub = static_cast<int>(b % Source::kSuper);
+      q = quant + super * Source::kQuant;
       __m512 scale[2], offset[2];
       Source::Scales(q, meta + super * Source::kMeta, sub, scale, offset);
+      const __m512i spread0 = _mm512_load_si512(kRowOfLane[0]), spread1 = _mm512_load_si512(kRowOfLane[1]);
       for (int h = 0; h < 2; ++h) {
-        for (int i = 0; i < 4; ++i) {
-          const __m512i spread = _mm512_load_si512(kSpread[i]);
-          s[h][i] = _mm512_permutexvar_ps(spread, scale[h]);
-          o[h][i] = _mm512_permutexvar_ps(spread, offset[h]);
-        }
+        s[h][0] = _mm512_permutexvar_ps(spread0, scale[h]);
+        o[h][0] = _mm512_permutexvar_ps(spread0, offset[h]);
+        s[h][1] = _mm512_permutexvar_ps(spread1, scale[h]);
+        o[h][1] = _mm512_permutexvar_ps(spread1, offset[h]);
       }
     }
     const __m512i levels = Source::Levels(q, sub, v);
     const int h = v / 4;
-    __m512 f[4];
-    f[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(levels))), s[h][0],
-                           o[h][0]);
-    f[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(levels, 1))),
-                           s[h][1], o[h][1]);
-    f[2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(levels, 2))),
-                           s[h][2], o[h][2]);
-    f[3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(levels, 3))),
-                           s[h][3], o[h][3]);
-    const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
-    const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
-    uint16_t* dst = out + (line / 8) * (kBlockBytes / 2) + 64 * v;
-    _mm512_store_si512(dst, _mm512_permutex2var_epi32(lo, _mm512_load_si512(kAmxEvenOddDwords[0]), hi));
-    _mm512_store_si512(dst + 32, _mm512_permutex2var_epi32(lo, _mm512_load_si512(kAmxEvenOddDwords[1]), hi));
+    const __m512 s0 = s[h][0], s1 = s[h][1], o0 = o[h][0], o1 = o[h][1];
+    // Quarter q = 2 p + hb, widened to floats and scaled.
+    const auto quarter = [&](int qi, __m512 scale, __m512 offset) ELLM_AVX512_BF16_TARGET __attribute__((always_inline)) {
+      const __m512i level = _mm512_maskz_permutexvar_epi8(kLowBytes, _mm512_load_si512(kQuarterBytes[qi]), levels);
+      return _mm512_fmadd_ps(_mm512_cvtepi32_ps(level), scale, offset);
+    };
+    uint16_t* dst = out + 64 * static_cast<int64_t>(line);  // block line / 8, B rows 2v and 2v + 1
+    _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(quarter(1, s1, o1), quarter(0, s0, o0)));
+    _mm512_store_si512(dst + 32, (__m512i)_mm512_cvtne2ps_pbh(quarter(3, s1, o1), quarter(2, s0, o0)));
     ++line;
   }
 };
@@ -302,174 +323,198 @@ ELLM_AMX_TARGET ELLM_INLINE void ZeroC(int reg) {
   }
 }
 
-// A block type, T >= kAmxMinTokens, groups [g_begin, g_end).
+// A block type, T >= kAmxMinTokens, groups [g_begin, g_end), in bands of
+// at most kBandGroups groups.
 //
 // Groups go in pairs (the last alone when their count is odd) and token
 // tiles in pairs (then a single full tile, then the partial one): each block
 // step loads two A and two B tiles for four products, so the A tiles, which
 // come from L2, are read once per two groups. Each C tile still sums its
-// blocks in column order, so the pairing changes no bit of y.
+// blocks in column order, so neither the pairing nor the bands change a bit
+// of y.
+//
+// Between chunks the C tiles wait in a tile-major scratch (a group's sums as
+// [token][16 rows], 64 bytes a token), not in y: a C tile of y spans 16
+// tokens' rows ldy floats apart, 16 pages, and its loads and stores between
+// chunks cost more than the products. 5120 x 5120 Q8_0 at T = 256 (the
+// disabled Matvec5120 bench with ELLM_BENCH_TOKENS=256, Xeon family 6 model
+// 207): 11.1 -> 8.3 ms on 1 thread, 5.9 -> 4.5 ms on 2. The band keeps that
+// scratch (T x 2 KiB) in L2 beside the chunk's A tiles; y gets each band's
+// sums once, at its end.
+constexpr int64_t kBandGroups = 32;
+
 template <DType kType>
 ELLM_AMX_TARGET void KernelAmxTiles(const KernelArgs& a, int64_t g_begin, int64_t g_end) {
   const QuantMatrix& w = *a.w;
   const int64_t nb = w.cols() / 32;
   const int T = a.T;
-  const int64_t ab_stride = 64;  // bytes per row of an A tile (a token) and of a B tile (a pair of columns)
+  const int64_t ab_stride = 64;  // bytes per row of an A tile (a token), a B tile (a pair of columns), a C tile (a token)
   const auto a_tile = [&](int tile, int64_t b) {
     return reinterpret_cast<const uint8_t*>(a.bf16) + (tile * nb + b) * 1024;
   };
   const int full_tiles = T / kTileTokens, rest = T % kTileTokens;
+  const int64_t padded_tokens = (full_tiles + (rest > 0 ? 1 : 0)) * kTileTokens;
   // One chunk of each group of a pair as B tiles, twice: the tile unit reads
   // one pair's while the vector units fill the other with the next pair's,
   // a line of each group per block step of the tile loop.
   AlignedBytes b_tiles[4];
   for (AlignedBytes& bt : b_tiles) bt.Resize(kChunkBlocks * kBlockBytes);
-  const auto b_buffer = [&](int64_t g) {
-    const int64_t i = g - g_begin;
-    return reinterpret_cast<uint16_t*>(b_tiles[((i / 2) & 1) * 2 + (i & 1)].data());
-  };
-  // The sums of a group with fewer than 16 rows live here, not in y.
-  AlignedBytes partial;
-  const bool has_partial = ValidRows(w, g_end - 1) < kGroupRows;
-  if (has_partial) partial.Resize(static_cast<size_t>(T) * kGroupRows * sizeof(float));
-  float* partial_sums = reinterpret_cast<float*>(partial.data());
+  // The band's sums, [group][token][16 rows]; kept per thread, as it only grows.
+  thread_local AlignedBytes scratch;
+  scratch.Resize(static_cast<size_t>(kBandGroups * padded_tokens * kGroupRows * sizeof(float)));
+  float* const sums = reinterpret_cast<float*>(scratch.data());
   const AmxTileConfig full_cfg = MakeConfig(kTileTokens), rest_cfg = MakeConfig(rest == 0 ? 1 : rest);
   Bf16Dequantizer<kType> next[2];
-  // Starts dequantising the pair of groups from g (nothing past g_end).
-  const auto start_pair = [&](int64_t g, int64_t b0, int64_t b1) {
-    for (int y = 0; y < 2; ++y) {
-      if (g + y < g_end) {
-        next[y].Start(w, g + y, b0, b1, b_buffer(g + y));
-      } else {
-        next[y].Stop();
+  for (int64_t band = g_begin; band < g_end; band += kBandGroups) {
+    const int64_t band_end = std::min(g_end, band + kBandGroups);
+    const auto b_buffer = [&](int64_t g) {
+      const int64_t i = g - band;
+      return reinterpret_cast<uint16_t*>(b_tiles[((i / 2) & 1) * 2 + (i & 1)].data());
+    };
+    // Starts dequantising the pair of groups from g (nothing past band_end).
+    const auto start_pair = [&](int64_t g, int64_t b0, int64_t b1) {
+      for (int y = 0; y < 2; ++y) {
+        if (g + y < band_end) {
+          next[y].Start(w, g + y, b0, b1, b_buffer(g + y));
+        } else {
+          next[y].Stop();
+        }
       }
-    }
-  };
-  const auto step = [&]() ELLM_AMX_TARGET __attribute__((always_inline)) {
-    next[0].Step();
-    next[1].Step();
-  };
-  for (int64_t b0 = 0; b0 < nb; b0 += kChunkBlocks) {
-    const int64_t b1 = std::min(nb, b0 + kChunkBlocks);
-    const bool first = b0 == 0;
-    start_pair(g_begin, b0, b1);
-    while (!next[0].done() || !next[1].done()) step();
-    for (int64_t g = g_begin; g < g_end; g += 2) {
-      const int ng = g + 1 < g_end ? 2 : 1;  // groups of this pair
-      start_pair(g + 2, b0, b1);
-      float* c_base[2] = {};
-      int64_t c_stride[2] = {};  // bytes per token
-      const uint8_t* bt[2] = {};
-      for (int y = 0; y < ng; ++y) {
-        const bool in_y = ValidRows(w, g + y) == kGroupRows;
-        c_base[y] = in_y ? a.y + (g + y) * kGroupRows : partial_sums;
-        c_stride[y] = (in_y ? a.ldy : kGroupRows) * 4;
-        bt[y] = reinterpret_cast<const uint8_t*>(b_buffer(g + y));
-      }
-      // C tiles of token tiles [tile, tile + nt) and the pair's groups: in
-      // from y (zero on the first chunk) or out to it.
-      const auto c_tiles = [&](int tile, int nt, bool store) ELLM_AMX_TARGET __attribute__((always_inline)) {
+    };
+    const auto step = [&]() ELLM_AMX_TARGET __attribute__((always_inline)) {
+      next[0].Step();
+      next[1].Step();
+    };
+    for (int64_t b0 = 0; b0 < nb; b0 += kChunkBlocks) {
+      const int64_t b1 = std::min(nb, b0 + kChunkBlocks);
+      const bool first = b0 == 0;
+      start_pair(band, b0, b1);
+      while (!next[0].done() || !next[1].done()) step();
+      for (int64_t g = band; g < band_end; g += 2) {
+        const int ng = g + 1 < band_end ? 2 : 1;  // groups of this pair
+        start_pair(g + 2, b0, b1);
+        float* c_base[2] = {};
+        const uint8_t* bt[2] = {};
         for (int y = 0; y < ng; ++y) {
-          for (int x = 0; x < nt; ++x) {
-            float* c = c_base[y] + static_cast<int64_t>(tile + x) * kTileTokens * (c_stride[y] / 4);
-            if (store) {
-              StoreC(x + 2 * y, c, c_stride[y]);
-            } else if (first) {
-              ZeroC(x + 2 * y);
-            } else {
-              LoadC(x + 2 * y, c, c_stride[y]);
+          c_base[y] = sums + (g + y - band) * padded_tokens * kGroupRows;
+          bt[y] = reinterpret_cast<const uint8_t*>(b_buffer(g + y));
+        }
+        // C tiles of token tiles [tile, tile + nt) and the pair's groups: in
+        // from the scratch (zero on the first chunk) or out to it.
+        const auto c_tiles = [&](int tile, int nt, bool store) ELLM_AMX_TARGET __attribute__((always_inline)) {
+          for (int y = 0; y < ng; ++y) {
+            for (int x = 0; x < nt; ++x) {
+              float* c = c_base[y] + static_cast<int64_t>(tile + x) * kTileTokens * kGroupRows;
+              if (store) {
+                StoreC(x + 2 * y, c, ab_stride);
+              } else if (first) {
+                ZeroC(x + 2 * y);
+              } else {
+                LoadC(x + 2 * y, c, ab_stride);
+              }
             }
           }
-        }
-      };
-      __asm__ volatile("" ::: "memory");
-      __asm__ volatile("ldtilecfg %0" : : "m"(full_cfg) : "memory");
-      int tile = 0;
-      for (; tile + 2 <= full_tiles; tile += 2) {
-        const uint8_t* a0 = a_tile(tile, b0);
-        const uint8_t* a1 = a_tile(tile + 1, b0);
-        c_tiles(tile, 2, false);
-        if (ng == 2) {
-          for (int64_t i = 0; i < b1 - b0; ++i) {
-            __asm__ volatile(
-                "tileloadd (%0,%4,1), %%tmm6\n\t"
-                "tileloadd (%1,%4,1), %%tmm7\n\t"
-                "tileloadd (%2,%4,1), %%tmm4\n\t"
-                "tdpbf16ps %%tmm6, %%tmm4, %%tmm0\n\t"
-                "tdpbf16ps %%tmm7, %%tmm4, %%tmm2\n\t"
-                "tileloadd (%3,%4,1), %%tmm5\n\t"
-                "tdpbf16ps %%tmm6, %%tmm5, %%tmm1\n\t"
-                "tdpbf16ps %%tmm7, %%tmm5, %%tmm3"
-                :
-                : "r"(bt[0] + i * kBlockBytes), "r"(bt[1] + i * kBlockBytes), "r"(a0 + 1024 * i),
-                  "r"(a1 + 1024 * i), "r"(ab_stride)
-                : "memory");
-            step();
+        };
+        __asm__ volatile("" ::: "memory");
+        __asm__ volatile("ldtilecfg %0" : : "m"(full_cfg) : "memory");
+        int tile = 0;
+        // Line j of the next pair of token tiles' C (group j / 32, token
+        // row j % 32 of the pair), into L1 during this pair's products.
+        const auto prefetch_next_c = [&](int64_t j) __attribute__((always_inline)) {
+          const int64_t token = static_cast<int64_t>(tile + 2) * kTileTokens + j % 32;
+          if (token < padded_tokens) {
+            _mm_prefetch(reinterpret_cast<const char*>(c_base[j / 32] + token * kGroupRows), _MM_HINT_T0);
           }
-        } else {
-          for (int64_t i = 0; i < b1 - b0; ++i) {
-            __asm__ volatile(
-                "tileloadd (%0,%3,1), %%tmm6\n\t"
-                "tileloadd (%1,%3,1), %%tmm4\n\t"
-                "tileloadd (%2,%3,1), %%tmm5\n\t"
-                "tdpbf16ps %%tmm6, %%tmm4, %%tmm0\n\t"
-                "tdpbf16ps %%tmm6, %%tmm5, %%tmm1"
-                :
-                : "r"(bt[0] + i * kBlockBytes), "r"(a0 + 1024 * i), "r"(a1 + 1024 * i), "r"(ab_stride)
-                : "memory");
-            step();
-          }
-        }
-        c_tiles(tile, 2, true);
-      }
-      // One token tile alone: the full one left over (n = 16), then the
-      // partial one.
-      for (int pass = 0; pass < 2; ++pass) {
-        if (pass == 0 && tile == full_tiles) continue;
-        if (pass == 1) {
-          if (rest == 0) break;
-          __asm__ volatile("ldtilecfg %0" : : "m"(rest_cfg) : "memory");
-          tile = full_tiles;
-        }
-        const uint8_t* a0 = a_tile(tile, b0);
-        c_tiles(tile, 1, false);
-        for (int64_t i = 0; i < b1 - b0; ++i) {
+        };
+        for (; tile + 2 <= full_tiles; tile += 2) {
+          const uint8_t* a0 = a_tile(tile, b0);
+          const uint8_t* a1 = a_tile(tile + 1, b0);
+          c_tiles(tile, 2, false);
           if (ng == 2) {
-            __asm__ volatile(
-                "tileloadd (%0,%3,1), %%tmm6\n\t"
-                "tileloadd (%1,%3,1), %%tmm7\n\t"
-                "tileloadd (%2,%3,1), %%tmm4\n\t"
-                "tdpbf16ps %%tmm6, %%tmm4, %%tmm0\n\t"
-                "tdpbf16ps %%tmm7, %%tmm4, %%tmm2"
-                :
-                : "r"(bt[0] + i * kBlockBytes), "r"(bt[1] + i * kBlockBytes), "r"(a0 + 1024 * i),
-                  "r"(ab_stride)
-                : "memory");
+            for (int64_t i = 0; i < b1 - b0; ++i) {
+              __asm__ volatile(
+                  "tileloadd (%0,%4,1), %%tmm6\n\t"
+                  "tileloadd (%1,%4,1), %%tmm7\n\t"
+                  "tileloadd (%2,%4,1), %%tmm4\n\t"
+                  "tdpbf16ps %%tmm6, %%tmm4, %%tmm0\n\t"
+                  "tdpbf16ps %%tmm7, %%tmm4, %%tmm2\n\t"
+                  "tileloadd (%3,%4,1), %%tmm5\n\t"
+                  "tdpbf16ps %%tmm6, %%tmm5, %%tmm1\n\t"
+                  "tdpbf16ps %%tmm7, %%tmm5, %%tmm3"
+                  :
+                  : "r"(bt[0] + i * kBlockBytes), "r"(bt[1] + i * kBlockBytes), "r"(a0 + 1024 * i),
+                    "r"(a1 + 1024 * i), "r"(ab_stride)
+                  : "memory");
+              if (i < 32) prefetch_next_c(2 * i), prefetch_next_c(2 * i + 1);
+              step();
+            }
           } else {
-            __asm__ volatile(
-                "tileloadd (%0,%2,1), %%tmm6\n\t"
-                "tileloadd (%1,%2,1), %%tmm4\n\t"
-                "tdpbf16ps %%tmm6, %%tmm4, %%tmm0"
-                :
-                : "r"(bt[0] + i * kBlockBytes), "r"(a0 + 1024 * i), "r"(ab_stride)
-                : "memory");
+            for (int64_t i = 0; i < b1 - b0; ++i) {
+              __asm__ volatile(
+                  "tileloadd (%0,%3,1), %%tmm6\n\t"
+                  "tileloadd (%1,%3,1), %%tmm4\n\t"
+                  "tileloadd (%2,%3,1), %%tmm5\n\t"
+                  "tdpbf16ps %%tmm6, %%tmm4, %%tmm0\n\t"
+                  "tdpbf16ps %%tmm6, %%tmm5, %%tmm1"
+                  :
+                  : "r"(bt[0] + i * kBlockBytes), "r"(a0 + 1024 * i), "r"(a1 + 1024 * i), "r"(ab_stride)
+                  : "memory");
+              step();
+            }
           }
-          step();
+          c_tiles(tile, 2, true);
         }
-        c_tiles(tile, 1, true);
+        // One token tile alone: the full one left over (n = 16), then the
+        // partial one.
+        for (int pass = 0; pass < 2; ++pass) {
+          if (pass == 0 && tile == full_tiles) continue;
+          if (pass == 1) {
+            if (rest == 0) break;
+            __asm__ volatile("ldtilecfg %0" : : "m"(rest_cfg) : "memory");
+            tile = full_tiles;
+          }
+          const uint8_t* a0 = a_tile(tile, b0);
+          c_tiles(tile, 1, false);
+          for (int64_t i = 0; i < b1 - b0; ++i) {
+            if (ng == 2) {
+              __asm__ volatile(
+                  "tileloadd (%0,%3,1), %%tmm6\n\t"
+                  "tileloadd (%1,%3,1), %%tmm7\n\t"
+                  "tileloadd (%2,%3,1), %%tmm4\n\t"
+                  "tdpbf16ps %%tmm6, %%tmm4, %%tmm0\n\t"
+                  "tdpbf16ps %%tmm7, %%tmm4, %%tmm2"
+                  :
+                  : "r"(bt[0] + i * kBlockBytes), "r"(bt[1] + i * kBlockBytes), "r"(a0 + 1024 * i),
+                    "r"(ab_stride)
+                  : "memory");
+            } else {
+              __asm__ volatile(
+                  "tileloadd (%0,%2,1), %%tmm6\n\t"
+                  "tileloadd (%1,%2,1), %%tmm4\n\t"
+                  "tdpbf16ps %%tmm6, %%tmm4, %%tmm0"
+                  :
+                  : "r"(bt[0] + i * kBlockBytes), "r"(a0 + 1024 * i), "r"(ab_stride)
+                  : "memory");
+            }
+            step();
+          }
+          c_tiles(tile, 1, true);
+        }
+        // Few token tiles: the rest of the next pair's lines.
+        while (!next[0].done() || !next[1].done()) step();
       }
-      // Few token tiles: the rest of the next pair's lines.
-      while (!next[0].done() || !next[1].done()) step();
+    }
+    // The band's sums to y: row t of group g is 16 floats (fewer in a last,
+    // partial group) at t * ldy + 16 g.
+    for (int64_t g = band; g < band_end; ++g) {
+      const float* src = sums + (g - band) * padded_tokens * kGroupRows;
+      const __mmask16 valid = static_cast<__mmask16>((1u << ValidRows(w, g)) - 1);
+      for (int t = 0; t < T; ++t) {
+        _mm512_mask_storeu_ps(a.y + t * a.ldy + g * kGroupRows, valid, _mm512_load_ps(src + t * kGroupRows));
+      }
     }
   }
   __asm__ volatile("tilerelease" ::: "memory");
-  if (has_partial) {
-    const int valid = ValidRows(w, g_end - 1);
-    for (int t = 0; t < T; ++t) {
-      std::memcpy(a.y + t * a.ldy + (g_end - 1) * kGroupRows, partial_sums + t * kGroupRows,
-                  valid * sizeof(float));
-    }
-  }
 }
 
 template <DType kType>
