@@ -56,7 +56,7 @@
 // (decode) or AttendRowsBf16 (prefill), with their tile helpers inlined.
 #define ELLM_AMX_TARGET                                                                        \
   __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,"      \
-                        "avx512vnni,avx512bf16,f16c,fma,bmi,bmi2")))
+                        "avx512vnni,avx512bf16,avx512vbmi,f16c,fma,bmi,bmi2")))
 
 namespace ellm::attn::internal {
 namespace {
@@ -650,9 +650,13 @@ constexpr int kRowsRing = kQuad + kAmxAhead + 2;  // score slots: a step's tiles
 // bytes may be anything) and tiles past n_tiles are zero.
 ELLM_AMX_TARGET ELLM_INLINE void AmxBf16Values(const TileCtx* t, int n_tiles, int valid, int hp,
                                                      uint16_t* vbf) {
-  const __m512i pick0 = _mm512_load_si512(kAmxEvenOddDwords[0]), pick1 = _mm512_load_si512(kAmxEvenOddDwords[1]);
+  // Lane i of quarter 2 p + hb: position 4 q + 2 p + i % 2 of the tile, for
+  // line q (kAmxQuarterBytes).
   const __m512i lane_pos = _mm512_and_si512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(3));
+                                            _mm512_set1_epi32(1));
+  // The codes land as code x 2^24 (kAmxHighBytes), so the scale is taken
+  // 2^24 smaller: exact (a power of two on an fp16 scale), so v is the same.
+  const __m512 unscale = _mm512_set1_ps(0x1p-24f);
   const int n_dg = hp / 16;
   for (int x = 0; x < kQuad; ++x) {
     if (x >= n_tiles) {
@@ -663,26 +667,28 @@ ELLM_AMX_TARGET ELLM_INLINE void AmxBf16Values(const TileCtx* t, int n_tiles, in
       }
       continue;
     }
+    const __m512 tile_scale = _mm512_mul_ps(t[x].vscale, unscale);
     for (int q = 0; q < 4; ++q) {
-      // Lane l: position 4 q + l % 4 of the tile.
-      const __m512i pos = _mm512_add_epi32(lane_pos, _mm512_set1_epi32(4 * q));
-      const __mmask16 ok = _mm512_cmplt_epi32_mask(_mm512_add_epi32(pos, _mm512_set1_epi32(16 * x)),
-                                                   _mm512_set1_epi32(valid));
-      const __m512 scale = _mm512_permutexvar_ps(pos, t[x].vscale);
-      const __m512 bias = _mm512_permutexvar_ps(pos, t[x].vbias);
+      __m512 scale[2], bias[2];
+      __mmask16 ok[2];
+      for (int p = 0; p < 2; ++p) {
+        const __m512i pos = _mm512_add_epi32(lane_pos, _mm512_set1_epi32(4 * q + 2 * p));
+        ok[p] = _mm512_cmplt_epi32_mask(_mm512_add_epi32(pos, _mm512_set1_epi32(16 * x)), _mm512_set1_epi32(valid));
+        scale[p] = _mm512_permutexvar_ps(pos, tile_scale);
+        bias[p] = _mm512_permutexvar_ps(pos, t[x].vbias);
+      }
       for (int dg = 0; dg < n_dg; ++dg) {
         const __m512i line = _mm512_loadu_si512(t[x].v + 64 * (4 * dg + q));
-        const __m128i quarter[4] = {_mm512_castsi512_si128(line), _mm512_extracti32x4_epi32(line, 1),
-                                    _mm512_extracti32x4_epi32(line, 2), _mm512_extracti32x4_epi32(line, 3)};
-        __m512 f[4];
-        for (int c = 0; c < 4; ++c) {
-          f[c] = _mm512_maskz_fmadd_ps(ok, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(quarter[c])), scale, bias);
-        }
-        const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
-        const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
         uint16_t* rows = vbf + 1024 * dg + 32 * (8 * x + 2 * q);
-        _mm512_store_si512(rows, _mm512_permutex2var_epi32(lo, pick0, hi));
-        _mm512_store_si512(rows + 32, _mm512_permutex2var_epi32(lo, pick1, hi));
+        for (int p = 0; p < 2; ++p) {
+          __m512 f[2];
+          for (int hb = 0; hb < 2; ++hb) {
+            const __m512i code = _mm512_maskz_permutexvar_epi8(
+                kAmxHighBytes, _mm512_load_si512(kAmxQuarterBytes[2 * p + hb].data()), line);
+            f[hb] = _mm512_maskz_fmadd_ps(ok[p], _mm512_cvtepi32_ps(code), scale[p], bias[p]);
+          }
+          _mm512_store_si512(rows + 32 * p, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
+        }
       }
     }
   }
@@ -894,17 +900,20 @@ ELLM_AMX_TARGET void AttendRowsBf16(const ChunkArgs& a) {
         if (mine == 0) {
           _mm512_store_si512(pbuf + 64 * r, _mm512_setzero_si512());
           _mm512_store_si512(pbuf + 64 * r + 32, _mm512_setzero_si512());
-          continue;
+        } else {
+          const int32_t* dots[kQuad];
+          for (int x = 0; x < kQuad; ++x) dots[x] = slot(n + x) + 16 * r;
+          const int row = a.q_row0 + i * a.q_token_stride + j;
+          AmxRowWeights(t, mine, dots, prep.code_scale[row], prep.code_sum[row],
+                        a.partials + static_cast<size_t>(r) * pf, o_rows + static_cast<size_t>(r) * hp, hp,
+                        scratch + r, pbuf + 64 * r);
         }
-        const int32_t* dots[kQuad];
-        for (int x = 0; x < kQuad; ++x) dots[x] = slot(n + x) + 16 * r;
-        const int row = a.q_row0 + i * a.q_token_stride + j;
-        AmxRowWeights(t, mine, dots, prep.code_scale[row], prep.code_sum[row],
-                      a.partials + static_cast<size_t>(r) * pf, o_rows + static_cast<size_t>(r) * hp, hp,
-                      scratch + r, pbuf + 64 * r);
+        // A block of 16 rows with all its weights: its values now, so
+        // that the tile unit runs them while the vector units compute the
+        // next block's weights (after all rows, the two did not overlap).
+        if (r % 16 == 15 || r == n_rows - 1) AmxRowValues(r - r % 16, pbuf, buf.vbf.data(), o_rows, hp);
       }
     }
-    for (int r0 = 0; r0 < n_rows; r0 += 16) AmxRowValues(r0, pbuf, buf.vbf.data(), o_rows, hp);
     pos += n_tiles * kTile;
     n += n_tiles;
   }

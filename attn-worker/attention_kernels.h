@@ -45,9 +45,20 @@
 //              224 against 216 / 168 G multiply-adds/s. Tried first and not
 //              kept: the int8 scheme with p·V on tiles, 5% faster at 16K, as
 //              the per-pair weight codes and the vector update of o per pair
-//              and row (29% of the item time) stayed.
-//              Needs AMX-TILE/INT8/BF16, AVX512-BF16 and the kernel's
-//              permission for the tile state (arch_prctl, asked once).
+//              and row (29% of the item time) stayed. Later (the same VM,
+//              another day): each 16 rows' p·V as soon as their weights are
+//              done, and V widened by VPERMB: item bench 340-347 -> 371 /
+//              241-243 -> 259-262 G multiply-adds/s, attention at 16K 9.96
+//              -> 9.22-9.34 s. What bounds it: per 16 rows and step of 64
+//              positions (counted from the code, not profiled) the tile
+//              unit needs about 384 cycles (8 TDPBSUD, 16 TDPBF16PS), the
+//              vector units about 650 at two instructions a cycle (the
+//              softmax, about 14 instructions per 16 scores, and a fifth of
+//              the step's V conversion at 80 rows), so it cannot pass about
+//              0.4 of the bf16 tile peak even with the two fully overlapped.
+//              Needs AMX-TILE/INT8/BF16, AVX512-BF16, AVX512-VBMI and the
+//              kernel's permission for the tile state (arch_prctl, asked
+//              once).
 //   avx2-vnni  AVX2 + FMA + F16C + AVX-VNNI (VEX VPDPBUSD), 8 lanes.
 //   avx2       AVX2 + FMA + F16C; int8 products with VPMADDUBSW + VPMADDWD,
 //              whose int16 pair sums need query codes within ±63 and weight

@@ -3,6 +3,7 @@
 // and the peak benchmark.
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 namespace ellm {
@@ -16,12 +17,25 @@ struct alignas(64) AmxTileConfig {
 };
 static_assert(sizeof(AmxTileConfig) == 64);
 
-// VPERMT2D indices that take, from two vectors of 16 dwords (a: 0-15, b:
-// 16-31), the even dwords ([0]) or the odd ones ([1]) in order: how the AMX
-// kernels split dwords of bf16 pairs into the rows of a VNNI-pair B tile
-// (_mm512_permutex2var_epi32(a, load(kAmxEvenOddDwords[p]), b)).
-alignas(64) inline constexpr int32_t kAmxEvenOddDwords[2][16] = {
-    {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
-    {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+// VPERMB indices that widen a 64-byte line of bytes [16 r][4 j] (r: a
+// weight row or a V dim, j: a column or a position) into the rows of a
+// VNNI-pair bf16 B tile. Quarter q = 2 p + hb takes, into dword lane i, the
+// byte of r = 8 hb + i / 2 and j = 2 p + i % 2; all four bytes of the dword
+// name it, so that the mask picks where it lands: kAmxLowBytes, in the low
+// byte (zero-extended), kAmxHighBytes, in the high one (the signed value
+// times 2^24). As floats, quarters 2 p and 2 p + 1 rounded by
+// VCVTNE2PS2BF16 (the second, the first) are the line's B tile row p:
+// [16 r][2 j], the pairs j = 2 p and 2 p + 1. (VPMOVZXBD of the line's
+// quarters and two VPERMT2Ds did the same in 5 more instructions a line.)
+inline constexpr uint64_t kAmxLowBytes = 0x1111111111111111ULL, kAmxHighBytes = 0x8888888888888888ULL;
+alignas(64) inline constexpr std::array<std::array<uint8_t, 64>, 4> kAmxQuarterBytes = [] {
+  std::array<std::array<uint8_t, 64>, 4> t{};
+  for (int q = 0; q < 4; ++q) {
+    for (int i = 0; i < 16; ++i) {
+      for (int b = 0; b < 4; ++b) t[q][4 * i + b] = static_cast<uint8_t>(4 * (8 * (q % 2) + i / 2) + 2 * (q / 2) + i % 2);
+    }
+  }
+  return t;
+}();
 
 }  // namespace ellm

@@ -105,24 +105,9 @@ AmxTileConfig MakeConfig(int n) {
   return c;
 }
 
-// The dequantiser's (below) lane orders. Quarter q = 2 p + hb of a virtual
-// line (levels [16 r][4 j]) holds, in lane i, the level of row 8 hb + i / 2
-// and column j = 2 p + i % 2: kQuarterBytes[q] picks those bytes (VPERMB
-// into the low byte of each dword, the others zeroed), and kRowOfLane[hb]
-// spreads the rows' scales over the lanes. Two quarters rounded to bf16
-// (VCVTNE2PS2BF16: lanes of the first, then the second) are then the B tile
-// row k2 = 2 v + p as it is: [16 r][2 j].
-constexpr __mmask64 kLowBytes = 0x1111111111111111ULL;
-alignas(64) constexpr uint8_t kQuarterBytes[4][64] = {
-#define ELLM_Q(hb, p, i) static_cast<uint8_t>(4 * (8 * (hb) + (i) / 2) + 2 * (p) + (i) % 2), 0, 0, 0
-#define ELLM_QUARTER(hb, p)                                                                              \
-  {ELLM_Q(hb, p, 0),  ELLM_Q(hb, p, 1),  ELLM_Q(hb, p, 2),  ELLM_Q(hb, p, 3),  ELLM_Q(hb, p, 4),  \
-   ELLM_Q(hb, p, 5),  ELLM_Q(hb, p, 6),  ELLM_Q(hb, p, 7),  ELLM_Q(hb, p, 8),  ELLM_Q(hb, p, 9),  \
-   ELLM_Q(hb, p, 10), ELLM_Q(hb, p, 11), ELLM_Q(hb, p, 12), ELLM_Q(hb, p, 13), ELLM_Q(hb, p, 14), \
-   ELLM_Q(hb, p, 15)}
-    ELLM_QUARTER(0, 0), ELLM_QUARTER(1, 0), ELLM_QUARTER(0, 1), ELLM_QUARTER(1, 1)};
-#undef ELLM_QUARTER
-#undef ELLM_Q
+// The dequantiser's (below) lane orders: kAmxQuarterBytes (core/amx.h)
+// picks a quarter's levels, kRowOfLane[hb] spreads the rows' scales over
+// its lanes.
 alignas(64) constexpr int32_t kRowOfLane[2][16] = {{0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7},
                                                    {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15}};
 
@@ -233,7 +218,7 @@ struct BlockSource<DType::kQ6_K> {
 // line per Step, so that the tile kernel can run it between its tile
 // instructions: out + (b - b0) * 512 is block b, row k2 = 2v + p (elements
 // 4v + 2p, 4v + 2p + 1 of the 16 rows, as 16 pairs). A virtual line's 64
-// levels ([16 r][4 j]) go as four quarters (kQuarterBytes), each widened to
+// levels ([16 r][4 j]) go as four quarters (kAmxQuarterBytes), each widened to
 // 16 floats and scaled by its rows' scale and offset, then two quarters at a
 // time rounded to bf16: one B tile row each, with no permute. Before, the
 // quarters were 4 rows each (extracts, VPMOVZXBD) and the pairs were gathered
@@ -287,7 +272,8 @@ struct Bf16Dequantizer {
     const __m512 s0 = s[h][0], s1 = s[h][1], o0 = o[h][0], o1 = o[h][1];
     // Quarter q = 2 p + hb, widened to floats and scaled.
     const auto quarter = [&](int qi, __m512 scale, __m512 offset) ELLM_AVX512_BF16_TARGET __attribute__((always_inline)) {
-      const __m512i level = _mm512_maskz_permutexvar_epi8(kLowBytes, _mm512_load_si512(kQuarterBytes[qi]), levels);
+      const __m512i level =
+          _mm512_maskz_permutexvar_epi8(kAmxLowBytes, _mm512_load_si512(kAmxQuarterBytes[qi].data()), levels);
       return _mm512_fmadd_ps(_mm512_cvtepi32_ps(level), scale, offset);
     };
     uint16_t* dst = out + 64 * static_cast<int64_t>(line);  // block line / 8, B rows 2v and 2v + 1
