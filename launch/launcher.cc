@@ -757,8 +757,9 @@ int Main(int argc, char** argv) {
   args.Flag("cpu-weights", "native", "cpu backend: native (quantised kernels on the GGUF types) or f32 "
             "(dequantised at load; bit-exact with the reference forward)");
   args.Flag("matmul-isa", "auto", "cpu backend: force the matrix kernels' instruction set: reference, avx2, "
-            "avx2-vnni, avx512 or amx (Q8_0 prefill on the AMX tile unit in bf16; results then depend on "
-            "how prompts are cut into steps); auto: the fastest batch-independent set this CPU runs");
+            "avx2-vnni, avx512 or amx (the prefill of block-quantised weights, Q8_0, Q4_0, Q4_K, Q5_K and "
+            "Q6_K, on the AMX tile unit in bf16; results then depend on how prompts are cut into steps); "
+            "auto: the fastest batch-independent set this CPU runs");
   args.Flag("q8-act-bits", "8", "cpu backend, plain avx2 matrix kernels: bits of the activation codes Q8_0 "
             "weights are multiplied with: 8, or 7 (prefill's matrix work about 20% faster, at about twice "
             "the activation rounding); the other kernel sets always take 8");

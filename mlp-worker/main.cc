@@ -73,10 +73,10 @@ Args Flags() {
   a.Flag("backend", "cpu", "cpu, or cuda (a GPU; builds with the CUDA toolkit)");
   a.Flag("threads", "1", "threads of the CPU backend");
   a.Flag("matmul-isa", "auto",
-         "CPU backend: instruction set of the quantised matrix kernels: auto (the fastest this CPU "
-         "runs), reference, avx2, avx2-vnni, avx512 or amx (avx512, with Q8_0 prefill on the AMX tile "
-         "unit in bf16: faster, but results then depend on how prompts are cut into steps; never "
-         "chosen by auto)");
+         "CPU backend: instruction set of the quantised matrix kernels: auto (the fastest "
+         "batch-independent set this CPU runs), reference, avx2, avx2-vnni, avx512 or amx (avx512, with "
+         "the prefill of block-quantised weights (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) on the AMX tile unit in "
+         "bf16: faster, but results then depend on how prompts are cut into steps; never chosen by auto)");
   a.Flag("q8-act-bits", "8",
          "CPU backend, plain avx2 kernels: bits of the activation codes Q8_0 weights are multiplied "
          "with: 8, or 7 (a product without VPSIGNB: prefill's matrix work about 20% faster, at about "
