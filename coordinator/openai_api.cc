@@ -463,8 +463,11 @@ json OpenAiResponder::LogprobsOf(const std::vector<int32_t>& ids, const std::vec
     tokens.push_back(CompletionTokenText(piece));
     token_logprobs.push_back(lp);
     top_logprobs.push_back(alt);
-    text_offset.push_back(text_offset_);
-    text_offset_ += CodePoints(offset_decoder_.Push(ids[i]));
+    // A U+FFFD this token's bytes flush belongs to the tokens before it.
+    int earlier = 0;
+    const std::string text = offset_decoder_.Push(ids[i], &earlier);
+    text_offset.push_back(text_offset_ + earlier);
+    text_offset_ += CodePoints(text);
   }
   if (request_.chat) return {{"content", content}};
   return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs},

@@ -511,11 +511,13 @@ bool Tokenizer::IsEndOfGeneration(int32_t id) const {
   return id >= 0 && std::find(eog_ids_.begin(), eog_ids_.end(), id) != eog_ids_.end();
 }
 
-std::string StreamDecoder::Push(int32_t id) {
+std::string StreamDecoder::Push(int32_t id, int* earlier) {
+  const size_t held = pending_.size();  // bytes of earlier tokens
   pending_ += tokenizer_.TokenBytes(prev_, id);
   prev_ = id;
   std::string out;
   size_t i = 0;
+  if (earlier != nullptr) *earlier = 0;
   while (i < pending_.size()) {
     const int n = ScanUtf8(std::string_view(pending_).substr(i));
     if (n == 0) break;  // hold back until the next token completes it
@@ -525,6 +527,8 @@ std::string StreamDecoder::Push(int32_t id) {
     } else {
       out.append(kReplacement);
       i += -n;
+      // (A held sequence is incomplete, never whole: only invalid ones end in it.)
+      if (earlier != nullptr && i <= held) ++*earlier;
     }
   }
   pending_.erase(0, i);

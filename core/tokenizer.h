@@ -140,8 +140,11 @@ class StreamDecoder {
   // the space of a sequence's first piece, not of an answer's.
   explicit StreamDecoder(const Tokenizer& tokenizer, int32_t prev = -1)
       : tokenizer_(tokenizer), prev_(prev) {}
-  // Text that became complete with `id` (possibly empty).
-  std::string Push(int32_t id);
+  // Text that became complete with `id` (possibly empty). `earlier`, when
+  // given, gets how many of its code points belong wholly to earlier tokens
+  // (the U+FFFD of a held-back sequence that `id` shows to be invalid):
+  // where `id`'s own text starts in it.
+  std::string Push(int32_t id, int* earlier = nullptr);
   std::string Finish();
 
  private:

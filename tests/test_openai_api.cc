@@ -117,11 +117,15 @@ TEST(OpenAiApi, CompletionLogprobsIndexTheTextInCodePoints) {
   absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
   ASSERT_TRUE(tok.ok()) << tok.status();
   const std::vector<int32_t> prompt = (*tok)->Encode("Once", true);
-  // A lone continuation byte (0xA9) at the end: the text shows U+FFFD.
-  std::vector<int32_t> ids = (*tok)->Encode(" voilà, café au lait déjà vu à la", false);
+  // A lone lead byte (0xC3) before " au": U+FFFD, then " au" at its own
+  // offset (it had the U+FFFD's); a lone continuation byte (0xA9) at the
+  // end: the text ends in U+FFFD.
   const std::vector<int32_t> a_grave = (*tok)->Encode("à", false);
   ASSERT_GE(a_grave.size(), 2u);
   const int32_t lead = a_grave[a_grave.size() - 2], trail = a_grave.back();
+  std::vector<int32_t> ids = (*tok)->Encode(" voilà, café", false);
+  ids.push_back(lead);
+  for (int32_t id : (*tok)->Encode(" au lait déjà vu à la", false)) ids.push_back(id);
   ids.push_back(trail);
   int byte_tokens = 0;
   size_t split = 0;  // the events split inside the first à

@@ -195,14 +195,31 @@ TEST_F(LlamaSpmTest, StreamDecoderFinishFlushesIncompleteAsReplacement) {
   EXPECT_EQ(stream.Finish(), "");
 }
 
+// `earlier`: how many of the code points a token flushes are the earlier
+// tokens' (a held lead byte its own byte shows invalid), so that its own
+// text starts after them (logprobs' text_offset).
 TEST_F(LlamaSpmTest, StreamDecoderReplacesInvalidBytes) {
   StreamDecoder stream(*tok_);
-  EXPECT_EQ(stream.Push(3 + 0xFF), "\xEF\xBF\xBD");  // never valid
-  EXPECT_EQ(stream.Push(3 + 0xE2), "");              // lead of 3
-  EXPECT_EQ(stream.Push(3 + 'A'), "\xEF\xBF\xBD" "A");  // broken by an ASCII byte
-  EXPECT_EQ(stream.Push(3 + 0x80), "\xEF\xBF\xBD");  // stray continuation
+  int earlier = -1;
+  EXPECT_EQ(stream.Push(3 + 0xFF, &earlier), "\xEF\xBF\xBD");  // never valid
+  EXPECT_EQ(earlier, 0);
+  EXPECT_EQ(stream.Push(3 + 0xE2, &earlier), "");  // lead of 3
+  EXPECT_EQ(earlier, 0);
+  EXPECT_EQ(stream.Push(3 + 'A', &earlier), "\xEF\xBF\xBD" "A");  // broken by an ASCII byte
+  EXPECT_EQ(earlier, 1);
+  EXPECT_EQ(stream.Push(3 + 0x80, &earlier), "\xEF\xBF\xBD");  // stray continuation
+  EXPECT_EQ(earlier, 0);
   EXPECT_EQ(stream.Push(3 + 0xED), "");
-  EXPECT_EQ(stream.Push(3 + 0xA0), "\xEF\xBF\xBD\xEF\xBF\xBD");  // surrogate: 2 ill-formed
+  EXPECT_EQ(stream.Push(3 + 0xA0, &earlier), "\xEF\xBF\xBD\xEF\xBF\xBD");  // surrogate: 2 ill-formed
+  EXPECT_EQ(earlier, 1);
+  EXPECT_EQ(stream.Push(3 + 0xE2), "");
+  EXPECT_EQ(stream.Push(3 + 0x82), "");
+  EXPECT_EQ(stream.Push(15043, &earlier), "\xEF\xBF\xBD Hello");  // 2 held bytes, one U+FFFD
+  EXPECT_EQ(earlier, 1);
+  EXPECT_EQ(stream.Push(3 + 0xE2), "");
+  EXPECT_EQ(stream.Push(3 + 0x82), "");
+  EXPECT_EQ(stream.Push(3 + 0xAC, &earlier), "\xE2\x82\xAC");  // completes a held character: it starts there
+  EXPECT_EQ(earlier, 0);
   EXPECT_EQ(stream.Finish(), "");
 }
 
