@@ -66,6 +66,7 @@ absl::Status Args::Parse(int argc, char** argv) {
       value = argv[++i];
     }
     values_[name] = value;
+    all_values_[name].push_back(value);
   }
   return absl::OkStatus();
 }
@@ -78,6 +79,11 @@ std::string Args::Get(const std::string& name) const {
 }
 
 bool Args::IsSet(const std::string& name) const { return values_.count(name) > 0; }
+
+std::vector<std::string> Args::GetAll(const std::string& name) const {
+  auto it = all_values_.find(name);
+  return it == all_values_.end() ? std::vector<std::string>{} : it->second;
+}
 
 absl::StatusOr<int> Args::GetInt(const std::string& name) const {
   int v = 0;

@@ -38,6 +38,8 @@ class Args {
   // Reads several integer flags at once; the first that does not parse is the error.
   absl::Status GetInts(const std::vector<std::pair<const char*, int*>>& flags) const;
   bool IsSet(const std::string& name) const;  // given on the command line
+  // Every value a repeatable flag was given, in order (Get gives the last).
+  std::vector<std::string> GetAll(const std::string& name) const;
   const std::vector<std::string>& positional() const { return positional_; }
   bool help() const { return help_; }
   std::string HelpText() const;
@@ -51,6 +53,7 @@ class Args {
   std::vector<std::string> order_;
   std::map<std::string, Spec> specs_;
   std::map<std::string, std::string> values_;
+  std::map<std::string, std::vector<std::string>> all_values_;
   std::vector<std::string> positional_;
   bool help_ = false;
 };

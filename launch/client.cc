@@ -117,7 +117,7 @@ int Main(int argc, char** argv) {
   args.Flag("top-p", "", "nucleus sampling, (0, 1] (default 1)");
   args.Flag("top-k", "0", "keep the k most likely tokens; 0 = off");
   args.Flag("seed", "", "random seed: same seed, same output");
-  args.Flag("stop", "", "stop when this string appears (not printed)");
+  args.Flag("stop", "", "stop when this string appears (not printed); give it again for more strings (up to 16)");
   args.Flag("no-bos", "", "do not prepend the BOS token", true);
   args.Flag("stats", "", "print token counts and timings to stderr at the end", true);
   args.Flag("system", "", "chat: the system message");
@@ -179,7 +179,7 @@ int Main(int argc, char** argv) {
       if (!v.ok()) return Fail(std::string(v.status().message()));
       req.mutable_sampling()->set_seed(*v);
     }
-    if (args.IsSet("stop")) req.add_stop(args.Get("stop"));
+    for (const std::string& stop : args.GetAll("stop")) req.add_stop(stop);
     if (args.GetBool("no-bos")) req.set_add_bos(false);
     if (command == "chat") return Chat(stub.get(), req, args.Get("system"), server, authorize);
     grpc::ClientContext ctx;

@@ -39,6 +39,15 @@ TEST(Args, ReadsBothSpellingsDefaultsAndPositionals) {
   EXPECT_TRUE(a.IsSet("max-batch"));
   EXPECT_FALSE(a.GetBool("recover"));
   EXPECT_EQ(a.positional(), std::vector<std::string>{"text"});
+  EXPECT_EQ(a.GetAll("kv-heads"), std::vector<std::string>{"0:4"});
+  EXPECT_TRUE(a.GetAll("ratio").empty());
+
+  // A flag given again: Get has the last value, GetAll every one in order
+  // (the client's --stop).
+  Args r = TestFlags();
+  ASSERT_TRUE(ParseWords(r, {"--kv-heads", "a", "--kv-heads=b", "--kv-heads", ""}).ok());
+  EXPECT_EQ(r.Get("kv-heads"), "");
+  EXPECT_EQ(r.GetAll("kv-heads"), (std::vector<std::string>{"a", "b", ""}));
 
   Args b = TestFlags();
   ASSERT_TRUE(ParseWords(b, {"--recover"}).ok());

@@ -673,6 +673,19 @@ TEST(Integration, TheCommandLineClient) {
   EXPECT_NE(r.err.find("[max tokens; 5 prompt tokens ("), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("from the prefix cache) + 12 generated"), std::string::npos) << r.err;
 
+  // Every --stop counts (only the last one did): the earlier string ends it.
+  ellm::v1::GenerateRequest two_stops = Greedy("Once upon a time", 40);
+  two_stops.add_stop("ere");
+  two_stops.add_stop("ily");
+  const Generated stopped = Generate(system.stub(), two_stops);
+  ASSERT_TRUE(stopped.status.ok());
+  ASSERT_EQ(stopped.finish.reason(), ellm::v1::FINISH_REASON_STOP_STRING) << stopped.text;
+  r = client("generate 'Once upon a time' --max-tokens 40 --temperature 0 --stop ily --stop ere", "");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out, stopped.text + "\n");
+  r = client("generate 'Once upon a time' --max-tokens 40 --temperature 0 --stop ere --stop ily", "");
+  EXPECT_EQ(r.out, stopped.text + "\n");
+
   r = client("info", "");
   EXPECT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.out.find("\"prefix_cache\": true"), std::string::npos) << r.out;
