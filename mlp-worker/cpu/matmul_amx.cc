@@ -324,9 +324,11 @@ ELLM_AMX_TARGET ELLM_INLINE void ZeroC(int reg) {
 // tokens' rows ldy floats apart, 16 pages, and its loads and stores between
 // chunks cost more than the products. 5120 x 5120 Q8_0 at T = 256 (the
 // disabled Matvec5120 bench with ELLM_BENCH_TOKENS=256, Xeon family 6 model
-// 207): 11.1 -> 8.3 ms on 1 thread, 5.9 -> 4.5 ms on 2. The band keeps that
-// scratch (T x 2 KiB) in L2 beside the chunk's A tiles; y gets each band's
-// sums once, at its end.
+// 207): 11.1 -> 10.3 ms on 1 thread (with the VPERMB dequantiser and y
+// written by 64-byte stores, 9.7-9.9 ms; 2 threads 5.9 -> 4.6). The band
+// keeps that scratch (T x 2 KiB) in L2 beside the chunk's A tiles; y gets
+// each band's sums once, at its end. (Prefetching the next C tiles into L1
+// during the products changed nothing.)
 constexpr int64_t kBandGroups = 32;
 
 template <DType kType>
@@ -404,14 +406,6 @@ ELLM_AMX_TARGET void KernelAmxTiles(const KernelArgs& a, int64_t g_begin, int64_
         __asm__ volatile("" ::: "memory");
         __asm__ volatile("ldtilecfg %0" : : "m"(full_cfg) : "memory");
         int tile = 0;
-        // Line j of the next pair of token tiles' C (group j / 32, token
-        // row j % 32 of the pair), into L1 during this pair's products.
-        const auto prefetch_next_c = [&](int64_t j) __attribute__((always_inline)) {
-          const int64_t token = static_cast<int64_t>(tile + 2) * kTileTokens + j % 32;
-          if (token < padded_tokens) {
-            _mm_prefetch(reinterpret_cast<const char*>(c_base[j / 32] + token * kGroupRows), _MM_HINT_T0);
-          }
-        };
         for (; tile + 2 <= full_tiles; tile += 2) {
           const uint8_t* a0 = a_tile(tile, b0);
           const uint8_t* a1 = a_tile(tile + 1, b0);
@@ -431,7 +425,6 @@ ELLM_AMX_TARGET void KernelAmxTiles(const KernelArgs& a, int64_t g_begin, int64_
                   : "r"(bt[0] + i * kBlockBytes), "r"(bt[1] + i * kBlockBytes), "r"(a0 + 1024 * i),
                     "r"(a1 + 1024 * i), "r"(ab_stride)
                   : "memory");
-              if (i < 32) prefetch_next_c(2 * i), prefetch_next_c(2 * i + 1);
               step();
             }
           } else {
