@@ -643,10 +643,10 @@ constexpr int kRowsRing = kQuad + kAmxAhead + 2;  // score slots: a step's tiles
 // dims [16 dg, 16 dg + 16): row k2 holds positions 2 k2 and 2 k2 + 1 of the
 // step as [16 dims][2] (rows 0-15 the first B tile, 16-31 the second). A
 // line of V codes (16 dims x 4 positions, [dim][position % 4]) becomes rows
-// 2 q and 2 q + 1 of its tile's 8: its 64 values as 4 vectors of 4 dims x 4
-// positions, scaled per position, rounded to bf16 in pairs of positions
-// (one dword per dim and pair), the even dwords row 2 q and the odd ones row
-// 2 q + 1. Positions from `valid` on (past every token of the chunk: their
+// 2 q and 2 q + 1 of its tile's 8: its 64 values as 4 quarters of 8 dims x 2
+// positions (kAmxQuarterBytes), scaled per position, two quarters at a time
+// rounded to bf16 as one row (a dword per dim: the pair of positions).
+// Positions from `valid` on (past every token of the chunk: their
 // bytes may be anything) and tiles past n_tiles are zero.
 ELLM_AMX_TARGET ELLM_INLINE void AmxBf16Values(const TileCtx* t, int n_tiles, int valid, int hp,
                                                      uint16_t* vbf) {
