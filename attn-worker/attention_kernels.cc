@@ -113,7 +113,8 @@ absl::StatusOr<const AttentionKernel*> SelectKernel(Isa choice) {
     case Isa::kAmx:
       if (CpuHas(Isa::kAmx)) return &kAmx;
       return absl::UnavailableError(
-          "this CPU lacks AVX-512 or AMX-TILE/INT8, or Linux refused the AMX tile state");
+          "this CPU lacks AVX-512 (F/BW/VL/DQ/VNNI, BF16, VBMI) or AMX-TILE/INT8/BF16, or Linux refused the "
+          "AMX tile state");
   }
   return absl::InvalidArgumentError(absl::StrCat("no attention kernel for ", ToAbsl(IsaName(choice))));
 }
