@@ -2,10 +2,47 @@
 
 #include <ctime>
 
-#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/unicode.h"
 
 namespace ellm::coord {
+namespace {
+
+// Python's str.isspace(), which Jinja's `trim` and the templates' strip()
+// use: ASCII whitespace, the separators 0x1C-0x1F, NEL, and Unicode's spaces
+// and line and paragraph separators (NBSP, U+2000-U+200A, U+3000...).
+bool PythonSpace(char32_t c) {
+  return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F ||
+         c == 0x3000;
+}
+
+// s without the Python whitespace at its start (left) and its end (right).
+absl::string_view PythonStrip(absl::string_view s, bool left = true, bool right = true) {
+  size_t begin = 0, end = 0;  // [begin, end): from the first non-space to the end of the last
+  bool seen = false;
+  for (size_t i = 0; i < s.size();) {
+    char32_t c;
+    const int n = DecodeUtf8(std::string_view(s.data() + i, s.size() - i), &c);
+    if (!PythonSpace(c)) {
+      if (!seen) begin = i;
+      seen = true;
+      end = i + n;
+    }
+    i += n;
+  }
+  if (!seen) return s.substr(s.size());
+  return s.substr(left ? begin : 0, (right ? end : s.size()) - (left ? begin : 0));
+}
+
+absl::string_view StripNewlines(absl::string_view s, bool left, bool right) {
+  while (left && !s.empty() && s.front() == '\n') s.remove_prefix(1);
+  while (right && !s.empty() && s.back() == '\n') s.remove_suffix(1);
+  return s;
+}
+
+}  // namespace
 
 ChatTemplate ChatTemplate::FromGgufTemplate(const std::string& jinja) {
   ChatTemplate t;
@@ -146,14 +183,42 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
         content(default_system_);
         markup("<|im_end|>\n");
       }
-      for (const ChatMessage& m : messages) {
+      // Qwen3: the last user message that is not a tool's answer
+      // ("<tool_response>...</tool_response>"); answers after it (in a tool
+      // loop) keep their thinking, earlier ones lose it.
+      size_t last_query = messages.size() - 1;
+      if (format_ == ChatFormat::kQwen3) {
+        for (size_t i = messages.size(); i-- > 0;) {
+          const absl::string_view c = messages[i].content;
+          if (messages[i].role == "user" &&
+              !(absl::StartsWith(c, "<tool_response>") && absl::EndsWith(c, "</tool_response>"))) {
+            last_query = i;
+            break;
+          }
+        }
+      }
+      for (size_t i = 0; i < messages.size(); ++i) {
+        const ChatMessage& m = messages[i];
         markup(absl::StrCat("<|im_start|>", m.role, "\n"));
         absl::string_view text = m.content;
         if (format_ == ChatFormat::kQwen3 && m.role == "assistant") {
-          // Earlier answers keep what follows their thinking.
+          // As Qwen3's template: an answer holding "</think>" is what
+          // follows the last one (leading newlines dropped), its thinking
+          // what precedes the first one, after the last "<think>" there.
+          absl::string_view thinking;
           const size_t end_think = text.rfind("</think>");
-          if (end_think != absl::string_view::npos) text.remove_prefix(end_think + 8);
-          while (!text.empty() && text.front() == '\n') text.remove_prefix(1);
+          if (end_think != absl::string_view::npos) {
+            thinking = StripNewlines(text.substr(0, text.find("</think>")), false, true);
+            const size_t open = thinking.rfind("<think>");
+            if (open != absl::string_view::npos) thinking.remove_prefix(open + 7);
+            thinking = StripNewlines(thinking, true, false);
+            text = StripNewlines(text.substr(end_think + 8), true, false);
+          }
+          if (i > last_query && !thinking.empty()) {
+            markup("<think>\n");
+            content(StripNewlines(thinking, true, true));
+            markup("\n</think>\n\n");
+          }
         }
         content(text);
         markup("<|im_end|>\n");
@@ -179,7 +244,7 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
         markup(absl::StrCat("<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n",
                             "Today Date: ", date, "\n\n"));
         if (messages[0].role == "system") {
-          content(absl::StripAsciiWhitespace(messages[0].content));
+          content(PythonStrip(messages[0].content));
           first = 1;
         }
         markup("<|eot_id|>");
@@ -187,7 +252,7 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
       for (size_t i = first; i < messages.size(); ++i) {
         const ChatMessage& m = messages[i];
         markup(absl::StrCat("<|start_header_id|>", m.role, "<|end_header_id|>\n\n"));
-        content(absl::StripAsciiWhitespace(m.content));
+        content(PythonStrip(m.content));
         markup("<|eot_id|>");
       }
       markup("<|start_header_id|>assistant<|end_header_id|>\n\n");
@@ -195,29 +260,37 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
     }
     case ChatFormat::kLlama2: {
       // <s>[INST] <<SYS>>\n{system}\n<</SYS>>\n\n{user} [/INST] {answer} </s><s>[INST] ...
-      size_t i = 0;
-      absl::string_view system;
+      // As Llama 2's template: the roles alternate user, assistant, ...
+      // after the system message; each turn is strip()ped, the first user
+      // turn together with the system block (so the system message keeps
+      // its own whitespace, and an empty first turn takes the block's
+      // trailing newlines with it).
       const bool has_system = messages[0].role == "system";
-      if (has_system) {
-        system = absl::StripAsciiWhitespace(messages[0].content);
-        i = 1;
+      const size_t first = has_system ? 1 : 0;
+      for (size_t i = first; i < messages.size(); ++i) {
+        if ((messages[i].role == "user") != ((i - first) % 2 == 0)) {
+          return absl::InvalidArgumentError(
+              "Llama 2's chat template needs the messages to alternate user, assistant, user, ... "
+              "(after an optional system message)");
+        }
       }
-      bool first_user = true;
-      for (; i < messages.size(); ++i) {
+      for (size_t i = first; i < messages.size(); ++i) {
         const ChatMessage& m = messages[i];
         if (m.role == "user") {
           markup("<s>[INST] ");
-          if (has_system && first_user) {
+          if (has_system && i == first) {
+            const absl::string_view user = PythonStrip(m.content, false, true);
             markup("<<SYS>>\n");
-            content(system);
-            markup("\n<</SYS>>\n\n");
+            content(messages[0].content);
+            markup(user.empty() ? "\n<</SYS>>" : "\n<</SYS>>\n\n");
+            content(user);
+          } else {
+            content(PythonStrip(m.content));
           }
-          first_user = false;
-          content(absl::StripAsciiWhitespace(m.content));
           markup(" [/INST]");
         } else {
           markup(" ");
-          content(absl::StripAsciiWhitespace(m.content));
+          content(PythonStrip(m.content));
           markup(" </s>");
         }
       }

@@ -123,6 +123,68 @@ TEST(ChatTemplate, Qwen3DropsEarlierThinkingAndHasNoDefaultSystem) {
             "<|im_start|>user\n3+3?<|im_end|>\n<|im_start|>assistant\n");
 }
 
+// Whitespace and turn order as the real templates (Jinja, run the way
+// transformers runs them) have them, where ellm differed (helper-24's audit,
+// each case checked against the real template text): Llama 2 strips the
+// system block and the first user turn together, not each; Jinja's trim
+// and Python's strip() take Unicode whitespace too; Qwen3 drops an earlier
+// answer's leading newlines only with its thinking, and keeps the thinking
+// of answers after the last real question (a tool loop).
+TEST(ChatTemplate, WhitespaceAndTurnsAsTheRealTemplates) {
+  const ChatTemplate llama2 = ChatTemplate::FromGgufTemplate(kLlama2Marker);
+  auto r = llama2.Render({{"system", "\n  sys with spaces  \n"}, {"user", "  hi  "}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text, "<s>[INST] <<SYS>>\n\n  sys with spaces  \n\n<</SYS>>\n\n  hi [/INST]");
+  r = llama2.Render({{"system", "S"}, {"user", ""}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text, "<s>[INST] <<SYS>>\nS\n<</SYS>> [/INST]");
+  r = llama2.Render({{"user", "\x1chi\x1f"}, {"assistant", "\xC2\xA0ok\xE3\x80\x80"}, {"user", " x "}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text, "<s>[INST] hi [/INST] ok </s><s>[INST] x [/INST]");
+  for (const std::vector<ChatMessage>& unordered :
+       std::vector<std::vector<ChatMessage>>{{{"user", "one"}, {"user", "two"}},
+                                             {{"assistant", "Hello"}, {"user", "Hi"}},
+                                             {{"system", "S"}, {"assistant", "Hello"}, {"user", "Hi"}}}) {
+    r = llama2.Render(unordered);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("alternate"), std::string::npos) << r.status();
+  }
+
+  const ChatTemplate llama3 = ChatTemplate::FromGgufTemplate("<|start_header_id|>");
+  r = llama3.Render({{"user", "\xC2\xA0\xE3\x80\x80hello\xE2\x80\x83\xC2\xA0"}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text,
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhello<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n");
+  r = llama3.Render({{"user", "\xE2\x80\x83"}});  // only spaces: nothing left
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->text.find("<|end_header_id|>\n\n<|eot_id|>"), std::string::npos) << r->text;
+
+  const ChatTemplate qwen3 = ChatTemplate::FromGgufTemplate("<|im_start|> <think>");
+  ASSERT_EQ(qwen3.format(), ChatFormat::kQwen3);
+  r = qwen3.Render({{"user", "q"}, {"assistant", "\n\nplain answer"}, {"user", "q2"}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text,
+            "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n\n\nplain answer<|im_end|>\n"
+            "<|im_start|>user\nq2<|im_end|>\n<|im_start|>assistant\n");
+  r = qwen3.Render({{"user", "q"}, {"assistant", "<think>r</think>\n\na"}, {"user", "<tool_response>x</tool_response>"}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text,
+            "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>\nr\n</think>\n\na<|im_end|>\n"
+            "<|im_start|>user\n<tool_response>x</tool_response><|im_end|>\n<|im_start|>assistant\n");
+  // A real question after it: the thinking goes, as in any earlier answer.
+  r = qwen3.Render({{"user", "q"},
+                    {"assistant", "<think>r</think>\n\na"},
+                    {"user", "<tool_response>x</tool_response>"},
+                    {"assistant", "\n<think>\n\ns\n\n</think>b"},
+                    {"user", "q3"}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text,
+            "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na<|im_end|>\n"
+            "<|im_start|>user\n<tool_response>x</tool_response><|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n"
+            "<|im_start|>user\nq3<|im_end|>\n<|im_start|>assistant\n");
+}
+
 // The text outside the markup spans: exactly the messages' contents, in order.
 std::string OutsideMarkup(const ChatPrompt& p) {
   std::string out;
