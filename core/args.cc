@@ -58,22 +58,21 @@ absl::Status Args::Parse(int argc, char** argv) {
         return absl::InvalidArgumentError(
             absl::StrCat("--", name, " is true or false, got '", value, "'"));
       }
-      values_[name] = has_value ? value : "true";
+      values_[name].push_back(has_value ? value : "true");
       continue;
     }
     if (!has_value) {
       if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
       value = argv[++i];
     }
-    values_[name] = value;
-    all_values_[name].push_back(value);
+    values_[name].push_back(value);
   }
   return absl::OkStatus();
 }
 
 std::string Args::Get(const std::string& name) const {
   auto it = values_.find(name);
-  if (it != values_.end()) return it->second;
+  if (it != values_.end()) return it->second.back();  // the last one given
   auto spec = specs_.find(name);
   return spec == specs_.end() ? "" : spec->second.default_value;
 }
@@ -81,8 +80,8 @@ std::string Args::Get(const std::string& name) const {
 bool Args::IsSet(const std::string& name) const { return values_.count(name) > 0; }
 
 std::vector<std::string> Args::GetAll(const std::string& name) const {
-  auto it = all_values_.find(name);
-  return it == all_values_.end() ? std::vector<std::string>{} : it->second;
+  auto it = values_.find(name);
+  return it == values_.end() ? std::vector<std::string>{} : it->second;
 }
 
 absl::StatusOr<int> Args::GetInt(const std::string& name) const {

@@ -52,8 +52,7 @@ class Args {
   std::string usage_;
   std::vector<std::string> order_;
   std::map<std::string, Spec> specs_;
-  std::map<std::string, std::string> values_;
-  std::map<std::string, std::vector<std::string>> all_values_;
+  std::map<std::string, std::vector<std::string>> values_;  // every value given, in order
   std::vector<std::string> positional_;
   bool help_ = false;
 };
