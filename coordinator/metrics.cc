@@ -27,10 +27,9 @@ void Metrics::RequestEnded(const std::string& outcome) {
   ++requests_[outcome];
 }
 
-void Metrics::PromptTokens(int prompt, int cached) {
+void Metrics::PromptTokens(int prompt) {
   std::lock_guard<std::mutex> lock(mu_);
   prompt_tokens_ += static_cast<uint64_t>(std::max(0, prompt));
-  cached_tokens_ += static_cast<uint64_t>(std::max(0, cached));
 }
 
 void Metrics::GeneratedToken() {
@@ -83,7 +82,7 @@ std::string Metrics::Render(const SchedulerStats& st, const std::vector<WorkerSa
   head("ellm_prompt_tokens_total", "counter", "Prompt tokens of admitted requests (at their first admission).");
   sample("ellm_prompt_tokens_total", static_cast<double>(prompt_tokens_));
   head("ellm_cached_prompt_tokens_total", "counter", "Prompt tokens whose KV came from the prefix cache.");
-  sample("ellm_cached_prompt_tokens_total", static_cast<double>(cached_tokens_));
+  sample("ellm_cached_prompt_tokens_total", static_cast<double>(st.cached_tokens));
   head("ellm_generated_tokens_total", "counter", "Tokens generated.");
   sample("ellm_generated_tokens_total", static_cast<double>(generated_tokens_));
   histogram("ellm_time_to_first_token_seconds", "Time from a request's arrival to its first token.", ttft_);

@@ -22,8 +22,9 @@ class Metrics {
  public:
   // Observations (any thread).
   void RequestEnded(const std::string& outcome);  // "stop", "length", "cancelled", "error", "refused"
-  // At a request's first admission, whatever its end.
-  void PromptTokens(int prompt, int cached);
+  // At a request's first admission, whatever its end. (Its cached tokens
+  // are the scheduler's count, SchedulerStats::cached_tokens.)
+  void PromptTokens(int prompt);
   void GeneratedToken();
   void TimeToFirstToken(absl::Duration d);
   void InterTokenLatency(absl::Duration d);
@@ -55,7 +56,7 @@ class Metrics {
 
   std::mutex mu_;
   std::map<std::string, uint64_t> requests_;
-  uint64_t prompt_tokens_ = 0, cached_tokens_ = 0, generated_tokens_ = 0;
+  uint64_t prompt_tokens_ = 0, generated_tokens_ = 0;
   Histogram ttft_ = Latency(), itl_ = Latency(), queue_ = Latency();
   // The previous scrape's counters, for rates.
   absl::Time last_render_;

@@ -227,7 +227,7 @@ void Scheduler::Admit() {
       cached_tokens_ += attached_tokens;
       seq->admitted = absl::Now();
       if (Metrics* m = options_.metrics) {
-        m->PromptTokens(static_cast<int>(seq->options.prompt.size()), attached_tokens);
+        m->PromptTokens(static_cast<int>(seq->options.prompt.size()));
         m->QueueWait(seq->admitted - seq->submitted);
       }
     }

@@ -979,7 +979,7 @@ double Sample(const std::string& exposition, const std::string& name) {
 }
 
 // Every request is counted once, whatever its end: prompt and cached tokens
-// and its queue wait at its first admission, its first token when it comes
+// (the latter as its Finish reports them) and its queue wait at its first admission, its first token when it comes
 // (a cancelled request's too), and a refusal as outcome "refused". (Counted
 // at the end, a cancelled request's prompt and first token were missing.)
 TEST_F(SchedulerTest, MetricsCountEveryRequestOnceWhateverItsEnd) {
@@ -1001,17 +1001,21 @@ TEST_F(SchedulerTest, MetricsCountEveryRequestOnceWhateverItsEnd) {
   bad.prompt = Prompt(302, 4);
   bad.max_tokens = 0;
   EXPECT_FALSE(scheduler_->Submit(bad).ok());
-  const Outcome out_d = Collect(*Submit(Prompt(303, 7), 5));
+  const Outcome out_d = Collect(*Submit(Prompt(303, 20), 5));
   ASSERT_TRUE(out_d.error.ok()) << out_d.error;
+  const Outcome out_e = Collect(*Submit(Prompt(303, 20), 5));  // d's prompt again: a cache hit
+  ASSERT_TRUE(out_e.error.ok()) << out_e.error;
+  ASSERT_GE(out_e.finish.cached_tokens, options_.kv_block_tokens);
   const std::string text = metrics.Render(scheduler_->Stats(), {});
   EXPECT_EQ(Sample(text, "ellm_requests_total{outcome=\"cancelled\"}"), 2) << text;
   EXPECT_EQ(Sample(text, "ellm_requests_total{outcome=\"refused\"}"), 1) << text;
-  EXPECT_EQ(Sample(text, "ellm_requests_total{outcome=\"length\"}"), 1) << text;
-  EXPECT_EQ(Sample(text, "ellm_prompt_tokens_total"), 20 + 7) << "a's and d's; b never ran\n" << text;
-  EXPECT_EQ(Sample(text, "ellm_queue_wait_seconds_count"), 2) << text;
-  EXPECT_EQ(Sample(text, "ellm_time_to_first_token_seconds_count"), (a_tokens == 0 ? 0 : 1) + 1) << text;
-  EXPECT_EQ(Sample(text, "ellm_generated_tokens_total"), static_cast<double>(a_tokens + 5)) << text;
-  EXPECT_EQ(Sample(text, "ellm_cached_prompt_tokens_total"), static_cast<double>(scheduler_->Stats().cached_tokens));
+  EXPECT_EQ(Sample(text, "ellm_requests_total{outcome=\"length\"}"), 2) << text;
+  EXPECT_EQ(Sample(text, "ellm_prompt_tokens_total"), 20 + 20 + 20) << "a's, d's and e's; b never ran\n" << text;
+  EXPECT_EQ(Sample(text, "ellm_queue_wait_seconds_count"), 3) << text;
+  EXPECT_EQ(Sample(text, "ellm_time_to_first_token_seconds_count"), (a_tokens == 0 ? 0 : 1) + 2) << text;
+  EXPECT_EQ(Sample(text, "ellm_generated_tokens_total"), static_cast<double>(a_tokens + 5 + 5)) << text;
+  EXPECT_EQ(Sample(text, "ellm_cached_prompt_tokens_total"), out_d.finish.cached_tokens + out_e.finish.cached_tokens)
+      << text;
 }
 
 TEST_F(SchedulerTest, MarkBrokenFailsRunningAndWaitingRequests) {
