@@ -155,12 +155,22 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
           absl::StrCat("message ", i, " has role '", role.substr(0, 32), role.size() > 32 ? "...'" : "'",
                        " (system, user or assistant)"));
     }
-    if (role == "system" && i != 0) {
-      return absl::InvalidArgumentError("only the first message may be a system message");
-    }
   }
-  if (messages.back().role != "user") {
-    return absl::InvalidArgumentError("the last chat message must be from the user");
+  // ChatML, Qwen3 and Llama 3 render any order of turns, as their templates
+  // do: a system message later on (an agent's new instructions) is a system
+  // turn there, and a conversation may end with an answer, which is closed
+  // before the new answer begins. Llama 2's template has no place for them
+  // (it drops a later system message without a word; after a last answer,
+  // it would continue past "</s>"): refused.
+  if (format_ == ChatFormat::kLlama2) {
+    for (size_t i = 1; i < messages.size(); ++i) {
+      if (messages[i].role == "system") {
+        return absl::InvalidArgumentError("Llama 2's chat template takes a system message only as the first one");
+      }
+    }
+    if (messages.back().role != "user") {
+      return absl::InvalidArgumentError("Llama 2's chat template needs the last chat message to be from the user");
+    }
   }
   ChatPrompt out;
   // The template's own text (special tokens parsed) and a message's (plain).
@@ -214,10 +224,14 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
             thinking = StripNewlines(thinking, true, false);
             text = StripNewlines(text.substr(end_think + 8), true, false);
           }
-          if (i > last_query && !thinking.empty()) {
+          // After the last question, the template writes the thinking
+          // block when there is thinking, and always for a last message
+          // (a conversation that ends with an answer): empty, then.
+          if (i > last_query && (!thinking.empty() || i + 1 == messages.size())) {
             markup("<think>\n");
             content(StripNewlines(thinking, true, true));
             markup("\n</think>\n\n");
+            text = StripNewlines(text, true, false);
           }
         }
         content(text);

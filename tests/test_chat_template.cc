@@ -105,10 +105,56 @@ TEST(ChatTemplate, ClearErrors) {
   const std::string long_role(chatml.Render({{std::string(5000, 'r'), "x"}}).status().message());
   EXPECT_NE(long_role.find("role '" + std::string(32, 'r') + "...'"), std::string::npos) << long_role;
   EXPECT_LT(long_role.size(), 200u);
-  EXPECT_NE(chatml.Render({{"user", "a"}, {"system", "b"}, {"user", "c"}}).status().message().find("first"),
-            std::string::npos);
-  EXPECT_NE(chatml.Render({{"user", "a"}, {"assistant", "b"}}).status().message().find("last"),
-            std::string::npos);
+  EXPECT_NE(chatml.Render({{"user", "a"}, {"tool", "b"}}).status().message().find("role 'tool'"), std::string::npos);
+}
+
+// A later system message (an agent's new instructions) and a conversation
+// that ends with an answer are rendered as the real templates render them
+// (Jinja, checked byte for byte); Llama 2's template has no place for either.
+TEST(ChatTemplate, AnyTurnOrderTheTemplateRenders) {
+  const std::vector<ChatMessage> later_system = {{"user", "a"}, {"assistant", "b"}, {"system", " Be formal. "}, {"user", "c"}};
+  const std::vector<ChatMessage> ends_with_answer = {{"user", "a"}, {"assistant", "\n\nb"}};
+  const ChatTemplate chatml = ChatTemplate::FromGgufTemplate("<|im_start|>");
+  auto r = chatml.Render(later_system);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text,
+            "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n"
+            "<|im_start|>system\n Be formal. <|im_end|>\n<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n");
+  r = chatml.Render(ends_with_answer);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text, "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n\n\nb<|im_end|>\n<|im_start|>assistant\n");
+
+  // Qwen3 writes a last answer's thinking block even when it has none, and
+  // drops its leading newlines; an earlier answer keeps them.
+  const ChatTemplate qwen3 = ChatTemplate::FromGgufTemplate("<|im_start|> <think>");
+  r = qwen3.Render(ends_with_answer);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text,
+            "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nb<|im_end|>\n"
+            "<|im_start|>assistant\n");
+  r = qwen3.Render({{"user", "a"}, {"assistant", "<think>\nr\n</think>\n\nb"}, {"system", "S"}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text,
+            "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n<think>\nr\n</think>\n\nb<|im_end|>\n"
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>assistant\n");
+
+  const ChatTemplate llama3 = ChatTemplate::FromGgufTemplate("<|start_header_id|>");
+  r = llama3.Render(later_system);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text,
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\na<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\nb<|eot_id|>"
+            "<|start_header_id|>system<|end_header_id|>\n\nBe formal.<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nc<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
+
+  const ChatTemplate llama2 = ChatTemplate::FromGgufTemplate(kLlama2Marker);
+  ASSERT_EQ(llama2.format(), ChatFormat::kLlama2);
+  r = llama2.Render(later_system);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("first"), std::string::npos) << r.status();
+  r = llama2.Render(ends_with_answer);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("last"), std::string::npos) << r.status();
 }
 
 TEST(ChatTemplate, Qwen3DropsEarlierThinkingAndHasNoDefaultSystem) {
