@@ -85,8 +85,7 @@ bool IsNoTool(const nlohmann::json& v) { return v.is_null() || v == "none" || v 
 constexpr UnsupportedField kUnsupported[] = {
     {"logit_bias", IsEmptyOrNull},      {"response_format", IsTextFormat}, {"tools", IsEmptyOrNull},
     {"functions", IsEmptyOrNull},       {"tool_choice", IsNoTool},         {"function_call", IsNoTool},
-    {"best_of", IsOneOrNull},           {"repetition_penalty", IsOneOrNull}, {"min_p", IsZeroOrNull},
-    {"min_tokens", IsZeroOrNull},       {"ignore_eos", IsFalseOrNull},     {"guided_json", IsNull},
+    {"best_of", IsOneOrNull},           {"repetition_penalty", IsOneOrNull}, {"min_tokens", IsZeroOrNull},       {"ignore_eos", IsFalseOrNull},     {"guided_json", IsNull},
     {"guided_regex", IsNull},           {"guided_choice", IsNull},         {"guided_grammar", IsNull},
 };
 
@@ -96,7 +95,7 @@ constexpr UnsupportedField kUnsupported[] = {
 // the SAX builder keeps (below) cannot drift from what is read.
 constexpr std::string_view kReadFields[] = {
     "model", "messages", "prompt", "echo", "suffix", "max_tokens", "max_completion_tokens", "temperature",
-    "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "presence_penalty",
+    "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options", "n", "presence_penalty",
     "frequency_penalty", "logprobs", "top_logprobs"};
 
 constexpr bool IsReadField(std::string_view name) {
@@ -335,6 +334,8 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
     }
     g.mutable_sampling()->set_top_k(static_cast<int32_t>(v->get<int64_t>()));
   }
+  ASSIGN_OR_RETURN(std::optional<double> min_p, number("min_p", 0, 1));
+  if (min_p) g.mutable_sampling()->set_min_p(static_cast<float>(*min_p));
   if (const json* v = fields.Get("seed")) {
     if (!v->is_number_integer()) return Bad("seed", "must be an integer");
     g.mutable_sampling()->set_seed(v->is_number_unsigned() ? v->get<uint64_t>()

@@ -301,6 +301,7 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
       p.temperature = s->options.sampling.temperature;
       p.top_k = s->options.sampling.top_k;
       p.top_p = s->options.sampling.top_p;
+      p.min_p = s->options.sampling.min_p;
       p.top_logprobs = s->options.sampling.top_logprobs;
       // The draw of token number generated.size(): a step that fails and is
       // run again after a recovery draws the same.

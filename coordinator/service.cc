@@ -163,6 +163,7 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
   o.sampling.temperature = s.has_temperature() ? s.temperature() : 1.0f;
   o.sampling.top_k = s.top_k();
   o.sampling.top_p = s.has_top_p() ? s.top_p() : 1.0f;
+  o.sampling.min_p = s.min_p();
   o.sampling.top_logprobs = r.top_logprobs();
   RETURN_IF_ERROR(ValidateSamplingParams(o.sampling, config_.vocab_size));
   if (s.has_seed()) {

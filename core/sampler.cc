@@ -19,6 +19,9 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int vocab_size) {
   if (!std::isfinite(p.top_p) || p.top_p <= 0 || p.top_p > 1) {
     return absl::InvalidArgumentError(absl::StrCat("top_p must be in (0, 1], got ", p.top_p));
   }
+  if (!std::isfinite(p.min_p) || p.min_p < 0 || p.min_p > 1) {
+    return absl::InvalidArgumentError(absl::StrCat("min_p must be in [0, 1], got ", p.min_p));
+  }
   const int max_top = std::min(kMaxTopLogprobs, vocab_size);
   if (p.top_logprobs < 0 || p.top_logprobs > max_top) {
     return absl::InvalidArgumentError(
@@ -98,6 +101,15 @@ SampledToken Sample(const float* logits, int n, const SamplingParams& params, fl
   for (int i = 0; i < keep; ++i) {
     probs[i] = std::exp((logits[ids[i]] - max) / params.temperature);
     sum += probs[i];
+  }
+  // min-p: the candidates at least min_p times as likely as the first
+  // (whose tempered weight is exp(0) = 1), a prefix of the sorted ones.
+  if (params.min_p > 0) {
+    int cut = 1;
+    while (cut < keep && probs[cut] >= params.min_p) ++cut;
+    keep = cut;
+    sum = 0;
+    for (int i = 0; i < keep; ++i) sum += probs[i];
   }
   // top-p: the smallest prefix whose mass reaches top_p.
   if (params.top_p < 1) {

@@ -1,4 +1,4 @@
-// Next-token sampling: greedy, temperature, top-k, top-p. Stateless: the
+// Next-token sampling: greedy, temperature, top-k, min-p, top-p. Stateless: the
 // random draw `u` of a sequence's k-th sampled token is SampleUniform(seed, k)
 // (drawn by the coordinator), so the same seed gives the same tokens wherever
 // sampling runs, and again after a step that failed and was run over.
@@ -18,16 +18,20 @@ struct SamplingParams {
   float temperature = 1.0f;  // 0: greedy (argmax)
   int32_t top_k = 0;         // 0: off
   float top_p = 1.0f;        // 1: off
+  // 0: off. Keeps the tokens whose tempered probability is at least min_p
+  // times the most likely one's; applied before top_p, as vLLM does.
+  float min_p = 0.0f;
   int32_t top_logprobs = 0;  // report this many most likely tokens with each pick (not a sampling rule)
 };
 
 // InvalidArgument naming the parameter: temperature in [0, 100], top_k >= 0
-// (0 or the vocabulary's size or more: off), top_p in (0, 1], all finite,
+// (0 or the vocabulary's size or more: off), top_p in (0, 1], min_p in
+// [0, 1], all finite,
 // top_logprobs in [0, min(kMaxTopLogprobs, vocab_size)].
 absl::Status ValidateSamplingParams(const SamplingParams& params, int vocab_size);
 
 // A token and log p(token) under the model's raw distribution (temperature 1,
-// before top-k / top-p): what OpenAI's API calls a logprob.
+// before top-k / min-p / top-p): what OpenAI's API calls a logprob.
 struct TokenLogprob {
   int32_t token = 0;
   float logprob = 0;

@@ -116,6 +116,7 @@ int Main(int argc, char** argv) {
   args.Flag("temperature", "", "0 = greedy (default 1)");
   args.Flag("top-p", "", "nucleus sampling, (0, 1] (default 1)");
   args.Flag("top-k", "0", "keep the k most likely tokens; 0 = off");
+  args.Flag("min-p", "0", "keep the tokens at least this fraction as likely as the most likely one, [0, 1]; 0 = off");
   args.Flag("seed", "", "random seed: same seed, same output");
   args.Flag("stop", "", "stop when this string appears (not printed); give it again for more strings (up to 16)");
   args.Flag("no-bos", "", "do not prepend the BOS token", true);
@@ -174,6 +175,9 @@ int Main(int argc, char** argv) {
     absl::StatusOr<int> top_k = args.GetInt("top-k");
     if (!top_k.ok()) return Fail(std::string(top_k.status().message()));
     req.mutable_sampling()->set_top_k(*top_k);
+    absl::StatusOr<double> min_p = args.GetDouble("min-p");
+    if (!min_p.ok()) return Fail(std::string(min_p.status().message()));
+    req.mutable_sampling()->set_min_p(static_cast<float>(*min_p));
     if (args.IsSet("seed")) {
       absl::StatusOr<uint64_t> v = args.GetUint64("seed");
       if (!v.ok()) return Fail(std::string(v.status().message()));

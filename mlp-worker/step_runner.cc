@@ -220,7 +220,8 @@ absl::StatusOr<std::vector<shm::SampledSeq>> StepRunner::RunStep(uint64_t step,
   size_t i = 0;
   for (const shm::PlanSeq& s : plan.seqs) {
     if (!s.sample) continue;
-    SamplingParams params{s.temperature, s.top_k, s.top_p, s.top_logprobs};
+    SamplingParams params{.temperature = s.temperature, .top_k = s.top_k, .top_p = s.top_p, .min_p = s.min_p,
+                          .top_logprobs = s.top_logprobs};
     const SampledToken tok = Sample(logits_.data() + i * c_.vocab_size, c_.vocab_size, params, s.u);
     shm::SampledSeq& r = out.emplace_back();
     r.seq_id = s.slice.seq_id;

@@ -111,7 +111,9 @@ absl::StatusOr<StepPlan> DecodeStepPlan(const FrameHeader& header, const uint8_t
   RETURN_IF_ERROR(ValidateSlices(slices.data(), header.n_seqs, header.n_tokens, max_positions));
   for (const PlanSeq& s : plan.seqs) {
     const absl::Status st =
-        ValidateSamplingParams({s.temperature, s.top_k, s.top_p, s.top_logprobs}, vocab_size);
+        ValidateSamplingParams({.temperature = s.temperature, .top_k = s.top_k, .top_p = s.top_p,
+                                .min_p = s.min_p, .top_logprobs = s.top_logprobs},
+                               vocab_size);
     if (!st.ok()) {
       return absl::DataLossError(absl::StrCat("step plan of sequence ", s.slice.seq_id, ": ", st.message()));
     }

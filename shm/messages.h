@@ -42,8 +42,10 @@ struct PlanSeq {
   float top_p = 1;
   float u = 0;              // the sequence's uniform draw for this step
   int32_t top_logprobs = 0; // alternatives to report, 0 .. kMaxTopLogprobs
+  float min_p = 0;
+  uint32_t reserved = 0;
 };
-static_assert(sizeof(PlanSeq) == 40);
+static_assert(sizeof(PlanSeq) == 48);
 
 // SampledSeq::status: the token was sampled, or the sequence's logits were
 // not finite (NaN or infinity: the model overflowed) and nothing was.

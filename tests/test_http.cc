@@ -226,6 +226,16 @@ TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
   EXPECT_GT(s.chunks, 10);  // streamed, not in one piece
   EXPECT_EQ(s.usage["completion_tokens"], 40);
 
+  // min_p reaches the sampler in the MLP worker: at 1 it keeps only the
+  // most likely token, so a hot sampled request is the greedy answer (and
+  // the same request without it is not).
+  json hot = Completion("Once upon a time", 40, false);
+  hot["temperature"] = 2;
+  hot["seed"] = 7;
+  EXPECT_NE(Post(port, "/v1/completions", hot).Json()["choices"][0]["text"], grpc_answer.text) << "the premise";
+  hot["min_p"] = 1;
+  EXPECT_EQ(Post(port, "/v1/completions", hot).Json()["choices"][0]["text"], grpc_answer.text);
+
   // Stop strings: the text ends before the stop, finish_reason stop.
   json stop_req = Completion("Once upon a time", 100, false);
   stop_req["stop"] = json::array({"Lily", "zzz"});

@@ -672,6 +672,13 @@ TEST(Integration, TheCommandLineClient) {
   EXPECT_EQ(r.out, expected.text + "\n");
   EXPECT_NE(r.err.find("[max tokens; 5 prompt tokens ("), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("from the prefix cache) + 12 generated"), std::string::npos) << r.err;
+  // --min-p 1 keeps only the most likely token: greedy at any temperature.
+  r = client("generate 'Once upon a time' --max-tokens 12 --temperature 3 --seed 5 --min-p 1", "");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out, expected.text + "\n");
+  r = client("generate 'Once upon a time' --max-tokens 12 --min-p 1.5", "");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("min_p must be in [0, 1]"), std::string::npos) << r.err;
 
   // Every --stop counts (only the last one did): the earlier string ends it.
   ellm::v1::GenerateRequest two_stops = Greedy("Once upon a time", 40);

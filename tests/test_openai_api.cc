@@ -95,6 +95,11 @@ TEST(OpenAiApi, OutOfRangeNumbersNameTheirRange) {
   EXPECT_NE(message(R"({"prompt":"x","top_p":0})").find("(0, 1]"), std::string::npos);
   EXPECT_NE(message(R"({"prompt":"x","top_p":1.5})").find("(0, 1]"), std::string::npos);
   EXPECT_NE(message(R"({"prompt":"x","temperature":-1})").find("[0, 100]"), std::string::npos);
+  EXPECT_NE(message(R"({"prompt":"x","min_p":1.5})").find("min_p"), std::string::npos);
+  EXPECT_NE(message(R"({"prompt":"x","min_p":"0.1"})").find("min_p"), std::string::npos);
+  absl::StatusOr<OpenAiRequest> min_p = ParseOpenAiRequest(R"({"prompt":"x","min_p":0.05})", false, "m");
+  ASSERT_TRUE(min_p.ok()) << min_p.status();
+  EXPECT_FLOAT_EQ(min_p->generate.sampling().min_p(), 0.05f);
   EXPECT_TRUE(ParseOpenAiRequest(R"({"prompt":"x","top_p":1,"max_tokens":2147483647})", false, "m").ok());
   // max_tokens and its newer name: both may come, if they agree.
   EXPECT_NE(message(R"({"prompt":"x","max_tokens":5,"max_completion_tokens":7})").find("max_completion_tokens"),

@@ -392,6 +392,61 @@ TEST(SamplerNonFinite, NaNOrInfinityIsNoDistributionAndMinusInfinityIsNeverPicke
   }
 }
 
+// min-p: the tokens whose tempered probability is at least min_p times the
+// most likely one's, renormalised; computed here from the definition (the
+// softmax's ratios, not the kernel's exp(0) = 1 shortcut).
+std::vector<double> MinPSet(const std::vector<float>& logits, double t, double min_p) {
+  std::vector<double> p = TemperedSoftmax(logits, t);
+  const double top = *std::max_element(p.begin(), p.end());
+  double mass = 0;
+  for (double& x : p) {
+    if (x < min_p * top) x = 0;
+    mass += x;
+  }
+  for (double& x : p) x /= mass;
+  return p;
+}
+
+TEST(SamplerMinP, FrequenciesMatchTheTokensAboveTheScaledMaximum) {
+  const std::vector<float> logits = RandomLogits(40, 51, 2.5f);
+  int seed = 300;
+  for (double t : {0.6, 1.0, 1.7}) {
+    for (double min_p : {0.02, 0.1, 0.3}) {
+      SCOPED_TRACE(testing::Message() << "temperature " << t << ", min_p " << min_p);
+      const std::vector<double> expected = MinPSet(logits, t, min_p);
+      const int kept = static_cast<int>(std::count_if(expected.begin(), expected.end(), [](double x) { return x > 0; }));
+      ASSERT_GT(kept, 1);  // the premise: a cut that leaves a choice
+      ASSERT_LT(kept, 40);
+      ExpectFrequencies(logits, {.temperature = static_cast<float>(t), .min_p = static_cast<float>(min_p)}, expected,
+                        100000, seed++);
+    }
+  }
+}
+
+// min_p = 1 keeps only the most likely token: greedy whatever the draw; and
+// min_p cuts before top_p, which then takes its nucleus of the renormalised
+// survivors (vLLM's order; cut after top_p, the set would differ below).
+TEST(SamplerMinP, OneIsGreedyAndTopPCutsTheSurvivors) {
+  const std::vector<float> logits = RandomLogits(64, 61, 2.0f);
+  const int argmax = static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  SequenceRng rng(8);
+  for (int i = 0; i < 200; ++i) {
+    EXPECT_EQ(Sample(logits.data(), 64, {.temperature = 5.0f, .min_p = 1.0f}, rng.NextUniform()).token, argmax);
+  }
+  // Four tokens at temperature 1: p = (0.4, 0.3, 0.2, 0.1). min_p 0.3 cuts
+  // below 0.12: three survive, renormalised to (4/9, 3/9, 2/9), and top_p
+  // 0.75 keeps two of them (4/9 + 3/9 >= 0.75). Cut in the other order,
+  // top_p keeps three (0.4 + 0.3 < 0.75) and min_p all of those.
+  const std::vector<float> four = {static_cast<float>(std::log(0.4)), static_cast<float>(std::log(0.3)),
+                                   static_cast<float>(std::log(0.2)), static_cast<float>(std::log(0.1))};
+  std::set<int> seen;
+  SequenceRng rng2(9);
+  for (int i = 0; i < 2000; ++i) {
+    seen.insert(Sample(four.data(), 4, {.temperature = 1.0f, .top_p = 0.75f, .min_p = 0.3f}, rng2.NextUniform()).token);
+  }
+  EXPECT_EQ(seen, (std::set<int>{0, 1}));
+}
+
 TEST(ValidateSamplingParams, AcceptsTheEdgesOfEachRange) {
   EXPECT_TRUE(ValidateSamplingParams({}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.temperature = 0}, 100).ok());
@@ -401,6 +456,8 @@ TEST(ValidateSamplingParams, AcceptsTheEdgesOfEachRange) {
   EXPECT_TRUE(ValidateSamplingParams({.top_k = 1000}, 100).ok());  // more than the vocabulary: off
   EXPECT_TRUE(ValidateSamplingParams({.top_p = 1.0f}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.top_p = 1e-6f}, 100).ok());
+  EXPECT_TRUE(ValidateSamplingParams({.min_p = 0.0f}, 100).ok());
+  EXPECT_TRUE(ValidateSamplingParams({.min_p = 1.0f}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.top_logprobs = kMaxTopLogprobs}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.top_logprobs = 5}, 5).ok());
 }
@@ -418,6 +475,8 @@ TEST(ValidateSamplingParams, RejectsEachBadParameterByName) {
       {{.top_k = -1}, "top_k"},
       {{.top_p = 0.0f}, "top_p"},              {{.top_p = -0.1f}, "top_p"},
       {{.top_p = 1.01f}, "top_p"},             {{.top_p = nan}, "top_p"},
+      {{.min_p = -0.01f}, "min_p"},            {{.min_p = 1.01f}, "min_p"},
+      {{.min_p = nan}, "min_p"},
       {{.top_logprobs = -1}, "top_logprobs"},  {{.top_logprobs = kMaxTopLogprobs + 1}, "top_logprobs"},
   };
   for (const Case& c : cases) {
