@@ -107,9 +107,12 @@ std::string Metrics::Render(const SchedulerStats& st, const std::vector<WorkerSa
   // Workers: blocks, and bytes read per second since the previous scrape.
   const absl::Time now = absl::Now();
   const double seconds = last_render_ == absl::Time() ? 0 : absl::ToDoubleSeconds(now - last_render_);
+  // A worker restarted since the previous scrape counts from 0 again: what
+  // it read since its start is the lower bound of the rate.
   auto rate = [&](const std::string& key, int64_t bytes) {
     const auto it = last_bytes_.find(key);
-    const double r = it == last_bytes_.end() || seconds <= 0 ? 0 : std::max<double>(0, bytes - it->second) / seconds;
+    const double read = it == last_bytes_.end() ? 0 : bytes >= it->second ? bytes - it->second : bytes;
+    const double r = seconds <= 0 ? 0 : read / seconds;
     last_bytes_[key] = bytes;
     return r;
   };

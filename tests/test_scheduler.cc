@@ -1668,6 +1668,29 @@ TEST_F(RecoveryTest, AResumedRequestCountsItsQueueWaitAndPromptOnce) {
   EXPECT_EQ(Sample(text, "ellm_time_to_first_token_seconds_count"), 1) << text;
 }
 
+// A restarted worker's byte counter starts from 0 again: the read rate is
+// what it read since its start (it read as 0, however much that was).
+TEST(Metrics, ReadRatesAfterAWorkerRestart) {
+  Metrics metrics;
+  const SchedulerStats stats;
+  auto rate = [&](int64_t kv_bytes) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    Metrics::WorkerSample w;
+    w.name = "attn-0";
+    w.attention = true;
+    w.kv_read_bytes = kv_bytes;
+    w.probe_bytes_per_second = 1e9;
+    return Sample(metrics.Render(stats, {w}), "ellm_kv_read_bytes_per_second{worker=\"attn-0\"}");
+  };
+  EXPECT_EQ(rate(1'000'000), 0) << "no earlier scrape";
+  const double steady = rate(6'000'000);
+  EXPECT_GT(steady, 0);
+  EXPECT_LE(steady, 5'000'000 / 0.05);
+  const double restarted = rate(3'000'000);  // less than before: counting from 0 again
+  EXPECT_GT(restarted, 0);
+  EXPECT_LE(restarted, 3'000'000 / 0.05);
+}
+
 TEST_F(RecoveryTest, WorkerFailedPausesIdleRequestsAndRecoversToo) {
   Start();
   scheduler_->WorkerFailed(absl::UnavailableError("attn-worker 0 froze"));
