@@ -45,6 +45,7 @@ PlanSeq MakePlanSeq(uint64_t id, uint32_t start, uint32_t n, uint32_t sample = 1
   p.top_p = 0.5f + 0.01f * static_cast<float>(id % 50);
   p.u = 0.125f * static_cast<float>(n % 8);
   p.top_logprobs = static_cast<int32_t>(id % (kMaxTopLogprobs + 1));
+  p.min_p = 0.01f * static_cast<float>(id % 90);
   return p;
 }
 
@@ -93,6 +94,7 @@ TEST(StepPlan, RoundTrips) {
     EXPECT_EQ(b.top_p, a.top_p);
     EXPECT_EQ(b.u, a.u);
     EXPECT_EQ(b.top_logprobs, a.top_logprobs);
+    EXPECT_EQ(b.min_p, a.min_p);
   }
   EXPECT_EQ(decoded->tokens, plan.tokens);
 }
@@ -177,6 +179,7 @@ TEST(StepPlan, BadSamplingParamsAreAnError) {
       {[](PlanSeq* p) { p->temperature = -1; }, "temperature"},
       {[](PlanSeq* p) { p->top_k = -1; }, "top_k"},
       {[](PlanSeq* p) { p->top_p = 0; }, "top_p"},
+      {[](PlanSeq* p) { p->min_p = 2; }, "min_p"},
       {[](PlanSeq* p) { p->top_logprobs = kMaxTopLogprobs + 1; }, "top_logprobs"},
       {[](PlanSeq* p) { p->top_logprobs = -3; }, "top_logprobs"},
   };
