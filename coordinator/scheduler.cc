@@ -285,8 +285,7 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
   // had generated. A chunk that reaches the last token samples the next.
   for (int pass = 0; pass < 2; ++pass) {
     for (auto& s : running_) {
-      const std::vector<int32_t> tokens = s->Tokens();
-      const int total = static_cast<int>(tokens.size());
+      const int total = s->TokenCount();
       const int done = s->fed - s->base;  // tokens fed
       const bool decoding = !s->generated.empty() && total - done == 1;
       if ((pass == 0) != decoding || budget == 0 || done >= total) continue;
@@ -295,7 +294,7 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
       p.slice.start_pos = static_cast<uint32_t>(s->fed);
       const int n = std::min(budget, total - done);
       p.slice.n_tokens = static_cast<uint32_t>(n);
-      plan.tokens.insert(plan.tokens.end(), tokens.begin() + done, tokens.begin() + done + n);
+      s->AppendTokens(done, n, &plan.tokens);
       p.sample = done + n == total ? 1 : 0;
       budget -= n;
       p.temperature = s->options.sampling.temperature;

@@ -17,6 +17,7 @@
 // (StepExecutor::UpdateKv) before the next step.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -182,6 +183,14 @@ class Scheduler {
       std::vector<int32_t> t = options.prompt;
       t.insert(t.end(), generated.begin(), generated.end());
       return t;
+    }
+    int TokenCount() const { return static_cast<int>(options.prompt.size() + generated.size()); }
+    // Appends tokens [from, from + n) of Tokens() to *out, copying no others
+    // (a step's slice of a long context; Tokens() would copy all of it).
+    void AppendTokens(int from, int n, std::vector<int32_t>* out) const {
+      const int p = static_cast<int>(options.prompt.size());
+      for (int i = from; i < std::min(from + n, p); ++i) out->push_back(options.prompt[i]);
+      for (int i = std::max(from, p); i < from + n; ++i) out->push_back(generated[i - p]);
     }
     absl::Time submitted, admitted, first_token, last_token;
     bool in_kv = false;     // some of it reached the workers
