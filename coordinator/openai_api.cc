@@ -364,10 +364,10 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
   if (const json* v = fields.Get("n")) {
     if (!v->is_number_integer() || v->get<int64_t>() != 1) return Bad("n", "must be 1 (one choice per request)");
   }
-  for (Field field : {Field("presence_penalty"), Field("frequency_penalty")}) {
-    ASSIGN_OR_RETURN(std::optional<double> v, number(field, -2, 2));
-    if (v && *v != 0) return Bad(field.name(), "is not supported (use 0)");
-  }
+  ASSIGN_OR_RETURN(std::optional<double> presence, number("presence_penalty", -2, 2));
+  if (presence) g.mutable_sampling()->set_presence_penalty(static_cast<float>(*presence));
+  ASSIGN_OR_RETURN(std::optional<double> frequency, number("frequency_penalty", -2, 2));
+  if (frequency) g.mutable_sampling()->set_frequency_penalty(static_cast<float>(*frequency));
   // The number of alternatives: chat's top_logprobs, completions' logprobs.
   const Field top_field = chat ? Field("top_logprobs") : Field("logprobs");
   if (chat) {

@@ -6,19 +6,18 @@
 // Supported: POST /v1/completions (prompt: a string or a one-string array)
 // and /v1/chat/completions (messages with string or text-part content) with
 // model, max_tokens / max_completion_tokens, temperature, top_p, top_k,
-// min_p, seed, stop
+// min_p, presence_penalty, frequency_penalty, seed, stop
 // (string or list), stream, stream_options.include_usage, logprobs (chat:
 // true, with top_logprobs 0..20 alternatives per token; completions: an
 // integer 0..20, the number of alternatives, the chosen token always
-// included), n = 1. Refused with 400 naming the field: n > 1, nonzero
-// presence or frequency penalties, echo, suffix, any field that would
+// included), n = 1. Refused with 400 naming the field: n > 1, echo, suffix, any field that would
 // constrain or bias the output (logit_bias, response_format other than text,
 // tools, functions, tool_choice or function_call other than none/auto,
 // best_of > 1, and vLLM's repetition_penalty, min_tokens, ignore_eos,
 // guided_*), and any field of the wrong type. Other fields (user, metadata,
 // ...) are ignored. A body nested deeper than kMaxJsonDepth is refused
 // before it is parsed. Log-probabilities are of the model's raw distribution
-// (temperature 1, before top-k / min-p / top-p).
+// (temperature 1, before penalties, top-k, min-p and top-p).
 #pragma once
 
 #include <cstdint>

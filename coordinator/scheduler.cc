@@ -301,6 +301,12 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
       p.top_k = s->options.sampling.top_k;
       p.top_p = s->options.sampling.top_p;
       p.min_p = s->options.sampling.min_p;
+      p.presence_penalty = s->options.sampling.presence_penalty;
+      p.frequency_penalty = s->options.sampling.frequency_penalty;
+      if (p.sample && s->options.sampling.penalised()) {
+        p.n_counts = static_cast<uint32_t>(s->counts.size());
+        for (const auto& [token, count] : s->counts) plan.counts.push_back({token, count});
+      }
       p.top_logprobs = s->options.sampling.top_logprobs;
       // The draw of token number generated.size(): a step that fails and is
       // run again after a recovery draws the same.
@@ -538,6 +544,7 @@ void Scheduler::Deliver(const shm::SampledSeq& r, absl::Time now) {
   if (s->generated.empty()) s->first_token = now;
   s->last_token = now;
   s->generated.push_back(r.token);
+  if (s->options.sampling.penalised()) ++s->counts[r.token];
   StreamEvent e;
   e.token_ids.push_back(r.token);
   e.logprobs.push_back(r.logprob);

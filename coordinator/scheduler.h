@@ -24,6 +24,7 @@
 #include <deque>
 #include <functional>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -177,6 +178,7 @@ class Scheduler {
     int cached_tokens = -1;    // prompt tokens attached at its first admission (-1: not yet)
     bool needs_fill = false;
     std::vector<int32_t> generated;
+    std::map<int32_t, int32_t> counts;  // of generated, when it has penalties (by token id: the frame's order)
     // Its tokens so far: the prompt, then the generated ones. Positions
     // [base, fed) hold the first fed - base of them.
     std::vector<int32_t> Tokens() const {

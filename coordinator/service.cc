@@ -165,7 +165,15 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
   o.sampling.top_p = s.has_top_p() ? s.top_p() : 1.0f;
   o.sampling.min_p = s.min_p();
   o.sampling.top_logprobs = r.top_logprobs();
+  o.sampling.presence_penalty = s.presence_penalty();
+  o.sampling.frequency_penalty = s.frequency_penalty();
   RETURN_IF_ERROR(ValidateSamplingParams(o.sampling, config_.vocab_size));
+  // A penalised sequence's token counts go with each of its steps, in frames
+  // sized for kMaxPenaltyTokens distinct tokens.
+  if (o.sampling.penalised() && o.max_tokens > kMaxPenaltyTokens && config_.vocab_size > kMaxPenaltyTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("with presence_penalty or frequency_penalty, max_tokens may be at "
+                                                   "most ", kMaxPenaltyTokens, ", got ", o.max_tokens));
+  }
   if (s.has_seed()) {
     o.seed = s.seed();
   } else {

@@ -22,6 +22,12 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int vocab_size) {
   if (!std::isfinite(p.min_p) || p.min_p < 0 || p.min_p > 1) {
     return absl::InvalidArgumentError(absl::StrCat("min_p must be in [0, 1], got ", p.min_p));
   }
+  for (const auto& [name, v] : {std::pair{"presence_penalty", p.presence_penalty},
+                                std::pair{"frequency_penalty", p.frequency_penalty}}) {
+    if (!std::isfinite(v) || v < -2 || v > 2) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " must be in [-2, 2], got ", v));
+    }
+  }
   const int max_top = std::min(kMaxTopLogprobs, vocab_size);
   if (p.top_logprobs < 0 || p.top_logprobs > max_top) {
     return absl::InvalidArgumentError(
@@ -62,23 +68,35 @@ void TopLogprobs(const float* logits, int n, int k, double lse, SampledToken* ou
 
 }  // namespace
 
-SampledToken Sample(const float* logits, int n, const SamplingParams& params, float u) {
+SampledToken Sample(const float* raw, int n, const SamplingParams& params, float u, const TokenCount* counts,
+                    int n_counts) {
   SampledToken out;
   // NaN and +inf (inf - inf) make it NaN, and so do all -inf: checking it
   // costs nothing, and the sorting below needs ordered keys.
-  const double lse = LogSumExp(logits, n);
+  const double lse = LogSumExp(raw, n);
   if (!std::isfinite(lse)) {
     out.finite = false;
     return out;
   }
-  if (params.top_logprobs > 0) TopLogprobs(logits, n, params.top_logprobs, lse, &out);
+  if (params.top_logprobs > 0) TopLogprobs(raw, n, params.top_logprobs, lse, &out);
+  // The penalties change what is picked, not the logprobs reported.
+  std::vector<float> penalised;
+  const float* logits = raw;
+  if (params.penalised() && n_counts > 0) {
+    penalised.assign(raw, raw + n);
+    for (int i = 0; i < n_counts; ++i) {
+      penalised[counts[i].token] -=
+          params.presence_penalty + params.frequency_penalty * static_cast<float>(counts[i].count);
+    }
+    logits = penalised.data();
+  }
   if (params.temperature == 0) {
     int best = 0;
     for (int i = 1; i < n; ++i) {
       if (logits[i] > logits[best]) best = i;
     }
     out.token = best;
-    out.logprob = static_cast<float>(logits[best] - lse);
+    out.logprob = static_cast<float>(raw[best] - lse);
     return out;
   }
   // Candidates sorted by logit (descending; ties by id), cut by top-k.
@@ -137,7 +155,7 @@ SampledToken Sample(const float* logits, int n, const SamplingParams& params, fl
     }
   }
   out.token = pick;
-  out.logprob = static_cast<float>(logits[pick] - lse);
+  out.logprob = static_cast<float>(raw[pick] - lse);
   return out;
 }
 

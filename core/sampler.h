@@ -1,4 +1,5 @@
-// Next-token sampling: greedy, temperature, top-k, min-p, top-p. Stateless: the
+// Next-token sampling: presence and frequency penalties, greedy,
+// temperature, top-k, min-p, top-p. Stateless: the
 // random draw `u` of a sequence's k-th sampled token is SampleUniform(seed, k)
 // (drawn by the coordinator), so the same seed gives the same tokens wherever
 // sampling runs, and again after a step that failed and was run over.
@@ -13,6 +14,10 @@ namespace ellm {
 
 // The most alternatives a sampled token can report (OpenAI's top_logprobs limit).
 constexpr int kMaxTopLogprobs = 20;
+// The most distinct generated tokens a penalised sequence may have (its
+// counts travel with every step): requests with penalties take at most this
+// many max_tokens.
+constexpr int kMaxPenaltyTokens = 16384;
 
 struct SamplingParams {
   float temperature = 1.0f;  // 0: greedy (argmax)
@@ -22,16 +27,30 @@ struct SamplingParams {
   // times the most likely one's; applied before top_p, as vLLM does.
   float min_p = 0.0f;
   int32_t top_logprobs = 0;  // report this many most likely tokens with each pick (not a sampling rule)
+  // OpenAI's penalties, on the tokens generated so far (as vLLM applies
+  // them): a token's logit loses presence_penalty once it has appeared and
+  // frequency_penalty for each time it has, before anything else. 0: off.
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  bool penalised() const { return presence_penalty != 0 || frequency_penalty != 0; }
+};
+
+// How often a token was generated so far (count >= 1).
+struct TokenCount {
+  int32_t token = 0;
+  int32_t count = 0;
 };
 
 // InvalidArgument naming the parameter: temperature in [0, 100], top_k >= 0
 // (0 or the vocabulary's size or more: off), top_p in (0, 1], min_p in
 // [0, 1], all finite,
-// top_logprobs in [0, min(kMaxTopLogprobs, vocab_size)].
+// top_logprobs in [0, min(kMaxTopLogprobs, vocab_size)], the penalties in
+// [-2, 2].
 absl::Status ValidateSamplingParams(const SamplingParams& params, int vocab_size);
 
 // A token and log p(token) under the model's raw distribution (temperature 1,
-// before top-k / min-p / top-p): what OpenAI's API calls a logprob.
+// before penalties, top-k, min-p and top-p): what OpenAI's API calls a
+// logprob.
 struct TokenLogprob {
   int32_t token = 0;
   float logprob = 0;
@@ -50,8 +69,11 @@ struct SampledToken {
 
 // Picks a token from logits [n]. `u` is uniform in [0, 1). Greedy ignores u;
 // ties go to the lowest id. A -inf logit is a token of probability 0, never
-// picked; logits without a finite log-sum-exp give `finite` false.
-SampledToken Sample(const float* logits, int n, const SamplingParams& params, float u);
+// picked; logits without a finite log-sum-exp give `finite` false. `counts`
+// (n_counts of them, distinct tokens < n) are the generated tokens the
+// penalties apply to; the logprobs stay those of the raw logits.
+SampledToken Sample(const float* logits, int n, const SamplingParams& params, float u,
+                    const TokenCount* counts = nullptr, int n_counts = 0);
 
 // The draw u for the index-th token (0: the first) sampled with `seed`: the
 // index-th output of SplitMix64 started at the seed's SplitMix64 mix (so

@@ -82,10 +82,10 @@ for t in range(4):
 # --- frames: header (magic, version, kind, step, layer, n_seqs, n_tokens, status, payload_bytes) + payload ---
 def frame(kind, step, layer, n_seqs, n_tokens, status, payload):
     return struct.pack("<IHHQIIIIQ", 0x464D4C45, 1, kind, step, layer, n_seqs, n_tokens, status, len(payload)) + payload
-# PlanSeq (48 bytes): slice (seq_id, start_pos, n_tokens), sample, temperature, top_k, top_p, u, top_logprobs,
-# min_p, reserved
-plan_seq = struct.pack("<QII", 7, 0, 3) + struct.pack("<IfiffifI", 1, 0.0, 0, 1.0, 0.5, 2, 0.05, 0)
-put("frames", "step_plan", frame(1, 1, 0, 1, 3, 0, plan_seq + struct.pack("<3i", 1, 2, 3)))
+# PlanSeq (56 bytes): slice (seq_id, start_pos, n_tokens), sample, temperature, top_k, top_p, u, top_logprobs,
+# min_p, presence_penalty, frequency_penalty, n_counts; then the tokens, then n_counts (token, count) pairs
+plan_seq = struct.pack("<QII", 7, 0, 3) + struct.pack("<IfiffifffI", 1, 0.0, 0, 1.0, 0.5, 2, 0.05, 0.5, 0.25, 2)
+put("frames", "step_plan", frame(1, 1, 0, 1, 3, 0, plan_seq + struct.pack("<3i", 1, 2, 3) + struct.pack("<4i", 2, 1, 3, 4)))
 # SampledSeq (184 bytes): seq_id, token, logprob, n_top, reserved, 20 x (token, logprob)
 sampled = struct.pack("<QifII", 7, 42, -0.5, 2, 0) + struct.pack("<if", 42, -0.5) + struct.pack("<if", 3, -1.5) + b"\0" * (8 * 18)
 put("frames", "step_result", frame(2, 1, 0, 1, 1, 0, sampled))
@@ -106,7 +106,8 @@ def field_bytes(num, data):
 def field_varint(num, v):
     return varint(num << 3) + varint(v)
 sampling = (varint(1 << 3 | 5) + struct.pack("<f", 0.7) + field_varint(2, 40) + varint(3 << 3 | 5) + struct.pack("<f", 0.9)
-            + varint(5 << 3 | 5) + struct.pack("<f", 0.05))
+            + varint(5 << 3 | 5) + struct.pack("<f", 0.05) + varint(6 << 3 | 5) + struct.pack("<f", 0.5)
+            + varint(7 << 3 | 5) + struct.pack("<f", -0.5))
 put("request", "plain", field_bytes(1, b"Once upon a time") + field_varint(2, 16) + field_bytes(3, sampling))
 put("request", "chat", field_bytes(6, field_bytes(1, b"user") + field_bytes(2, b"Hello")) + field_varint(2, 8))
 put("request", "stops", field_bytes(1, b"Lily") + field_bytes(4, b".") + field_bytes(4, b"end") + field_varint(7, 100))

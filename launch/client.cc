@@ -117,6 +117,8 @@ int Main(int argc, char** argv) {
   args.Flag("top-p", "", "nucleus sampling, (0, 1] (default 1)");
   args.Flag("top-k", "0", "keep the k most likely tokens; 0 = off");
   args.Flag("min-p", "0", "keep the tokens at least this fraction as likely as the most likely one, [0, 1]; 0 = off");
+  args.Flag("presence-penalty", "0", "subtract this from the logit of every token generated so far, [-2, 2]");
+  args.Flag("frequency-penalty", "0", "subtract this from a token's logit for each time it was generated, [-2, 2]");
   args.Flag("seed", "", "random seed: same seed, same output");
   args.Flag("stop", "", "stop when this string appears (not printed); give it again for more strings (up to 16)");
   args.Flag("no-bos", "", "do not prepend the BOS token", true);
@@ -178,6 +180,12 @@ int Main(int argc, char** argv) {
     absl::StatusOr<double> min_p = args.GetDouble("min-p");
     if (!min_p.ok()) return Fail(std::string(min_p.status().message()));
     req.mutable_sampling()->set_min_p(static_cast<float>(*min_p));
+    absl::StatusOr<double> presence = args.GetDouble("presence-penalty");
+    if (!presence.ok()) return Fail(std::string(presence.status().message()));
+    req.mutable_sampling()->set_presence_penalty(static_cast<float>(*presence));
+    absl::StatusOr<double> frequency = args.GetDouble("frequency-penalty");
+    if (!frequency.ok()) return Fail(std::string(frequency.status().message()));
+    req.mutable_sampling()->set_frequency_penalty(static_cast<float>(*frequency));
     if (args.IsSet("seed")) {
       absl::StatusOr<uint64_t> v = args.GetUint64("seed");
       if (!v.ok()) return Fail(std::string(v.status().message()));

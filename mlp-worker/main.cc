@@ -295,8 +295,7 @@ absl::Status Run(const MlpWorkerConfig& config) {
   }
   ASSIGN_OR_RETURN(auto runner, StepRunner::Create(model, backend.get(), links, config.max_step_tokens));
 
-  const uint64_t plan_bytes = sizeof(shm::FrameHeader) + config.max_batch * sizeof(shm::PlanSeq) +
-                              config.max_step_tokens * sizeof(int32_t);
+  const uint64_t plan_bytes = shm::StepPlanCapacity(config.max_batch, config.max_step_tokens);
   const uint64_t result_bytes =
       sizeof(shm::FrameHeader) + std::max<uint64_t>(config.max_batch * sizeof(shm::SampledSeq), 4096);
   ASSIGN_OR_RETURN(auto coord, shm::Channel::Create(config.channel, 4, plan_bytes, result_bytes));

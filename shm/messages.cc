@@ -75,11 +75,26 @@ absl::Status CheckBytes(const FrameHeader& header, uint64_t expected, const char
 
 }  // namespace
 
+namespace {
+uint64_t StepPlanBytes(const StepPlan& plan) {
+  return plan.seqs.size() * sizeof(PlanSeq) + plan.tokens.size() * sizeof(int32_t) +
+         plan.counts.size() * sizeof(TokenCount);
+}
+}  // namespace
+
+uint64_t StepPlanCapacity(int max_seqs, int max_tokens) {
+  return sizeof(FrameHeader) + uint64_t(max_seqs) * (sizeof(PlanSeq) + kMaxPenaltyTokens * sizeof(TokenCount)) +
+         uint64_t(max_tokens) * sizeof(int32_t);
+}
+
 std::string EncodeStepPlan(const StepPlan& plan) {
-  std::string out(plan.seqs.size() * sizeof(PlanSeq) + plan.tokens.size() * sizeof(int32_t), '\0');
-  CopyBytes(out.data(), plan.seqs.data(), plan.seqs.size() * sizeof(PlanSeq));
-  CopyBytes(out.data() + plan.seqs.size() * sizeof(PlanSeq), plan.tokens.data(),
-              plan.tokens.size() * sizeof(int32_t));
+  std::string out(StepPlanBytes(plan), '\0');
+  char* at = out.data();
+  CopyBytes(at, plan.seqs.data(), plan.seqs.size() * sizeof(PlanSeq));
+  at += plan.seqs.size() * sizeof(PlanSeq);
+  CopyBytes(at, plan.tokens.data(), plan.tokens.size() * sizeof(int32_t));
+  at += plan.tokens.size() * sizeof(int32_t);
+  CopyBytes(at, plan.counts.data(), plan.counts.size() * sizeof(TokenCount));
   return out;
 }
 
@@ -89,33 +104,55 @@ FrameHeader StepPlanHeader(uint64_t step, const StepPlan& plan) {
   h.step = step;
   h.n_seqs = static_cast<uint32_t>(plan.seqs.size());
   h.n_tokens = static_cast<uint32_t>(plan.tokens.size());
-  h.payload_bytes = plan.seqs.size() * sizeof(PlanSeq) + plan.tokens.size() * sizeof(int32_t);
+  h.payload_bytes = StepPlanBytes(plan);
   return h;
 }
 
 absl::StatusOr<StepPlan> DecodeStepPlan(const FrameHeader& header, const uint8_t* payload,
                                         uint32_t max_positions, int vocab_size) {
   RETURN_IF_ERROR(CheckKind(header, FrameKind::kStepPlan, "step plan"));
-  RETURN_IF_ERROR(CheckBytes(header,
-                             uint64_t{header.n_seqs} * sizeof(PlanSeq) +
-                                 uint64_t{header.n_tokens} * sizeof(int32_t),
-                             "step plan"));
+  // The sequences first: their n_counts say how long the rest is.
+  const uint64_t fixed = uint64_t{header.n_seqs} * sizeof(PlanSeq) + uint64_t{header.n_tokens} * sizeof(int32_t);
+  if (header.payload_bytes < fixed) RETURN_IF_ERROR(CheckBytes(header, fixed, "step plan"));
   StepPlan plan;
   plan.seqs.resize(header.n_seqs);
-  plan.tokens.resize(header.n_tokens);
   CopyBytes(plan.seqs.data(), payload, plan.seqs.size() * sizeof(PlanSeq));
-  CopyBytes(plan.tokens.data(), payload + plan.seqs.size() * sizeof(PlanSeq),
-              plan.tokens.size() * sizeof(int32_t));
+  uint64_t n_counts = 0;
+  for (const PlanSeq& s : plan.seqs) {
+    if (s.n_counts > kMaxPenaltyTokens) {
+      return absl::DataLossError(absl::StrCat("step plan of sequence ", s.slice.seq_id, " has ", s.n_counts,
+                                              " token counts, more than ", kMaxPenaltyTokens));
+    }
+    n_counts += s.n_counts;
+  }
+  RETURN_IF_ERROR(CheckBytes(header, fixed + n_counts * sizeof(TokenCount), "step plan"));
+  plan.tokens.resize(header.n_tokens);
+  plan.counts.resize(n_counts);
+  CopyBytes(plan.tokens.data(), payload + plan.seqs.size() * sizeof(PlanSeq), plan.tokens.size() * sizeof(int32_t));
+  CopyBytes(plan.counts.data(), payload + fixed, plan.counts.size() * sizeof(TokenCount));
   std::vector<SeqSlice> slices;
   for (const PlanSeq& s : plan.seqs) slices.push_back(s.slice);
   RETURN_IF_ERROR(ValidateSlices(slices.data(), header.n_seqs, header.n_tokens, max_positions));
   for (const PlanSeq& s : plan.seqs) {
     const absl::Status st =
         ValidateSamplingParams({.temperature = s.temperature, .top_k = s.top_k, .top_p = s.top_p,
-                                .min_p = s.min_p, .top_logprobs = s.top_logprobs},
+                                .min_p = s.min_p, .top_logprobs = s.top_logprobs,
+                                .presence_penalty = s.presence_penalty, .frequency_penalty = s.frequency_penalty},
                                vocab_size);
     if (!st.ok()) {
       return absl::DataLossError(absl::StrCat("step plan of sequence ", s.slice.seq_id, ": ", st.message()));
+    }
+  }
+  // Each sequence's counts: distinct tokens of the vocabulary, in order, each
+  // seen at least once (a token twice would be penalised twice).
+  const TokenCount* c = plan.counts.data();
+  for (const PlanSeq& s : plan.seqs) {
+    for (uint32_t i = 0; i < s.n_counts; ++i, ++c) {
+      if (c->token < 0 || c->token >= vocab_size || c->count < 1 || (i > 0 && c->token <= c[-1].token)) {
+        return absl::DataLossError(absl::StrCat("step plan of sequence ", s.slice.seq_id, " has a bad token count (",
+                                                c->token, " x ", c->count, "): ids must be distinct, in order and ",
+                                                "in the vocabulary of ", vocab_size, ", counts at least 1"));
+      }
     }
   }
   for (int32_t t : plan.tokens) {

@@ -4,6 +4,7 @@
 //
 // kStepPlan (coordinator -> mlp-worker), header n_seqs = S, n_tokens = T:
 //   PlanSeq[S] | int32 token_ids[T]        (tokens of seq 0, then seq 1, ...)
+//   | TokenCount counts[sum of n_counts]  (seq 0's, then seq 1's, ...)
 // kStepResult (mlp-worker -> coordinator), n_seqs = number of sampled seqs:
 //   SampledSeq[n_seqs]
 // kAttnRequest (mlp-worker -> attn-worker s), n_seqs = S, n_tokens = T, layer:
@@ -43,9 +44,13 @@ struct PlanSeq {
   float u = 0;              // the sequence's uniform draw for this step
   int32_t top_logprobs = 0; // alternatives to report, 0 .. kMaxTopLogprobs
   float min_p = 0;
-  uint32_t reserved = 0;
+  float presence_penalty = 0;
+  float frequency_penalty = 0;
+  // Its generated tokens' counts in the frame, by increasing token id (the
+  // penalties' input; 0 without penalties), at most kMaxPenaltyTokens.
+  uint32_t n_counts = 0;
 };
-static_assert(sizeof(PlanSeq) == 48);
+static_assert(sizeof(PlanSeq) == 56);
 
 // SampledSeq::status: the token was sampled, or the sequence's logits were
 // not finite (NaN or infinity: the model overflowed) and nothing was.
@@ -64,7 +69,12 @@ static_assert(sizeof(SampledSeq) == 24 + 8 * kMaxTopLogprobs);
 struct StepPlan {
   std::vector<PlanSeq> seqs;
   std::vector<int32_t> tokens;
+  std::vector<TokenCount> counts;
 };
+
+// The largest step plan frame (header included) of up to max_seqs sequences
+// and max_tokens tokens: what the coordinator's ring slots must hold.
+uint64_t StepPlanCapacity(int max_seqs, int max_tokens);
 
 // Checks a batch descriptor: n_seqs in [1, max_seqs], every slice non-empty,
 // start_pos + n_tokens <= max_positions, the slices' tokens sum to n_tokens,

@@ -236,6 +236,37 @@ TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
   hot["min_p"] = 1;
   EXPECT_EQ(Post(port, "/v1/completions", hot).Json()["choices"][0]["text"], grpc_answer.text);
 
+  // Penalties, checked from what the API returns: each greedy pick is the
+  // most likely of the raw top 20 once every token's logprob has lost
+  // presence + frequency x (its count so far) -- and beats the 20th's raw
+  // logprob, which bounds every token outside the list.
+  {
+    ellm::v1::GenerateRequest req = Greedy("Once upon a time", 60);
+    req.mutable_sampling()->set_presence_penalty(0.6f);
+    req.mutable_sampling()->set_frequency_penalty(0.4f);
+    req.set_top_logprobs(20);
+    const Generated g = Generate(system.stub(), req);
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+    ASSERT_EQ(g.tokens.size(), 60u);
+    EXPECT_NE(g.text, Generate(system.stub(), Greedy("Once upon a time", 60)).text) << "the premise: they change it";
+    std::map<int32_t, int> counts;
+    for (size_t i = 0; i < g.tokens.size(); ++i) {
+      const ellm::v1::TopLogprobs& top = g.top_logprobs[i];
+      ASSERT_EQ(top.token_ids_size(), 20);
+      int32_t best = -1;
+      float best_value = -INFINITY;
+      for (int j = 0; j < 20; ++j) {
+        const auto it = counts.find(top.token_ids(j));
+        const int c = it == counts.end() ? 0 : it->second;
+        const float v = top.logprobs(j) - (c > 0 ? 0.6f + 0.4f * c : 0.0f);
+        if (v > best_value + 1e-4f) best = top.token_ids(j), best_value = v;
+      }
+      ASSERT_GT(best_value, top.logprobs(19)) << "token " << i << ": the pick may lie outside the top 20";
+      EXPECT_EQ(g.tokens[i], best) << "token " << i;
+      ++counts[g.tokens[i]];
+    }
+  }
+
   // Stop strings: the text ends before the stop, finish_reason stop.
   json stop_req = Completion("Once upon a time", 100, false);
   stop_req["stop"] = json::array({"Lily", "zzz"});

@@ -679,6 +679,17 @@ TEST(Integration, TheCommandLineClient) {
   r = client("generate 'Once upon a time' --max-tokens 12 --min-p 1.5", "");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("min_p must be in [0, 1]"), std::string::npos) << r.err;
+  ellm::v1::GenerateRequest penalised = Greedy("Once upon a time", 40);
+  penalised.mutable_sampling()->set_presence_penalty(1.5f);
+  penalised.mutable_sampling()->set_frequency_penalty(-0.5f);
+  const Generated with_penalties = Generate(system.stub(), penalised);
+  ASSERT_TRUE(with_penalties.status.ok());
+  r = client("generate 'Once upon a time' --max-tokens 40 --temperature 0 --presence-penalty 1.5 --frequency-penalty -0.5", "");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out, with_penalties.text + "\n");
+  r = client("generate 'Once upon a time' --max-tokens 12 --frequency-penalty 3", "");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("frequency_penalty must be in [-2, 2]"), std::string::npos) << r.err;
 
   // Every --stop counts (only the last one did): the earlier string ends it.
   ellm::v1::GenerateRequest two_stops = Greedy("Once upon a time", 40);

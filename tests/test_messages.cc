@@ -46,14 +46,20 @@ PlanSeq MakePlanSeq(uint64_t id, uint32_t start, uint32_t n, uint32_t sample = 1
   p.u = 0.125f * static_cast<float>(n % 8);
   p.top_logprobs = static_cast<int32_t>(id % (kMaxTopLogprobs + 1));
   p.min_p = 0.01f * static_cast<float>(id % 90);
+  p.presence_penalty = 0.1f * static_cast<float>(id % 20) - 1;
+  p.frequency_penalty = 1 - 0.1f * static_cast<float>(id % 20);
   return p;
 }
 
-// Three sequences: a prefill chunk, a decode, and a chunk not yet sampled.
+// Three sequences: a prefill chunk, a decode, and a chunk not yet sampled;
+// the first two with the counts of their generated tokens.
 StepPlan ThreeSeqPlan() {
   StepPlan plan;
   plan.seqs = {MakePlanSeq(7, 0, 5), MakePlanSeq(42, 99, 1), MakePlanSeq(3, 16, 3, 0)};
   plan.tokens = {1, 400, 401, 402, 403, 17, 511, 0, 9};
+  plan.seqs[0].n_counts = 1;
+  plan.seqs[1].n_counts = 3;
+  plan.counts = {{5, 2}, {2, 1}, {17, 4}, {511, 2}};
   return plan;
 }
 
@@ -78,7 +84,7 @@ TEST(StepPlan, RoundTrips) {
   EXPECT_EQ(header.step, 9u);
   EXPECT_EQ(header.n_seqs, 3u);
   EXPECT_EQ(header.n_tokens, 9u);
-  EXPECT_EQ(header.payload_bytes, 3 * sizeof(PlanSeq) + 9 * sizeof(int32_t));
+  EXPECT_EQ(header.payload_bytes, 3 * sizeof(PlanSeq) + 9 * sizeof(int32_t) + 4 * sizeof(TokenCount));
   EXPECT_TRUE(ValidateFrameHeader(header, header.payload_bytes).ok());
   EXPECT_FALSE(ValidateFrameHeader(header, header.payload_bytes - 1).ok());  // it does check the size
   ASSERT_EQ(decoded->seqs.size(), plan.seqs.size());
@@ -95,8 +101,39 @@ TEST(StepPlan, RoundTrips) {
     EXPECT_EQ(b.u, a.u);
     EXPECT_EQ(b.top_logprobs, a.top_logprobs);
     EXPECT_EQ(b.min_p, a.min_p);
+    EXPECT_EQ(b.presence_penalty, a.presence_penalty);
+    EXPECT_EQ(b.frequency_penalty, a.frequency_penalty);
+    EXPECT_EQ(b.n_counts, a.n_counts);
   }
   EXPECT_EQ(decoded->tokens, plan.tokens);
+  ASSERT_EQ(decoded->counts.size(), plan.counts.size());
+  for (size_t i = 0; i < plan.counts.size(); ++i) {
+    EXPECT_EQ(decoded->counts[i].token, plan.counts[i].token);
+    EXPECT_EQ(decoded->counts[i].count, plan.counts[i].count);
+  }
+}
+
+// A sequence's token counts must be distinct ids of the vocabulary, in
+// order, each at least 1, and no more than kMaxPenaltyTokens: a bad one would
+// penalise a token twice or read outside the logits.
+TEST(StepPlan, BadTokenCountsAreAnError) {
+  const std::vector<std::pair<std::function<void(StepPlan*)>, std::string>> cases = {
+      {[](StepPlan* p) { p->counts[2].token = 2; }, "distinct"},       // 2 twice
+      {[](StepPlan* p) { p->counts[2].token = 1; }, "in order"},       // 2, 1, 511
+      {[](StepPlan* p) { p->counts[3].token = kVocab; }, "vocabulary"},
+      {[](StepPlan* p) { p->counts[1].token = -1; }, "vocabulary"},
+      {[](StepPlan* p) { p->counts[0].count = 0; }, "at least 1"},
+      {[](StepPlan* p) { p->seqs[2].n_counts = kMaxPenaltyTokens + 1; }, "more than"},
+  };
+  for (const auto& [edit, what] : cases) {
+    StepPlan plan = ThreeSeqPlan();
+    edit(&plan);
+    ExpectDataLoss(RoundTrip(plan).status(), what);
+  }
+  // n_counts that disagree with the bytes: the payload's size is wrong.
+  StepPlan plan = ThreeSeqPlan();
+  plan.seqs[1].n_counts = 2;
+  ExpectDataLoss(RoundTrip(plan).status(), "payload");
 }
 
 TEST(StepPlan, RoundTripsAtTheEdges) {
@@ -180,6 +217,8 @@ TEST(StepPlan, BadSamplingParamsAreAnError) {
       {[](PlanSeq* p) { p->top_k = -1; }, "top_k"},
       {[](PlanSeq* p) { p->top_p = 0; }, "top_p"},
       {[](PlanSeq* p) { p->min_p = 2; }, "min_p"},
+      {[](PlanSeq* p) { p->presence_penalty = 3; }, "presence_penalty"},
+      {[](PlanSeq* p) { p->frequency_penalty = -2.5f; }, "frequency_penalty"},
       {[](PlanSeq* p) { p->top_logprobs = kMaxTopLogprobs + 1; }, "top_logprobs"},
       {[](PlanSeq* p) { p->top_logprobs = -3; }, "top_logprobs"},
   };

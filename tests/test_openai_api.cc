@@ -100,6 +100,13 @@ TEST(OpenAiApi, OutOfRangeNumbersNameTheirRange) {
   absl::StatusOr<OpenAiRequest> min_p = ParseOpenAiRequest(R"({"prompt":"x","min_p":0.05})", false, "m");
   ASSERT_TRUE(min_p.ok()) << min_p.status();
   EXPECT_FLOAT_EQ(min_p->generate.sampling().min_p(), 0.05f);
+  EXPECT_NE(message(R"({"prompt":"x","presence_penalty":2.5})").find("[-2, 2]"), std::string::npos);
+  EXPECT_NE(message(R"({"prompt":"x","frequency_penalty":-3})").find("[-2, 2]"), std::string::npos);
+  absl::StatusOr<OpenAiRequest> penalties =
+      ParseOpenAiRequest(R"({"prompt":"x","presence_penalty":0.5,"frequency_penalty":-1.5})", false, "m");
+  ASSERT_TRUE(penalties.ok()) << penalties.status();
+  EXPECT_FLOAT_EQ(penalties->generate.sampling().presence_penalty(), 0.5f);
+  EXPECT_FLOAT_EQ(penalties->generate.sampling().frequency_penalty(), -1.5f);
   EXPECT_TRUE(ParseOpenAiRequest(R"({"prompt":"x","top_p":1,"max_tokens":2147483647})", false, "m").ok());
   // max_tokens and its newer name: both may come, if they agree.
   EXPECT_NE(message(R"({"prompt":"x","max_tokens":5,"max_completion_tokens":7})").find("max_completion_tokens"),

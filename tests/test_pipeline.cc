@@ -123,7 +123,7 @@ class Pipeline : public coord::StepExecutor {
     runner_->shard_timeout = absl::Seconds(30);
     auto mlp_channel = shm::Channel::Create(
         absl::StrCat(prefix, "-mlp"), 4,
-        sizeof(shm::FrameHeader) + kMaxSeqs * sizeof(shm::PlanSeq) + kMaxStepTokens * sizeof(int32_t),
+        shm::StepPlanCapacity(kMaxSeqs, kMaxStepTokens),
         sizeof(shm::FrameHeader) + std::max<uint64_t>(kMaxSeqs * sizeof(shm::SampledSeq), 4096));
     ELLM_CHECK(mlp_channel.ok(), mlp_channel.status().ToString());
     mlp_channel_ = *std::move(mlp_channel);

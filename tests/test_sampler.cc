@@ -69,12 +69,14 @@ std::vector<int> SortedIds(const std::vector<float>& logits) {
 // chi-square below the 1e-6 tail of its distribution (approximated by
 // df + 7 sqrt(2 df) + 10, more than the exact quantile for df <= 64).
 void ExpectFrequencies(const std::vector<float>& logits, const SamplingParams& params,
-                       const std::vector<double>& expected, int draws, uint64_t seed) {
+                       const std::vector<double>& expected, int draws, uint64_t seed,
+                       const std::vector<TokenCount>& generated = {}) {
   const int n = static_cast<int>(logits.size());
   std::vector<int> counts(n, 0);
   SequenceRng rng(seed);
   for (int i = 0; i < draws; ++i) {
-    const SampledToken t = Sample(logits.data(), n, params, rng.NextUniform());
+    const SampledToken t =
+        Sample(logits.data(), n, params, rng.NextUniform(), generated.data(), static_cast<int>(generated.size()));
     ASSERT_GE(t.token, 0);
     ASSERT_LT(t.token, n);
     ++counts[t.token];
@@ -447,6 +449,49 @@ TEST(SamplerMinP, OneIsGreedyAndTopPCutsTheSurvivors) {
   EXPECT_EQ(seen, (std::set<int>{0, 1}));
 }
 
+// Presence and frequency penalties: the pick follows the penalised logits
+// (logit - presence - frequency x count for each generated token), the
+// logprobs (the pick's and the alternatives) stay the raw ones.
+TEST(SamplerPenalties, ThePickFollowsThePenalisedLogitsTheLogprobsTheRawOnes) {
+  const int n = 60;
+  const std::vector<float> logits = RandomLogits(n, 71, 1.0f);
+  const std::vector<int> sorted = SortedIds(logits);
+  // The three most likely tokens were generated 1, 2 and 3 times.
+  const std::vector<TokenCount> counts = [&] {
+    std::vector<TokenCount> c = {{sorted[0], 3}, {sorted[1], 1}, {sorted[2], 2}};
+    std::sort(c.begin(), c.end(), [](TokenCount a, TokenCount b) { return a.token < b.token; });
+    return c;
+  }();
+  for (const auto& [presence, frequency] : {std::pair{0.5f, 0.0f}, std::pair{0.0f, 0.7f}, std::pair{0.3f, 0.4f},
+                                            std::pair{-1.0f, -0.5f}}) {
+    SCOPED_TRACE(testing::Message() << "presence " << presence << ", frequency " << frequency);
+    std::vector<float> penalised = logits;
+    for (const TokenCount& c : counts) penalised[c.token] -= presence + frequency * static_cast<float>(c.count);
+    const int argmax = static_cast<int>(std::max_element(penalised.begin(), penalised.end()) - penalised.begin());
+    const SamplingParams greedy{.temperature = 0, .top_logprobs = 5, .presence_penalty = presence,
+                                .frequency_penalty = frequency};
+    const SampledToken g = Sample(logits.data(), n, greedy, 0.5f, counts.data(), static_cast<int>(counts.size()));
+    EXPECT_EQ(g.token, argmax);
+    EXPECT_NEAR(g.logprob, LogSoftmax(logits, g.token), 1e-5);
+    ASSERT_EQ(g.n_top, 5);
+    for (int j = 0; j < 5; ++j) EXPECT_EQ(g.top[j].token, sorted[j]) << "the alternatives are the raw ones";
+    const double t = 0.9;
+    ExpectFrequencies(logits, {.temperature = static_cast<float>(t), .presence_penalty = presence,
+                               .frequency_penalty = frequency},
+                      TemperedSoftmax(penalised, t), 100000, 500 + static_cast<uint64_t>(10 * (presence + 3 + frequency)),
+                      counts);
+  }
+  // Without counts, or with penalties 0, nothing changes.
+  SequenceRng rng(3);
+  for (int i = 0; i < 100; ++i) {
+    const float u = rng.NextUniform();
+    EXPECT_EQ(Sample(logits.data(), n, {.temperature = 1.0f, .presence_penalty = 2.0f}, u).token,
+              Sample(logits.data(), n, {.temperature = 1.0f}, u).token);
+    EXPECT_EQ(Sample(logits.data(), n, {.temperature = 1.0f}, u, counts.data(), 3).token,
+              Sample(logits.data(), n, {.temperature = 1.0f}, u).token);
+  }
+}
+
 TEST(ValidateSamplingParams, AcceptsTheEdgesOfEachRange) {
   EXPECT_TRUE(ValidateSamplingParams({}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.temperature = 0}, 100).ok());
@@ -458,6 +503,7 @@ TEST(ValidateSamplingParams, AcceptsTheEdgesOfEachRange) {
   EXPECT_TRUE(ValidateSamplingParams({.top_p = 1e-6f}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.min_p = 0.0f}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.min_p = 1.0f}, 100).ok());
+  EXPECT_TRUE(ValidateSamplingParams({.presence_penalty = -2.0f, .frequency_penalty = 2.0f}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.top_logprobs = kMaxTopLogprobs}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.top_logprobs = 5}, 5).ok());
 }
@@ -477,6 +523,8 @@ TEST(ValidateSamplingParams, RejectsEachBadParameterByName) {
       {{.top_p = 1.01f}, "top_p"},             {{.top_p = nan}, "top_p"},
       {{.min_p = -0.01f}, "min_p"},            {{.min_p = 1.01f}, "min_p"},
       {{.min_p = nan}, "min_p"},
+      {{.presence_penalty = 2.5f}, "presence_penalty"}, {{.presence_penalty = nan}, "presence_penalty"},
+      {{.frequency_penalty = -2.01f}, "frequency_penalty"}, {{.frequency_penalty = inf}, "frequency_penalty"},
       {{.top_logprobs = -1}, "top_logprobs"},  {{.top_logprobs = kMaxTopLogprobs + 1}, "top_logprobs"},
   };
   for (const Case& c : cases) {

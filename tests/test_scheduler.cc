@@ -646,6 +646,54 @@ TEST_F(SchedulerTest, ConcurrentRequestsShareSteps) {
              {{ida, {Prompt(300, 5), oa.tokens}}, {idb, {Prompt(301, 4), ob.tokens}}});
 }
 
+// A request with penalties sends, with each step that samples for it, the
+// counts of the tokens it generated so far (by token id); one without sends
+// none. Its tokens repeat here, so the counts grow past 1.
+TEST_F(SchedulerTest, PenalisedRequestsSendTheirGeneratedTokensCounts) {
+  exec_.SetTokenFn([](uint64_t, uint32_t, int nth) { return kFirstPiece + (nth * nth) % 5; });
+  Start();
+  GenerateOptions o;
+  o.prompt = Prompt(300, 20);
+  o.max_tokens = 12;
+  o.sampling = {.temperature = 0.7f, .presence_penalty = 0.5f, .frequency_penalty = 0.25f};
+  absl::StatusOr<std::shared_ptr<RequestStream>> penalised = scheduler_->Submit(o);
+  ASSERT_TRUE(penalised.ok()) << penalised.status();
+  const Outcome out = Collect(**penalised);
+  ASSERT_TRUE(out.error.ok()) << out.error;
+  ASSERT_EQ(out.tokens.size(), 12u);
+  const Outcome plain = Collect(*Submit(Prompt(301, 20), 5));
+  ASSERT_TRUE(plain.error.ok()) << plain.error;
+  const std::vector<shm::StepPlan> plans = exec_.plans();
+  const uint64_t id = SeqIdOf(plans, 300).value(), plain_id = SeqIdOf(plans, 301).value();
+  int sampled = 0;
+  for (const shm::StepPlan& plan : plans) {
+    size_t at = 0;
+    for (const shm::PlanSeq& p : plan.seqs) {
+      std::vector<TokenCount> counts(plan.counts.begin() + at, plan.counts.begin() + at + p.n_counts);
+      at += p.n_counts;
+      if (p.slice.seq_id == plain_id) {
+        EXPECT_EQ(p.n_counts, 0u);
+      }
+      if (p.slice.seq_id != id || !p.sample) continue;
+      EXPECT_EQ(p.presence_penalty, 0.5f);
+      EXPECT_EQ(p.frequency_penalty, 0.25f);
+      std::map<int32_t, int32_t> expected;
+      for (int i = 0; i < sampled; ++i) ++expected[out.tokens[i]];
+      std::map<int32_t, int32_t> got;
+      for (size_t i = 0; i < counts.size(); ++i) {
+        got[counts[i].token] = counts[i].count;
+        if (i > 0) {
+          EXPECT_LT(counts[i - 1].token, counts[i].token) << "by token id";
+        }
+      }
+      EXPECT_EQ(got, expected) << "before token " << sampled;
+      ++sampled;
+    }
+    EXPECT_EQ(at, plan.counts.size());
+  }
+  EXPECT_EQ(sampled, 12);
+}
+
 TEST_F(SchedulerTest, EndOfSequenceTokenStops) {
   exec_.SetTokenFn([](uint64_t seq, uint32_t pos, int nth) {
     return nth == 2 ? kEos : DefaultToken(seq, pos, nth);

@@ -74,5 +74,33 @@ TEST(Service, LargeTextsAreTokenizedAtMostTwoAtATime) {
   EXPECT_EQ(fresh.large_texts_peak(), 0);
 }
 
+// A penalised sequence's token counts travel with its steps, sized for
+// kMaxPenaltyTokens distinct tokens: a request with penalties and more
+// max_tokens (and a vocabulary larger than that) is refused, naming why.
+TEST(Service, PenaltiesBoundMaxTokens) {
+  Stories m;
+  ModelConfig big = m.config;  // a long context and a large vocabulary
+  big.context_length = 4 * kMaxPenaltyTokens;
+  big.vocab_size = 4 * kMaxPenaltyTokens;
+  ServiceOptions options;
+  EllmService service(options, big, *m.tokenizer, nullptr);
+  ellm::v1::GenerateRequest request;
+  request.set_prompt("Once upon a time");
+  request.set_max_tokens(kMaxPenaltyTokens + 1);
+  EXPECT_TRUE(service.Validate(request).ok()) << "no penalties: no bound";
+  request.mutable_sampling()->set_frequency_penalty(0.5f);
+  const absl::Status refused = service.Validate(request).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find(absl::StrCat("max_tokens may be at most ", kMaxPenaltyTokens)), std::string::npos)
+      << refused;
+  request.set_max_tokens(kMaxPenaltyTokens);
+  absl::StatusOr<GenerateOptions> ok = service.Validate(request);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->sampling.frequency_penalty, 0.5f);
+  request.mutable_sampling()->set_presence_penalty(-2.5f);
+  EXPECT_NE(service.Validate(request).status().message().find("presence_penalty must be in [-2, 2]"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace ellm::coord
