@@ -280,6 +280,10 @@ void Scheduler::PublishPartial(Sequence* s) {
 shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
   shm::StepPlan plan;
   int budget = options_.max_step_tokens;
+  // Penalised sequences' token counts: one that would overflow the frame
+  // waits for a later step (only a batch of more than 16 long penalised
+  // sequences comes near).
+  uint64_t counts_budget = shm::StepPlanCountsCapacity(options_.max_batch);
   // Decoding sequences first (one token each), then prefill chunks: a
   // request's prompt, or after a worker failure its prompt and the tokens it
   // had generated. A chunk that reaches the last token samples the next.
@@ -289,6 +293,8 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
       const int done = s->fed - s->base;  // tokens fed
       const bool decoding = !s->generated.empty() && total - done == 1;
       if ((pass == 0) != decoding || budget == 0 || done >= total) continue;
+      const bool penalised = s->options.sampling.penalised();
+      if (penalised && s->counts.size() > counts_budget) continue;
       shm::PlanSeq p;
       p.slice.seq_id = s->id;
       p.slice.start_pos = static_cast<uint32_t>(s->fed);
@@ -303,8 +309,9 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
       p.min_p = s->options.sampling.min_p;
       p.presence_penalty = s->options.sampling.presence_penalty;
       p.frequency_penalty = s->options.sampling.frequency_penalty;
-      if (p.sample && s->options.sampling.penalised()) {
+      if (p.sample && penalised) {
         p.n_counts = static_cast<uint32_t>(s->counts.size());
+        counts_budget -= p.n_counts;
         for (const auto& [token, count] : s->counts) plan.counts.push_back({token, count});
       }
       p.top_logprobs = s->options.sampling.top_logprobs;

@@ -82,9 +82,11 @@ uint64_t StepPlanBytes(const StepPlan& plan) {
 }
 }  // namespace
 
+uint64_t StepPlanCountsCapacity(int max_seqs) { return uint64_t(std::min(max_seqs, 16)) * kMaxPenaltyTokens; }
+
 uint64_t StepPlanCapacity(int max_seqs, int max_tokens) {
-  return sizeof(FrameHeader) + uint64_t(max_seqs) * (sizeof(PlanSeq) + kMaxPenaltyTokens * sizeof(TokenCount)) +
-         uint64_t(max_tokens) * sizeof(int32_t);
+  return sizeof(FrameHeader) + uint64_t(max_seqs) * sizeof(PlanSeq) + uint64_t(max_tokens) * sizeof(int32_t) +
+         StepPlanCountsCapacity(max_seqs) * sizeof(TokenCount);
 }
 
 std::string EncodeStepPlan(const StepPlan& plan) {

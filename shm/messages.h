@@ -72,6 +72,11 @@ struct StepPlan {
   std::vector<TokenCount> counts;
 };
 
+// The token counts one step plan may carry, all sequences together: all
+// of 16 sequences' (kMaxPenaltyTokens each), whatever the batch, so that a
+// large --max-batch does not reserve shared memory for counts no real batch
+// sends. (The scheduler keeps a step under it.)
+uint64_t StepPlanCountsCapacity(int max_seqs);
 // The largest step plan frame (header included) of up to max_seqs sequences
 // and max_tokens tokens: what the coordinator's ring slots must hold.
 uint64_t StepPlanCapacity(int max_seqs, int max_tokens);
