@@ -279,6 +279,9 @@ class Launch {
   absl::Time drain_deadline_;    // for the coordinator to end its drain
   int signals_passed_ = 0;
   bool stopped_ = false;
+  // Serve gave up on the workers: no drain can end well, so the coordinator
+  // is told to end its requests at once (a second stop signal).
+  bool gave_up_ = false;
 };
 
 absl::Status Launch::Start() {
@@ -619,6 +622,7 @@ int Launch::Serve() {
       if (streak >= c_.max_restarts) {
         LogError("%s, failing %d times in a row; giving up (see the logs above for why it keeps failing)",
                  why, streak);
+        gave_up_ = true;
         return 1;
       }
       const absl::Duration backoff =
@@ -686,9 +690,18 @@ void Launch::StopAll() {
       signals_passed_ = StopSignals();
       kill(coordinator[0]->pid, SIGTERM);
     }
+    // After giving up, the requests in flight wait for workers that will not
+    // come back: a second SIGTERM ends them at once, with an error. Sent
+    // again every 200 ms until the coordinator exits, since it counts only
+    // the signals that arrive once its drain has begun.
+    absl::Time hurry = absl::Now() + absl::Milliseconds(100);
     while (!reaped(*coordinator[0]) && absl::Now() < drain_deadline_) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       PassOnStop();
+      if (gave_up_ && absl::Now() >= hurry) {
+        kill(coordinator[0]->pid, SIGTERM);
+        hurry += absl::Milliseconds(200);
+      }
     }
     kill_rest(coordinator, absl::Seconds(5) + absl::Seconds(c_.drain_timeout_s));
   }

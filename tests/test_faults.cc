@@ -14,6 +14,7 @@
 #include <fstream>
 #include <future>
 #include <string>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -178,20 +179,45 @@ bool Exited(pid_t pid) {
 }
 
 // A worker that keeps dying (here: killed again as soon as it is back) ends
-// the launch with a clear message once the restarts run out.
+// the launch with a clear message once the restarts run out, and the
+// request that was waiting for the workers ends then with an error: no
+// worker is coming back, so it does not wait out the drain (--drain-timeout-s
+// 30; it did, and the launch took 32 s to end).
 TEST(Faults, AWorkerThatKeepsDyingEndsTheLaunch) {
-  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl", "--max-restarts=2"});
+  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl", "--max-restarts=2", "--drain-timeout-s=30"});
   ASSERT_TRUE(system.ready()) << system.Log();
+  // Requests one after the other until one fails: one is always in flight.
+  Generated in_flight;
+  double ended_at = -1;
   const auto start = std::chrono::steady_clock::now();
-  while (!Exited(system.pid()) && SecondsSince(start) < 60) {
+  std::thread request([&] {
+    do {
+      in_flight = Generate(system.stub(), Greedy("Once upon a time", 1800));
+    } while (in_flight.status.ok() && SecondsSince(start) < 90);
+    ended_at = SecondsSince(start);
+  });
+  // Each worker is killed 0.3 s after it appears: after its restart came up
+  // (the coordinator then waits for the next), not while it loads.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::set<pid_t> killed;
+  while (!Exited(system.pid()) && SecondsSince(start) < 90) {
     const pid_t pid = system.FindChild("ellm-attn-worker");
-    if (pid > 0) kill(pid, SIGKILL);
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    if (pid > 0 && killed.insert(pid).second) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      kill(pid, SIGKILL);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   const int status = system.WaitExit();
+  const double exited_at = SecondsSince(start);
+  request.join();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << status;
   EXPECT_NE(system.Log().find("giving up"), std::string::npos) << system.Log();
   EXPECT_TRUE(LeftoverSegments(system.pid()).empty());
+  EXPECT_FALSE(in_flight.status.ok());
+  EXPECT_GT(in_flight.tokens.size(), 0u) << "the last request had not started: " << in_flight.status.error_message();
+  EXPECT_LT(exited_at, 15) << system.Log();
+  EXPECT_LE(ended_at, exited_at + 1);
 }
 
 // A restart that cannot come up (here: the model file is gone, so every new
