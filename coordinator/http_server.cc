@@ -470,6 +470,8 @@ class Session : public std::enable_shared_from_this<Session> {
     auto res = std::make_shared<http::response<http::string_body>>(static_cast<http::status>(status), version_);
     res->set(http::field::content_type, content_type);
     res->set(http::field::server, "ellm");
+    // A full wait queue: OpenAI's clients retry after this many seconds.
+    if (status == 429) res->set(http::field::retry_after, "1");
     res->keep_alive(keep_alive_);
     const size_t length = body.size();
     if (!head_) res->body() = std::move(body);

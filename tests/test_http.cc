@@ -50,6 +50,7 @@ const std::string kStories = ELLM_MODELS_DIR "/stories260K.gguf";
 struct HttpResult {
   int status = 0;
   std::string content_type;
+  std::string retry_after;
   std::string body;
   json Json() const { return json::parse(body, nullptr, false); }
 };
@@ -76,6 +77,7 @@ HttpResult Call(int port, http::verb method, const std::string& target, const st
   if (ec) return r;
   r.status = parser.get().result_int();
   r.content_type = std::string(parser.get()[http::field::content_type]);
+  r.retry_after = std::string(parser.get()[http::field::retry_after]);
   r.body = parser.get().body();
   return r;
 }
@@ -503,7 +505,9 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   kill(worker, SIGCONT);
   EXPECT_TRUE(admitted && queued) << "the running and the waiting request never showed in /metrics";
   EXPECT_TRUE(answered) << "a request beyond --max-queue waited instead of being refused";
-  expect(third.get(), 429, "wait queue");
+  const HttpResult refused = third.get();
+  expect(refused, 429, "wait queue");
+  EXPECT_EQ(refused.retry_after, "1") << "a client's back-off reads Retry-After";
   EXPECT_EQ(running.get().status, 200);
   EXPECT_EQ(waiting.get().status, 200);
   // A dead worker (no restarts): 503, and /health says so.
