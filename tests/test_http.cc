@@ -50,8 +50,8 @@ const std::string kStories = ELLM_MODELS_DIR "/stories260K.gguf";
 struct HttpResult {
   int status = 0;
   std::string content_type;
-  std::string retry_after;
   std::string body;
+  std::string retry_after;  // last: HttpResult{status, type, body} is written below
   json Json() const { return json::parse(body, nullptr, false); }
 };
 
