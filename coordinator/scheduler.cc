@@ -215,14 +215,17 @@ void Scheduler::Admit() {
     if (attached_tokens > 0) {
       pending_.attach.push_back({seq->id, 0, keys, 0, {}, partial.key, partial.rows});
       seq->in_kv = true;
-      ++prefix_hits_;
-    } else if (Cacheable(*seq)) {
-      ++prefix_misses_;
     }
     // Counted at its first admission, whatever its end: a request resumed
     // after a worker failure is admitted again, but neither waited in the
-    // queue nor brought its prompt a second time.
+    // queue nor brought its prompt a second time, nor is it a second request
+    // that hit or missed the cache.
     if (seq->cached_tokens < 0) {
+      if (attached_tokens > 0) {
+        ++prefix_hits_;
+      } else if (Cacheable(*seq)) {
+        ++prefix_misses_;
+      }
       seq->cached_tokens = attached_tokens;
       cached_tokens_ += attached_tokens;
       seq->admitted = absl::Now();

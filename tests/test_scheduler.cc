@@ -1714,6 +1714,10 @@ TEST_F(RecoveryTest, AResumedRequestCountsItsQueueWaitAndPromptOnce) {
   EXPECT_LT(Sample(text, "ellm_queue_wait_seconds_sum"), 0.2) << text;
   EXPECT_EQ(Sample(text, "ellm_prompt_tokens_total"), 40) << text;
   EXPECT_EQ(Sample(text, "ellm_time_to_first_token_seconds_count"), 1) << text;
+  // One request: one hit or miss (its resume after the failure counted a
+  // second one).
+  const SchedulerStats st = scheduler_->Stats();
+  EXPECT_EQ(st.prefix_hits + st.prefix_misses, 1) << st.prefix_hits << " hits, " << st.prefix_misses << " misses";
 }
 
 // A restarted worker's byte counter starts from 0 again: the read rate is
