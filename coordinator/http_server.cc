@@ -138,6 +138,12 @@ class Session : public std::enable_shared_from_this<Session> {
                                                             "' is not supported (send the body as it is)")),
                     415);
     }
+    // A POST says how long its body is: without Content-Length or chunks it
+    // has none (an HTTP/1.0 client that meant "until I close" would get "not
+    // valid JSON" for a body it did send).
+    if (req.method() == http::verb::post && !parser_->content_length() && !parser_->chunked()) {
+      return refuse(absl::InvalidArgumentError("a POST needs a Content-Length header (or a chunked body)"), 411);
+    }
     const auto expect = req.find(http::field::expect);
     if (expect == req.end() || parser_->is_done()) return ReadBody();
     if (!beast::iequals(expect->value(), "100-continue")) {

@@ -626,6 +626,11 @@ TEST(Http, BadFramingIsAnsweredAndHttp10StreamsArePlain) {
   EXPECT_TRUE(absl::StartsWith(RawExchange(port, "GET /health HTTP/1.1\r\nBad Header\r\n\r\n"), "HTTP/1.1 400"));
   const std::string big = absl::StrCat("GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ", std::string(20000, 'a'), "\r\n\r\n");
   EXPECT_TRUE(absl::StartsWith(RawExchange(port, big), "HTTP/1.1 431")) << "header over the limit";
+  // A POST without Content-Length (or chunks) has no body: 411, saying so.
+  const std::string body_10 = Completion("Once", 2, false).dump();
+  const std::string no_length = RawExchange(port, absl::StrCat("POST /v1/completions HTTP/1.0\r\n\r\n", body_10));
+  EXPECT_TRUE(absl::StartsWith(no_length, "HTTP/1.0 411")) << no_length.substr(0, 300);
+  EXPECT_NE(no_length.find("Content-Length"), std::string::npos) << no_length;
   // A chunked body whose chunk-size line (its extension) or trailer never
   // ends: the server stops reading at its bound and answers, where it would
   // otherwise buffer all it is sent (and wait for the rest).
