@@ -85,8 +85,9 @@ bool IsNoTool(const nlohmann::json& v) { return v.is_null() || v == "none" || v 
 constexpr UnsupportedField kUnsupported[] = {
     {"logit_bias", IsEmptyOrNull},      {"response_format", IsTextFormat}, {"tools", IsEmptyOrNull},
     {"functions", IsEmptyOrNull},       {"tool_choice", IsNoTool},         {"function_call", IsNoTool},
-    {"best_of", IsOneOrNull},           {"repetition_penalty", IsOneOrNull}, {"min_tokens", IsZeroOrNull},       {"ignore_eos", IsFalseOrNull},     {"guided_json", IsNull},
-    {"guided_regex", IsNull},           {"guided_choice", IsNull},         {"guided_grammar", IsNull},
+    {"best_of", IsOneOrNull},           {"repetition_penalty", IsOneOrNull}, {"min_tokens", IsZeroOrNull},
+    {"ignore_eos", IsFalseOrNull},      {"guided_json", IsNull},           {"guided_regex", IsNull},
+    {"guided_choice", IsNull},          {"guided_grammar", IsNull},
 };
 
 // The top-level fields ParseOpenAiRequest reads, besides kUnsupported's.

@@ -306,18 +306,12 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
       s->AppendTokens(done, n, &plan.tokens);
       p.sample = done + n == total ? 1 : 0;
       budget -= n;
-      p.temperature = s->options.sampling.temperature;
-      p.top_k = s->options.sampling.top_k;
-      p.top_p = s->options.sampling.top_p;
-      p.min_p = s->options.sampling.min_p;
-      p.presence_penalty = s->options.sampling.presence_penalty;
-      p.frequency_penalty = s->options.sampling.frequency_penalty;
+      shm::SetSampling(s->options.sampling, &p);
       if (p.sample && penalised) {
         p.n_counts = static_cast<uint32_t>(s->counts.size());
         counts_budget -= p.n_counts;
         for (const auto& [token, count] : s->counts) plan.counts.push_back({token, count});
       }
-      p.top_logprobs = s->options.sampling.top_logprobs;
       // The draw of token number generated.size(): a step that fails and is
       // run again after a recovery draws the same.
       p.u = p.sample ? SampleUniform(s->options.seed, s->generated.size()) : 0;

@@ -223,11 +223,8 @@ absl::StatusOr<std::vector<shm::SampledSeq>> StepRunner::RunStep(uint64_t step,
     const TokenCount* seq_counts = counts;
     counts += s.n_counts;
     if (!s.sample) continue;
-    SamplingParams params{.temperature = s.temperature, .top_k = s.top_k, .top_p = s.top_p, .min_p = s.min_p,
-                          .top_logprobs = s.top_logprobs, .presence_penalty = s.presence_penalty,
-                          .frequency_penalty = s.frequency_penalty};
-    const SampledToken tok = Sample(logits_.data() + i * c_.vocab_size, c_.vocab_size, params, s.u, seq_counts,
-                                    static_cast<int>(s.n_counts));
+    const SampledToken tok = Sample(logits_.data() + i * c_.vocab_size, c_.vocab_size, shm::SamplingOf(s), s.u,
+                                    seq_counts, static_cast<int>(s.n_counts));
     shm::SampledSeq& r = out.emplace_back();
     r.seq_id = s.slice.seq_id;
     r.status = tok.finite ? shm::kSampled : shm::kLogitsNotFinite;

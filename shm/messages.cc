@@ -82,6 +82,22 @@ uint64_t StepPlanBytes(const StepPlan& plan) {
 }
 }  // namespace
 
+void SetSampling(const SamplingParams& params, PlanSeq* p) {
+  p->temperature = params.temperature;
+  p->top_k = params.top_k;
+  p->top_p = params.top_p;
+  p->min_p = params.min_p;
+  p->top_logprobs = params.top_logprobs;
+  p->presence_penalty = params.presence_penalty;
+  p->frequency_penalty = params.frequency_penalty;
+}
+
+SamplingParams SamplingOf(const PlanSeq& p) {
+  return {.temperature = p.temperature, .top_k = p.top_k, .top_p = p.top_p, .min_p = p.min_p,
+          .top_logprobs = p.top_logprobs, .presence_penalty = p.presence_penalty,
+          .frequency_penalty = p.frequency_penalty};
+}
+
 uint64_t StepPlanCountsCapacity(int max_seqs) { return uint64_t(std::min(max_seqs, 16)) * kMaxPenaltyTokens; }
 
 uint64_t StepPlanCapacity(int max_seqs, int max_tokens) {
@@ -136,11 +152,7 @@ absl::StatusOr<StepPlan> DecodeStepPlan(const FrameHeader& header, const uint8_t
   for (const PlanSeq& s : plan.seqs) slices.push_back(s.slice);
   RETURN_IF_ERROR(ValidateSlices(slices.data(), header.n_seqs, header.n_tokens, max_positions));
   for (const PlanSeq& s : plan.seqs) {
-    const absl::Status st =
-        ValidateSamplingParams({.temperature = s.temperature, .top_k = s.top_k, .top_p = s.top_p,
-                                .min_p = s.min_p, .top_logprobs = s.top_logprobs,
-                                .presence_penalty = s.presence_penalty, .frequency_penalty = s.frequency_penalty},
-                               vocab_size);
+    const absl::Status st = ValidateSamplingParams(SamplingOf(s), vocab_size);
     if (!st.ok()) {
       return absl::DataLossError(absl::StrCat("step plan of sequence ", s.slice.seq_id, ": ", st.message()));
     }

@@ -52,6 +52,12 @@ struct PlanSeq {
 };
 static_assert(sizeof(PlanSeq) == 56);
 
+// A sequence's sampling parameters in a PlanSeq and back: the one place
+// that maps the fields (the scheduler writes them, the decoder checks them,
+// the MLP worker samples with them).
+void SetSampling(const SamplingParams& params, PlanSeq* p);
+SamplingParams SamplingOf(const PlanSeq& p);
+
 // SampledSeq::status: the token was sampled, or the sequence's logits were
 // not finite (NaN or infinity: the model overflowed) and nothing was.
 enum SampleStatus : uint32_t { kSampled = 0, kLogitsNotFinite = 1 };
