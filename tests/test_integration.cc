@@ -684,6 +684,8 @@ TEST(Integration, TheCommandLineClient) {
   penalised.mutable_sampling()->set_frequency_penalty(-0.5f);
   const Generated with_penalties = Generate(system.stub(), penalised);
   ASSERT_TRUE(with_penalties.status.ok());
+  ASSERT_NE(with_penalties.text, Generate(system.stub(), Greedy("Once upon a time", 40)).text)
+      << "the premise: the penalties change the answer, so a client that dropped them would show";
   r = client("generate 'Once upon a time' --max-tokens 40 --temperature 0 --presence-penalty 1.5 --frequency-penalty -0.5", "");
   EXPECT_EQ(r.status, 0) << r.err;
   EXPECT_EQ(r.out, with_penalties.text + "\n");
