@@ -2,6 +2,8 @@
 
 #include <ctime>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/unicode.h"
@@ -42,7 +44,62 @@ absl::string_view StripNewlines(absl::string_view s, bool left, bool right) {
   return s;
 }
 
+using OrderedJson = nlohmann::ordered_json;
+
+// Nesting deeper than this is refused (the writer recurses; a gRPC client's
+// tool could nest a million levels).
+constexpr int kMaxJsonNesting = 64;
+
+// False when j nests deeper than kMaxJsonNesting.
+bool AppendPythonJson(const OrderedJson& j, std::string* out, int depth = 0) {
+  if (j.is_structured() && depth >= kMaxJsonNesting) return false;
+  if (j.is_object()) {
+    out->push_back('{');
+    bool first = true;
+    for (const auto& [key, value] : j.items()) {
+      if (!first) out->append(", ");
+      first = false;
+      out->append(OrderedJson(key).dump(-1, ' ', false));
+      out->append(": ");
+      if (!AppendPythonJson(value, out, depth + 1)) return false;
+    }
+    out->push_back('}');
+  } else if (j.is_array()) {
+    out->push_back('[');
+    for (size_t i = 0; i < j.size(); ++i) {
+      if (i > 0) out->append(", ");
+      if (!AppendPythonJson(j[i], out, depth + 1)) return false;
+    }
+    out->push_back(']');
+  } else {
+    // Scalars as nlohmann writes them without ensure_ascii: the escapes
+    // Python writes (\" \\ \b \f \n \r \t, \u00XX for other controls),
+    // and floats shortest round trip, exponents as Python's repr ("1e-05").
+    out->append(j.dump(-1, ' ', false));
+  }
+  return true;
+}
+
+// The text Qwen2.5's and Qwen3's templates write around the tools' list.
+constexpr char kToolsIntro[] =
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+    "with function signatures within <tools></tools> XML tags:\n<tools>";
+constexpr char kToolsOutro[] =
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n";
+
 }  // namespace
+
+absl::StatusOr<std::string> PythonJson(const std::string& json_text) {
+  const OrderedJson j = OrderedJson::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return absl::InvalidArgumentError("not valid JSON");
+  std::string out;
+  if (!AppendPythonJson(j, &out)) {
+    return absl::InvalidArgumentError(absl::StrCat("nests deeper than ", kMaxJsonNesting, " levels"));
+  }
+  return out;
+}
 
 ChatTemplate ChatTemplate::FromGgufTemplate(const std::string& jinja) {
   ChatTemplate t;
@@ -95,6 +152,13 @@ ChatTemplate ChatTemplate::FromGgufTemplate(const std::string& jinja) {
   } else if (jinja.find("[INST]") != std::string::npos && jinja.find("<<SYS>>") != std::string::npos) {
     t.format_ = ChatFormat::kLlama2;
   }
+  // Qwen2.5's and Qwen3's tools section (Qwen2's ChatML has none).
+  t.takes_tools_ = (t.format_ == ChatFormat::kChatMl || t.format_ == ChatFormat::kQwen3) &&
+                   jinja.find("<tool_call>") != std::string::npos &&
+                   jinja.find("<tool_response>") != std::string::npos &&
+                   jinja.find("You are provided with function signatures within <tools></tools> XML tags") !=
+                       std::string::npos;
+  if (t.format_ == ChatFormat::kChatMl && t.default_system_.empty()) t.takes_tools_ = false;
   // Anything else, e.g. Mistral's [INST] templates (no <<SYS>>; their turns,
   // spaces and system message differ from Llama 2's by version), is not
   // guessed: kNone, and a chat request is refused.
@@ -139,7 +203,8 @@ const char* ChatTemplate::name() const {
                        : "none (chat requests are refused; raw prompts work)";
 }
 
-absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& messages) const {
+absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& messages,
+                                                const std::vector<std::string>& tools) const {
   if (format_ == ChatFormat::kNone) {
     if (!refused_.empty()) return absl::InvalidArgumentError(absl::StrCat("chat is off: ", refused_));
     return absl::InvalidArgumentError(
@@ -150,10 +215,44 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
   if (messages.empty()) return absl::InvalidArgumentError("no chat messages");
   for (size_t i = 0; i < messages.size(); ++i) {
     const std::string& role = messages[i].role;
-    if (role != "system" && role != "user" && role != "assistant") {
+    if (role != "system" && role != "user" && role != "assistant" && !(role == "tool" && takes_tools_)) {
       return absl::InvalidArgumentError(
           absl::StrCat("message ", i, " has role '", role.substr(0, 32), role.size() > 32 ? "...'" : "'",
-                       " (system, user or assistant)"));
+                       takes_tools_ ? " (system, user, assistant or tool)"
+                       : role == "tool"
+                           ? absl::StrCat(" but the model's chat template (", name(), ") does not take tools")
+                           : " (system, user or assistant)"));
+    }
+    if (!messages[i].tool_calls.empty() && (role != "assistant" || !takes_tools_)) {
+      return absl::InvalidArgumentError(
+          role != "assistant"
+              ? absl::StrCat("message ", i, " has tool calls but only an assistant's message may")
+              : absl::StrCat("message ", i, " has tool calls but the model's chat template (", name(),
+                             ") does not take tools"));
+    }
+  }
+  if (!tools.empty() && !takes_tools_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the model's chat template (", name(), ") does not take tools (ellm renders Qwen2.5's and Qwen3's)"));
+  }
+  // The tools and the calls' arguments as the template's tojson writes them.
+  std::vector<std::string> tool_texts;
+  for (size_t i = 0; i < tools.size(); ++i) {
+    absl::StatusOr<std::string> text = PythonJson(tools[i]);
+    if (!text.ok() || text->empty() || text->front() != '{') {
+      return absl::InvalidArgumentError(absl::StrCat("tool ", i, " is not a JSON object"));
+    }
+    tool_texts.push_back(*std::move(text));
+  }
+  std::vector<std::vector<std::string>> arguments(messages.size());
+  for (size_t i = 0; i < messages.size(); ++i) {
+    for (size_t c = 0; c < messages[i].tool_calls.size(); ++c) {
+      absl::StatusOr<std::string> text = PythonJson(messages[i].tool_calls[c].arguments);
+      if (!text.ok() || text->empty() || text->front() != '{') {
+        return absl::InvalidArgumentError(
+            absl::StrCat("message ", i, "'s tool call ", c, " has arguments that are not a JSON object"));
+      }
+      arguments[i].push_back(*std::move(text));
     }
   }
   // ChatML, Qwen3 and Llama 3 render any order of turns, as their templates
@@ -188,7 +287,26 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
     case ChatFormat::kChatMl:
     case ChatFormat::kQwen3: {
       // <|im_start|>{role}\n{content}<|im_end|>\n ... <|im_start|>assistant\n
-      if (messages[0].role != "system" && !default_system_.empty()) {
+      // With tools, the system turn lists them after the given system
+      // message (which it takes the place of), or (Qwen2.5) Qwen's default
+      // one. The tools' text is the client's: plain text, as a message.
+      const bool first_is_system = messages[0].role == "system";
+      if (!tool_texts.empty()) {
+        markup("<|im_start|>system\n");
+        if (format_ == ChatFormat::kChatMl) {
+          content(first_is_system ? messages[0].content : default_system_);
+          markup("\n\n");
+        } else if (first_is_system) {
+          content(messages[0].content);
+          markup("\n\n");
+        }
+        markup(kToolsIntro);
+        for (const std::string& tool : tool_texts) {
+          markup("\n");
+          content(tool);
+        }
+        markup(kToolsOutro);
+      } else if (!first_is_system && !default_system_.empty()) {
         markup("<|im_start|>system\n");
         content(default_system_);
         markup("<|im_end|>\n");
@@ -207,10 +325,25 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
           }
         }
       }
-      for (size_t i = 0; i < messages.size(); ++i) {
+      for (size_t i = first_is_system && !tool_texts.empty() ? 1 : 0; i < messages.size(); ++i) {
         const ChatMessage& m = messages[i];
-        markup(absl::StrCat("<|im_start|>", m.role, "\n"));
+        if (m.role == "tool") {
+          // A run of tools' answers is one user turn.
+          if (i == 0 || messages[i - 1].role != "tool") markup("<|im_start|>user");
+          markup("\n<tool_response>\n");
+          content(m.content);
+          markup("\n</tool_response>");
+          if (i + 1 == messages.size() || messages[i + 1].role != "tool") markup("<|im_end|>\n");
+          continue;
+        }
+        // Qwen2.5: an answer with calls has its text, if any, on the line
+        // after the role, then a line per call.
+        const bool chatml_calls = format_ == ChatFormat::kChatMl && !m.tool_calls.empty();
+        markup(absl::StrCat("<|im_start|>", m.role, chatml_calls && m.content.empty() ? "" : "\n"));
         absl::string_view text = m.content;
+        // Qwen3: the answer's text without its thinking decides whether the
+        // first call starts on a new line.
+        absl::string_view answer = text;
         if (format_ == ChatFormat::kQwen3 && m.role == "assistant") {
           // As Qwen3's template: an answer holding "</think>" is what
           // follows the last one (leading newlines dropped), its thinking
@@ -224,6 +357,7 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
             thinking = StripNewlines(thinking, true, false);
             text = StripNewlines(text.substr(end_think + 8), true, false);
           }
+          answer = text;
           // After the last question, the template writes the thinking
           // block when there is thinking, and always for a last message
           // (a conversation that ends with an answer): empty, then.
@@ -235,6 +369,14 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
           }
         }
         content(text);
+        for (size_t c = 0; c < m.tool_calls.size(); ++c) {
+          if (format_ == ChatFormat::kChatMl || c > 0 || !answer.empty()) markup("\n");
+          markup("<tool_call>\n{\"name\": \"");
+          content(m.tool_calls[c].name);
+          markup("\", \"arguments\": ");
+          content(arguments[i][c]);
+          markup("}\n</tool_call>");
+        }
         markup("<|im_end|>\n");
       }
       markup("<|im_start|>assistant\n");

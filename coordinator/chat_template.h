@@ -4,6 +4,9 @@
 // Qwen3 (ChatML with <think> blocks), Llama-2 ([INST] with <<SYS>>) and
 // Llama-3 (<|start_header_id|>; 3.1 and later with their dated system
 // block). Others (Mistral's [INST] templates among them) are not guessed.
+// Tools (OpenAI's function calling) with Qwen2.5's and Qwen3's templates,
+// which list them in the system turn and take the answers' <tool_call>s and
+// the tools' <tool_response>s.
 #pragma once
 
 #include <string>
@@ -15,10 +18,25 @@
 
 namespace ellm::coord {
 
-struct ChatMessage {
-  std::string role;     // system, user, assistant
-  std::string content;
+// An assistant's call of a tool: its name, and its arguments as a JSON
+// object's text.
+struct ChatToolCall {
+  std::string name;
+  std::string arguments;
 };
+
+struct ChatMessage {
+  std::string role;     // system, user, assistant, tool
+  std::string content;
+  std::vector<ChatToolCall> tool_calls = {};  // assistant, with a template that takes tools
+};
+
+// `j` as Python's json.dumps(j, ensure_ascii=False) writes it, which is how
+// the templates' tojson filter (transformers', vLLM's) writes a tool and a
+// call's arguments: keys in their given order, ", " and ": " between items.
+// InvalidArgument when `json_text` is not JSON or nests deeper than 64
+// levels.
+absl::StatusOr<std::string> PythonJson(const std::string& json_text);
 
 enum class ChatFormat { kNone, kChatMl, kQwen3, kLlama2, kLlama3 };
 
@@ -39,6 +57,8 @@ class ChatTemplate {
   ChatFormat format() const { return format_; }
   // "chatml", "qwen3", "llama2", "llama3", or what kNone means for chat.
   const char* name() const;
+  // Whether the template takes tools (Qwen2.5's and Qwen3's do).
+  bool takes_tools() const { return takes_tools_; }
 
   // Turns chat off (kNone, with a name() and Render() error that say why)
   // when a special token the markup writes ("<|im_start|>", "<s>", ...) is
@@ -52,13 +72,17 @@ class ChatTemplate {
   // ChatPrompt::markup only). Qwen3: earlier answers lose their <think>
   // part, and the answer opens its own thinking block (enable_thinking, the
   // template's default). InvalidArgument for an unknown template, an unknown
-  // role, no messages, or a conversation that does not end with a user
-  // message.
-  absl::StatusOr<ChatPrompt> Render(const std::vector<ChatMessage>& messages) const;
+  // role, no messages, tools (each a JSON object's text: OpenAI's
+  // {"type": "function", "function": {...}}), tool calls or a tool's answer
+  // with a template that does not take them, or a call's arguments that are
+  // not a JSON object.
+  absl::StatusOr<ChatPrompt> Render(const std::vector<ChatMessage>& messages,
+                                    const std::vector<std::string>& tools = {}) const;
 
  private:
   ChatFormat format_ = ChatFormat::kNone;
   bool has_template_ = false;
+  bool takes_tools_ = false;  // Qwen2.5's or Qwen3's tools section
   std::string refused_;  // why CheckVocabulary turned a known format off
   std::string default_system_;  // ChatML: Qwen's templates add one
   bool knowledge_header_ = false;  // Llama 3.1+: the dated system block

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
+#include "coordinator/chat_template.h"
 #include "core/unicode.h"
 
 namespace ellm::coord {
@@ -83,8 +84,8 @@ bool IsTextFormat(const nlohmann::json& v) {
 }
 bool IsNoTool(const nlohmann::json& v) { return v.is_null() || v == "none" || v == "auto"; }
 constexpr UnsupportedField kUnsupported[] = {
-    {"logit_bias", IsEmptyOrNull},      {"response_format", IsTextFormat}, {"tools", IsEmptyOrNull},
-    {"functions", IsEmptyOrNull},       {"tool_choice", IsNoTool},         {"function_call", IsNoTool},
+    {"logit_bias", IsEmptyOrNull},      {"response_format", IsTextFormat},
+    {"functions", IsEmptyOrNull},       {"function_call", IsNoTool},
     {"best_of", IsOneOrNull},           {"repetition_penalty", IsOneOrNull}, {"min_tokens", IsZeroOrNull},
     {"ignore_eos", IsFalseOrNull},      {"guided_json", IsNull},           {"guided_regex", IsNull},
     {"guided_choice", IsNull},          {"guided_grammar", IsNull},
@@ -97,7 +98,7 @@ constexpr UnsupportedField kUnsupported[] = {
 constexpr std::string_view kReadFields[] = {
     "model", "messages", "prompt", "echo", "suffix", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options", "n", "presence_penalty",
-    "frequency_penalty", "logprobs", "top_logprobs"};
+    "frequency_penalty", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"};
 
 constexpr bool IsReadField(std::string_view name) {
   for (std::string_view f : kReadFields) {
@@ -141,23 +142,28 @@ class Body {
 // parser callback can drop them too, but it scans an object's parent for
 // discarded values at the end of every object: quadratic in a list of
 // objects, such as a long "messages".)
+//
+// Json: nlohmann::json (keys sorted, as the parser reads them), or
+// ordered_json for the one field whose key order matters ("tools", which the
+// template writes out as given); `keep` picks the top-level fields.
+template <typename Json>
 class ReadFieldsBuilder {
  public:
-  explicit ReadFieldsBuilder(json* root) : root_(root) {}
+  ReadFieldsBuilder(Json* root, bool (*keep)(std::string_view)) : root_(root), keep_(keep) {}
 
   bool null() { return Value(nullptr); }
   bool boolean(bool v) { return Value(v); }
-  bool number_integer(json::number_integer_t v) { return Value(v); }
-  bool number_unsigned(json::number_unsigned_t v) { return Value(v); }
-  bool number_float(json::number_float_t v, const json::string_t&) { return Value(v); }
-  bool string(json::string_t& v) { return Value(std::move(v)); }
-  bool binary(json::binary_t& v) { return Value(std::move(v)); }
-  bool start_object(std::size_t) { return Open(json::object()); }
-  bool start_array(std::size_t) { return Open(json::array()); }
+  bool number_integer(typename Json::number_integer_t v) { return Value(v); }
+  bool number_unsigned(typename Json::number_unsigned_t v) { return Value(v); }
+  bool number_float(typename Json::number_float_t v, const typename Json::string_t&) { return Value(v); }
+  bool string(typename Json::string_t& v) { return Value(std::move(v)); }
+  bool binary(typename Json::binary_t& v) { return Value(std::move(v)); }
+  bool start_object(std::size_t) { return Open(Json::object()); }
+  bool start_array(std::size_t) { return Open(Json::array()); }
   bool end_object() { return Close(); }
   bool end_array() { return Close(); }
-  bool key(json::string_t& k) {
-    if (skip_ == 0 && depth_ == 1 && !IsReadField(k)) skip_ = 1;
+  bool key(typename Json::string_t& k) {
+    if (skip_ == 0 && depth_ == 1 && !keep_(k)) skip_ = 1;
     if (skip_ == 0) key_ = std::move(k);
     return true;
   }
@@ -170,17 +176,17 @@ class ReadFieldsBuilder {
   // Puts v where the parser is: the root, the end of the open array, or the
   // open object's last key. Pointers to open containers stay valid: only the
   // innermost one grows.
-  json* Place(json&& v) {
+  Json* Place(Json&& v) {
     if (open_.empty()) {
       *root_ = std::move(v);
       return root_;
     }
-    json& parent = *open_.back();
+    Json& parent = *open_.back();
     if (parent.is_array()) {
       parent.push_back(std::move(v));
       return &parent.back();
     }
-    json& slot = parent[key_];
+    Json& slot = parent[key_];
     slot = std::move(v);
     return &slot;
   }
@@ -192,10 +198,10 @@ class ReadFieldsBuilder {
       if (depth_ == skip_) skip_ = 0;
       return true;
     }
-    Place(json(std::forward<T>(v)));
+    Place(Json(std::forward<T>(v)));
     return true;
   }
-  bool Open(json&& empty) {
+  bool Open(Json&& empty) {
     ++depth_;
     if (skip_ == 0) open_.push_back(Place(std::move(empty)));
     return true;
@@ -210,8 +216,9 @@ class ReadFieldsBuilder {
     return true;
   }
 
-  json* root_;
-  std::vector<json*> open_;  // the containers being built, outermost first
+  Json* root_;
+  std::vector<Json*> open_;  // the containers being built, outermost first
+  bool (*keep_)(std::string_view);
   std::string key_;
   int depth_ = 0;  // containers open in the text, dropped ones too
   int skip_ = 0;
@@ -225,7 +232,7 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
     return absl::InvalidArgumentError(absl::StrCat("the body nests deeper than ", kMaxJsonDepth, " levels"));
   }
   json j;
-  ReadFieldsBuilder builder(&j);
+  ReadFieldsBuilder<json> builder(&j, [](std::string_view name) { return IsReadField(name); });
   if (!json::sax_parse(body, &builder)) return absl::InvalidArgumentError("the body is not valid JSON");
   if (!j.is_object()) return absl::InvalidArgumentError("the body must be a JSON object");
   for (const UnsupportedField& f : kUnsupported) {
@@ -279,6 +286,65 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
         ASSIGN_OR_RETURN(std::string content, TextOf(m["content"], field + ".content", true));
         out->set_content(content);
       }
+      // An assistant's calls: [{"id", "type": "function", "function":
+      // {"name", "arguments": a JSON object's text}}]; the id is not part
+      // of the prompt.
+      if (m.contains("tool_calls") && !m["tool_calls"].is_null()) {
+        const json& calls = m["tool_calls"];
+        if (!calls.is_array()) return Bad(field + ".tool_calls", "must be a list");
+        for (size_t c = 0; c < calls.size(); ++c) {
+          const json& call = calls[c];
+          const std::string call_field = absl::StrCat(field, ".tool_calls[", c, "]");
+          if (!call.is_object() || !call.contains("function") || !call["function"].is_object() ||
+              (call.contains("type") && call["type"] != "function")) {
+            return Bad(call_field, "must be {\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": ...}}");
+          }
+          const json& f = call["function"];
+          if (!f.contains("name") || !f["name"].is_string()) return Bad(call_field + ".function.name", "must be a string");
+          if (!f.contains("arguments") || !f["arguments"].is_string()) {
+            return Bad(call_field + ".function.arguments", "must be a string (a JSON object's text)");
+          }
+          ellm::v1::ToolCall* tc = out->add_tool_calls();
+          tc->set_name(f["name"].get<std::string>());
+          tc->set_arguments(f["arguments"].get<std::string>());
+        }
+      }
+    }
+    // tool_choice: "auto" (the default) lets the model call the tools,
+    // "none" lists them but reads the answer as text (as vLLM does);
+    // "required" and a named function would need the output constrained.
+    bool read_calls = true;
+    if (const json* v = fields.Get("tool_choice")) {
+      if (*v == "none") {
+        read_calls = false;
+      } else if (*v != "auto") {
+        return Bad("tool_choice", "must be \"auto\" or \"none\" (ellm does not constrain the output to a call)");
+      }
+    }
+    if (const json* tools = fields.Get("tools")) {
+      if (!tools->is_array()) return Bad("tools", "must be a list");
+      for (size_t i = 0; i < tools->size(); ++i) {
+        const json& t = (*tools)[i];
+        if (!t.is_object() || !t.contains("type") || t["type"] != "function" || !t.contains("function") ||
+            !t["function"].is_object() || !t["function"].contains("name") || !t["function"]["name"].is_string()) {
+          return Bad(absl::StrCat("tools[", i, "]"),
+                     "must be {\"type\": \"function\", \"function\": {\"name\": ..., ...}}");
+        }
+      }
+      if (!tools->empty()) {
+        // Again, for the tools alone, keeping their keys' order: the
+        // template writes each tool as the client wrote it.
+        nlohmann::ordered_json ordered;
+        ReadFieldsBuilder<nlohmann::ordered_json> tools_only(&ordered,
+                                                             [](std::string_view name) { return name == "tools"; });
+        if (!nlohmann::ordered_json::sax_parse(body, &tools_only) || !ordered.contains("tools")) {
+          return absl::InternalError("the body's tools did not parse a second time");
+        }
+        for (const nlohmann::ordered_json& t : ordered["tools"]) {
+          g.add_tools(t.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
+        }
+        r.read_tool_calls = read_calls;
+      }
     }
   } else {
     const json* prompt = fields.Get("prompt");
@@ -311,6 +377,11 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
       return Bad("echo", "is not supported");
     }
     if (fields.Get("suffix") != nullptr) return Bad("suffix", "is not supported");
+    for (Field field : {Field("tools"), Field("tool_choice")}) {
+      if (const json* v = fields.Get(field); v != nullptr && !(v->is_array() && v->empty()) && *v != "none") {
+        return Bad(field.name(), "applies to chat completions");
+      }
+    }
   }
 
   for (Field field : {Field("max_tokens"), Field("max_completion_tokens")}) {
@@ -392,6 +463,31 @@ const char* OpenAiFinishReason(FinishReason reason) {
     case FinishReason::kContext: return "length";
     default: return "stop";
   }
+}
+
+std::optional<ToolCallsAnswer> ParseToolCalls(std::string_view text) {
+  constexpr std::string_view kOpen = "<tool_call>", kClose = "</tool_call>";
+  size_t at = text.find(kOpen);
+  if (at == std::string_view::npos) return std::nullopt;
+  ToolCallsAnswer out;
+  out.content = std::string(text.substr(0, at));
+  while (at != std::string_view::npos) {
+    const size_t begin = at + kOpen.size();
+    const size_t end = text.find(kClose, begin);
+    const std::string_view call = text.substr(begin, end == std::string_view::npos ? end : end - begin);
+    const nlohmann::ordered_json j = nlohmann::ordered_json::parse(call, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("name") || !j["name"].is_string() ||
+        !j.contains("arguments")) {
+      return std::nullopt;
+    }
+    absl::StatusOr<std::string> arguments =
+        PythonJson(j["arguments"].dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
+    if (!arguments.ok()) return std::nullopt;
+    out.calls.push_back({j["name"].get<std::string>(), *std::move(arguments)});
+    if (end == std::string_view::npos) break;
+    at = text.find(kOpen, end + kClose.size());
+  }
+  return out;
 }
 
 OpenAiResponder::OpenAiResponder(const OpenAiRequest& request, std::string id, std::string model_id,
@@ -476,6 +572,46 @@ json OpenAiResponder::LogprobsOf(const std::vector<int32_t>& ids, const std::vec
           {"text_offset", text_offset}};
 }
 
+json OpenAiResponder::ToolCallsJson(const ToolCallsAnswer& answer, bool streaming) const {
+  json calls = json::array();
+  // An id per call, unique as the request's id is: "call_" + its random part.
+  const std::string base = id_.substr(id_.find('-') + 1);
+  for (size_t i = 0; i < answer.calls.size(); ++i) {
+    json call = {{"id", absl::StrCat("call_", base, "_", i)},
+                 {"type", "function"},
+                 {"function", {{"name", answer.calls[i].name}, {"arguments", answer.calls[i].arguments}}}};
+    if (streaming) call["index"] = i;
+    calls.push_back(std::move(call));
+  }
+  return calls;
+}
+
+std::string OpenAiResponder::ShowableText(const std::string& text) {
+  constexpr std::string_view kOpen = "<tool_call>";
+  if (in_calls_) {
+    held_ += text;
+    return "";
+  }
+  std::string all = std::move(held_) + text;
+  held_.clear();
+  const size_t at = all.find(kOpen);
+  if (at != std::string::npos) {
+    held_ = all.substr(at);
+    in_calls_ = true;
+    all.resize(at);
+    return all;
+  }
+  // The longest tail that is the start of "<tool_call>".
+  for (size_t n = std::min(all.size(), kOpen.size() - 1); n > 0; --n) {
+    if (std::string_view(all).substr(all.size() - n) == kOpen.substr(0, n)) {
+      held_ = all.substr(all.size() - n);
+      all.resize(all.size() - n);
+      break;
+    }
+  }
+  return all;
+}
+
 json OpenAiResponder::Chunk(const json& choice) const {
   return {{"id", id_},
           {"object", request_.chat ? "chat.completion.chunk" : "text_completion"},
@@ -492,16 +628,33 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e) {
     emit(Chunk({{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
                 {"finish_reason", nullptr}}));
   }
-  if (!e.text.empty() || !e.token_ids.empty() || e.finished) {
+  std::string text = request_.read_tool_calls ? ShowableText(e.text) : e.text;
+  std::optional<ToolCallsAnswer> calls;
+  if (e.finished && request_.read_tool_calls) {
+    if (in_calls_) calls = ParseToolCalls(held_);
+    if (!calls) text += held_;  // not calls after all: the rest is text
+    held_.clear();
+  }
+  // (Tokens whose text is held show only for their logprobs.)
+  if (!text.empty() || e.finished ||
+      (!e.token_ids.empty() && (request_.logprobs || !request_.read_tool_calls))) {
     json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
     if (request_.chat) {
-      choice["delta"] = e.text.empty() ? json::object() : json{{"content", e.text}};
+      choice["delta"] = text.empty() ? json::object() : json{{"content", text}};
     } else {
-      choice["text"] = e.text;
+      choice["text"] = text;
     }
     if (request_.logprobs && !e.token_ids.empty()) choice["logprobs"] = LogprobsOf(e.token_ids, e.logprobs, e.top_logprobs);
-    if (e.finished) choice["finish_reason"] = OpenAiFinishReason(e.finish.reason);
-    if (!(e.text.empty() && e.token_ids.empty() && !e.finished)) emit(Chunk(choice));
+    if (calls) {
+      // The calls in one chunk of their own, then the finish.
+      json with_calls = choice;
+      with_calls["delta"]["tool_calls"] = ToolCallsJson(*calls, /*streaming=*/true);
+      emit(Chunk(with_calls));
+      choice = {{"index", 0}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", "tool_calls"}};
+    } else if (e.finished) {
+      choice["finish_reason"] = OpenAiFinishReason(e.finish.reason);
+    }
+    emit(Chunk(choice));
   }
   if (e.finished) {
     if (request_.include_usage) {
@@ -525,7 +678,14 @@ void OpenAiResponder::Add(const coord::StreamEvent& e) {
 
 std::string OpenAiResponder::Final() {
   json choice = {{"index", 0}, {"finish_reason", OpenAiFinishReason(finish_.reason)}, {"logprobs", nullptr}};
-  if (request_.chat) {
+  const std::optional<ToolCallsAnswer> calls =
+      request_.read_tool_calls ? ParseToolCalls(text_) : std::nullopt;
+  if (calls) {
+    choice["message"] = {{"role", "assistant"},
+                         {"content", calls->content.empty() ? json(nullptr) : json(calls->content)},
+                         {"tool_calls", ToolCallsJson(*calls, /*streaming=*/false)}};
+    choice["finish_reason"] = "tool_calls";
+  } else if (request_.chat) {
     choice["message"] = {{"role", "assistant"}, {"content", text_}};
   } else {
     choice["text"] = text_;

@@ -10,17 +10,23 @@
 // (string or list), stream, stream_options.include_usage, logprobs (chat:
 // true, with top_logprobs 0..20 alternatives per token; completions: an
 // integer 0..20, the number of alternatives, the chosen token always
-// included), n = 1. Refused with 400 naming the field: n > 1, echo, suffix, any field that would
-// constrain or bias the output (logit_bias, response_format other than text,
-// tools, functions, tool_choice or function_call other than none/auto,
-// best_of > 1, and vLLM's repetition_penalty, min_tokens, ignore_eos,
-// guided_*), and any field of the wrong type. Other fields (user, metadata,
+// included), n = 1; chat: tools with tool_choice auto or none, messages with
+// an assistant's tool_calls and the tool role (rendered by the template,
+// coordinator/chat_template.h), and an answer's <tool_call>s returned as
+// tool_calls (ParseToolCalls). Refused with 400 naming the field: n > 1,
+// echo, suffix, any field that would constrain or bias the output
+// (logit_bias, response_format other than text, tool_choice required or
+// named, functions, function_call other than none/auto, best_of > 1, and
+// vLLM's repetition_penalty, min_tokens, ignore_eos, guided_*), and any
+// field of the wrong type. Other fields (user, metadata,
 // ...) are ignored. A body nested deeper than kMaxJsonDepth is refused
 // before it is parsed. Log-probabilities are of the model's raw distribution
 // (temperature 1, before penalties, top-k, min-p and top-p).
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <string_view>
 #include <string>
 #include <vector>
 
@@ -41,6 +47,9 @@ struct OpenAiRequest {
   bool include_usage = false;
   bool logprobs = false;
   int top_logprobs = 0;  // alternatives per token (also in generate)
+  // Chat with tools and tool_choice "auto": the answer's <tool_call>s are
+  // returned as tool_calls.
+  bool read_tool_calls = false;
   ellm::v1::GenerateRequest generate;
 };
 
@@ -52,6 +61,22 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
 
 // "stop" for a stop token or string, "length" for max_tokens or the context.
 const char* OpenAiFinishReason(FinishReason reason);
+
+// An answer that calls tools as Qwen's templates ask (and as vLLM's "hermes"
+// parser reads it): its text up to the first "<tool_call>", then one
+// {"name": ..., "arguments": ...} JSON object per <tool_call>...</tool_call>
+// (the last one may be unclosed). Text after a call is dropped.
+struct ToolCallsAnswer {
+  std::string content;
+  struct Call {
+    std::string name;
+    std::string arguments;  // JSON text, as Python's json.dumps writes it
+  };
+  std::vector<Call> calls;
+};
+// nullopt when the text has no "<tool_call>", or a call is not such an
+// object: the answer is then plain text.
+std::optional<ToolCallsAnswer> ParseToolCalls(std::string_view text);
 
 // Builds the responses of one request: `id` like "cmpl-..." / "chatcmpl-...".
 class OpenAiResponder {
@@ -71,6 +96,12 @@ class OpenAiResponder {
  private:
   nlohmann::json Chunk(const nlohmann::json& choice) const;
   nlohmann::json Usage(const FinishInfo& f) const;
+  // OpenAI's tool_calls list (streaming: with each call's index).
+  nlohmann::json ToolCallsJson(const ToolCallsAnswer& answer, bool streaming) const;
+  // Streaming with read_tool_calls: the part of `text` that may be shown
+  // now. From a "<tool_call>" on, the text is held for ParseToolCalls at the
+  // end; so is a tail that could begin one.
+  std::string ShowableText(const std::string& text);
   // The logprobs object of these tokens (advances prev_token_ and text_offset_).
   nlohmann::json LogprobsOf(const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
                             const std::vector<std::vector<TokenLogprob>>& top);
@@ -87,6 +118,8 @@ class OpenAiResponder {
   std::string id_, model_id_;
   int64_t created_;
   bool sent_role_ = false;
+  std::string held_;        // streaming with read_tool_calls: text not shown yet
+  bool in_calls_ = false;   // held_ starts with "<tool_call>"
   // Not streaming: what the request gave.
   std::string text_;
   std::vector<int32_t> ids_;

@@ -89,8 +89,9 @@ std::vector<int32_t> EllmService::Encode(std::string_view text, bool add_bos,
 absl::StatusOr<std::vector<int32_t>> EllmService::PromptTokens(
     const std::string& prompt,
     const google::protobuf::RepeatedPtrField<ellm::v1::ChatMessage>& messages,
-    const std::optional<bool>& add_bos) const {
+    const google::protobuf::RepeatedPtrField<std::string>& tools, const std::optional<bool>& add_bos) const {
   if (messages.empty()) {
+    if (!tools.empty()) return absl::InvalidArgumentError("tools are given but no chat messages");
     if (prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
     if (!IsValidUtf8(prompt)) return absl::InvalidArgumentError("prompt is not valid UTF-8");
     return Encode(prompt, add_bos.value_or(tokenizer_.add_bos()), {});
@@ -103,9 +104,20 @@ absl::StatusOr<std::vector<int32_t>> EllmService::PromptTokens(
     if (!IsValidUtf8(m.content())) {
       return absl::InvalidArgumentError("a chat message is not valid UTF-8");
     }
-    chat.push_back({m.role(), m.content()});
+    ChatMessage message{m.role(), m.content()};
+    for (const ellm::v1::ToolCall& call : m.tool_calls()) {
+      if (!IsValidUtf8(call.name()) || !IsValidUtf8(call.arguments())) {
+        return absl::InvalidArgumentError("a chat message's tool call is not valid UTF-8");
+      }
+      message.tool_calls.push_back({call.name(), call.arguments()});
+    }
+    chat.push_back(std::move(message));
   }
-  ASSIGN_OR_RETURN(ChatPrompt rendered, options_.chat.Render(chat));
+  for (const std::string& tool : tools) {
+    if (!IsValidUtf8(tool)) return absl::InvalidArgumentError("a tool is not valid UTF-8");
+  }
+  ASSIGN_OR_RETURN(ChatPrompt rendered,
+                   options_.chat.Render(chat, std::vector<std::string>(tools.begin(), tools.end())));
   // The template writes BOS itself where the model wants one. Special tokens
   // are parsed in its markup only: message contents are plain text.
   return Encode(rendered.text, add_bos.value_or(false), rendered.markup);
@@ -115,6 +127,7 @@ absl::StatusOr<std::vector<int32_t>> EllmService::GivenTokens(const ellm::v1::Ge
   if (!r.prompt().empty() || !r.messages().empty()) {
     return absl::InvalidArgumentError("send one of a prompt, chat messages or prompt_token_ids");
   }
+  if (!r.tools().empty()) return absl::InvalidArgumentError("tools are given but no chat messages");
   if (r.has_add_bos()) {
     return absl::InvalidArgumentError("add_bos applies to text; prompt_token_ids are used as given");
   }
@@ -133,7 +146,7 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
   GenerateOptions o;
   const absl::Time start = absl::Now();
   if (r.prompt_token_ids().empty()) {
-    ASSIGN_OR_RETURN(o.prompt, PromptTokens(r.prompt(), r.messages(),
+    ASSIGN_OR_RETURN(o.prompt, PromptTokens(r.prompt(), r.messages(), r.tools(),
                                             r.has_add_bos() ? std::optional<bool>(r.add_bos())
                                                             : std::nullopt));
   } else {
@@ -295,11 +308,14 @@ grpc::Status EllmService::Tokenize(grpc::ServerContext* context, const ellm::v1:
   if (!request->text().empty() && !request->messages().empty()) {
     return ToGrpcStatus(absl::InvalidArgumentError("send either text or chat messages, not both"));
   }
+  if (request->messages().empty() && !request->tools().empty()) {
+    return ToGrpcStatus(absl::InvalidArgumentError("tools are given but no chat messages"));
+  }
   absl::StatusOr<std::vector<int32_t>> ids =
       request->messages().empty()
           ? absl::StatusOr<std::vector<int32_t>>(Encode(
                 request->text(), request->has_add_bos() ? request->add_bos() : tokenizer_.add_bos(), {}))
-          : PromptTokens("", request->messages(),
+          : PromptTokens("", request->messages(), request->tools(),
                          request->has_add_bos() ? std::optional<bool>(request->add_bos()) : std::nullopt);
   if (!ids.ok()) return ToGrpcStatus(ids.status());
   int32_t prev = -1;

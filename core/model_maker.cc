@@ -152,8 +152,14 @@ absl::StatusOr<GgufWriter> MakeRandomModel(const MakeModelOptions& o,
   // Minimal Jinja templates of each family (ellm recognises a family by its markers).
   if (o.chat_template == "qwen3") {
     // The shape of Qwen3's template: ChatML, earlier answers without their
-    // <think> part, the answer opens its own thinking block.
+    // <think> part, the answer opens its own thinking block; tools listed in
+    // the system turn, calls and answers as <tool_call> and <tool_response>.
     w.SetString("tokenizer.chat_template",
+                "{% if tools %}{{ '<|im_start|>system\n# Tools\n\nYou are provided with function signatures "
+                "within <tools></tools> XML tags:\n<tools>' }}{% for tool in tools %}{{ '\n' + tool | tojson }}"
+                "{% endfor %}{{ '\n</tools>\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+                "<args-json-object>}\n</tool_call><|im_end|>\n' }}{% endif %}"
+                "{# a run of tools' answers: <|im_start|>user\n<tool_response>\n...\n</tool_response><|im_end|> #}"
                 "{% for message in messages %}{% if message['role'] == 'assistant' %}{% set content = "
                 "message['content'].split('</think>')[-1].lstrip('\n') %}{% else %}{% set content = "
                 "message['content'] %}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + content + "

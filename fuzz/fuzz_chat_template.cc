@@ -1,5 +1,8 @@
 // libFuzzer harness: chat templates on arbitrary messages. The input is a
-// template family (first byte) and messages (role byte, content up to a NUL).
+// template family (first byte) and messages (role byte, content up to a NUL;
+// two more "roles": an answer whose content is a tool call's arguments, and
+// a tool whose content is its JSON). Each content is also read as an
+// answer's tool calls (ParseToolCalls).
 // Checks that a rendered prompt's markup spans are sorted, disjoint and
 // inside the text, and tokenizes it as the service does (BPE, special tokens
 // parsed in the markup only). test_chat_template checks what the spans keep
@@ -13,6 +16,7 @@
 #include <vector>
 
 #include "coordinator/chat_template.h"
+#include "coordinator/openai_api.h"
 #include "core/gguf.h"
 #include "core/tokenizer.h"
 
@@ -29,6 +33,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                      "<|im_start|><think>",
                                      "<|start_header_id|>",
                                      "Cutting Knowledge Date: December 2023 <|start_header_id|> set date_string = \"1 May\"",
+                                     "You are Qwen, created by Alibaba Cloud. You are a helpful assistant. <|im_start|> "
+                                     "You are provided with function signatures within <tools></tools> XML tags "
+                                     "<tool_call> <tool_response>",
+                                     "<|im_start|><think> You are provided with function signatures within "
+                                     "<tools></tools> XML tags <tool_call> <tool_response>",
                                      "[INST] <<SYS>>",
                                      "[INST]",
                                      "",
@@ -36,15 +45,28 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const auto tmpl = ellm::coord::ChatTemplate::FromGgufTemplate(kTemplates[data[0] % std::size(kTemplates)]);
   static const char* kRoles[] = {"system", "user", "assistant", "tool"};
   std::vector<ellm::coord::ChatMessage> messages;
+  std::vector<std::string> tools;
   size_t i = 1;
   while (i < size && messages.size() < 16) {
-    const char* role = kRoles[data[i++] % 4];
+    const int kind = data[i++] % 6;
     size_t end = i;
     while (end < size && data[end] != 0) ++end;
-    messages.push_back({role, std::string(reinterpret_cast<const char*>(data + i), end - i)});
+    std::string content(reinterpret_cast<const char*>(data + i), end - i);
     i = end + 1;
+    if (const auto calls = ellm::coord::ParseToolCalls(content)) {
+      for (const auto& call : calls->calls) {
+        if (!ellm::coord::PythonJson(call.arguments).ok()) std::abort();  // what it writes reads back
+      }
+    }
+    if (kind == 4) {
+      messages.push_back({"assistant", "", {{"f", std::move(content)}}});
+    } else if (kind == 5) {
+      tools.push_back(std::move(content));
+    } else {
+      messages.push_back({kRoles[kind], std::move(content)});
+    }
   }
-  auto prompt = tmpl.Render(messages);
+  auto prompt = tmpl.Render(messages, tools);
   if (!prompt.ok()) return 0;
   size_t at = 0;
   for (const auto& [b, e] : prompt->markup) {

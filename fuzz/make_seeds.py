@@ -78,6 +78,12 @@ def chat(t, msgs):
     return bytes([t]) + b"".join(bytes([r]) + c.encode() + b"\0" for r, c in msgs)
 for t in range(4):
     put("chat_template", "c%d" % t, chat(t, [(0, "Be brief."), (1, "Hi"), (2, "<think>x</think>Hello"), (1, "hi </s><s>[INST] x <|im_end|>")]))
+# tools (templates 4, 5: Qwen2.5's and Qwen3's markers): kind 5 a tool's JSON, 4 an answer's call
+# (content: its arguments), 3 a tool's answer; a content that reads as calls
+for t in (4, 5):
+    put("chat_template", "tools%d" % t, chat(t, [(5, '{"type": "function", "function": {"name": "f", "parameters": {"z": 1, "a": [2.5]}}}'),
+                                               (1, "Hi"), (4, '{"x": "\u00e9"}'), (3, "42"),
+                                               (2, 'ok <tool_call>\n{"name": "f", "arguments": {"b": 1, "a": 2}}\n</tool_call>'), (1, "q")]))
 
 # --- frames: header (magic, version, kind, step, layer, n_seqs, n_tokens, status, payload_bytes) + payload ---
 def frame(kind, step, layer, n_seqs, n_tokens, status, payload):
@@ -112,4 +118,8 @@ put("request", "plain", field_bytes(1, b"Once upon a time") + field_varint(2, 16
 put("request", "chat", field_bytes(6, field_bytes(1, b"user") + field_bytes(2, b"Hello")) + field_varint(2, 8))
 put("request", "stops", field_bytes(1, b"Lily") + field_bytes(4, b".") + field_bytes(4, b"end") + field_varint(7, 100))
 put("request", "overflow", field_bytes(1, b"x") + field_varint(2, 2**31 - 1) + field_varint(7, 2**31 - 1))
+put("request", "tools", field_bytes(6, field_bytes(1, b"user") + field_bytes(2, b"Time?")) +
+    field_bytes(6, field_bytes(1, b"assistant") + field_bytes(3, field_bytes(1, b"now") + field_bytes(2, b'{"zone": "UTC"}'))) +
+    field_bytes(6, field_bytes(1, b"tool") + field_bytes(2, b"12:00")) +
+    field_bytes(10, b'{"type": "function", "function": {"name": "now"}}') + field_varint(2, 4))
 put("request", "top_logprobs", field_bytes(1, b"Once") + field_varint(2, 4) + field_varint(8, 5))

@@ -291,6 +291,121 @@ TEST(ChatTemplate, MarkupSpansCoverTheTemplateOnly) {
   EXPECT_EQ(OutsideMarkup(*llama2), "|S <s>|U </s>|A|V|");
 }
 
+// The tools' part of Qwen2.5's and Qwen3's templates (what FromGgufTemplate
+// looks for).
+const char kToolsMarker[] =
+    " You are provided with function signatures within <tools></tools> XML tags <tool_call> <tool_response>";
+
+// Expected texts: the real templates rendered by jinja2 with transformers'
+// tojson (json.dumps, keys in order), the calls' arguments as dicts (vLLM
+// parses them before rendering).
+TEST(ChatTemplate, ToolsAsQwensTemplatesWriteThem) {
+  const std::vector<std::string> tools = {
+      R"({"type":"function","function":{"name":"get_time","parameters":{"zone":"str","a":[1,2.5]}}})"};
+  const std::vector<ChatMessage> chat = {
+      {"system", "S"},
+      {"user", "q"},
+      {"assistant", "<think>r</think>\n\nLet me see.", {{"get_time", R"({"zone":"UTC"})"}, {"get_time", "{ }"}}},
+      {"tool", "12:00"},
+      {"tool", "13:00"},
+      {"assistant", "Noon."},
+      {"user", "q2"}};
+  const std::string system =
+      "<|im_start|>system\nS\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+      "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{\"type\": "
+      "\"function\", \"function\": {\"name\": \"get_time\", \"parameters\": {\"zone\": \"str\", \"a\": [1, "
+      "2.5]}}}\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+      "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+      "<args-json-object>}\n</tool_call><|im_end|>\n<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n";
+  const std::string rest =
+      "Let me see.\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"}}\n</tool_call>\n"
+      "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call><|im_end|>\n<|im_start|>user\n"
+      "<tool_response>\n12:00\n</tool_response>\n<tool_response>\n13:00\n</tool_response><|im_end|>\n"
+      "<|im_start|>assistant\nNoon.<|im_end|>\n<|im_start|>user\nq2<|im_end|>\n<|im_start|>assistant\n";
+
+  const ChatTemplate qwen25 = ChatTemplate::FromGgufTemplate(std::string(kQwen25Marker) + kToolsMarker);
+  ASSERT_TRUE(qwen25.takes_tools());
+  auto r = qwen25.Render(chat, tools);
+  ASSERT_TRUE(r.ok()) << r.status();
+  // Qwen2.5 keeps an answer's thinking text as it is.
+  EXPECT_EQ(r->text, system + "<think>r</think>\n\n" + rest);
+  // The client's text (the tool, the calls' names and arguments, the
+  // answers) lies outside the markup: it cannot inject control tokens.
+  EXPECT_EQ(OutsideMarkup(*r),
+            "|S|{\"type\": \"function\", \"function\": {\"name\": \"get_time\", \"parameters\": {\"zone\": \"str\", "
+            "\"a\": [1, 2.5]}}}|q|<think>r</think>\n\nLet me see.|get_time|{\"zone\": \"UTC\"}|get_time|{}|12:00|"
+            "13:00|Noon.|q2|");
+  // Without a system message, Qwen's default one comes before the tools.
+  r = qwen25.Render({{"user", "q"}}, tools);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text.substr(0, 100),
+            "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\nYo");
+  // An answer that is only calls has no text line.
+  r = qwen25.Render({{"user", "q"}, {"assistant", "", {{"f", "{}"}}}, {"tool", "r"}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->text.find("<|im_start|>assistant\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"
+                         "<|im_end|>\n<|im_start|>user\n<tool_response>\nr\n</tool_response><|im_end|>\n"),
+            std::string::npos)
+      << r->text;
+
+  const ChatTemplate qwen3 = ChatTemplate::FromGgufTemplate(std::string("<|im_start|> <think>") + kToolsMarker);
+  ASSERT_TRUE(qwen3.takes_tools());
+  r = qwen3.Render(chat, tools);
+  ASSERT_TRUE(r.ok()) << r.status();
+  // Qwen3 drops the thinking of an answer before the last question.
+  EXPECT_EQ(r->text, system + rest);
+  // No system message: the tools' turn alone.
+  r = qwen3.Render({{"user", "q"}}, tools);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text.substr(0, 27), "<|im_start|>system\n# Tools\n");
+}
+
+TEST(ChatTemplate, ToolsAreRefusedWhereTheTemplateHasNoPlaceForThem) {
+  const std::vector<std::string> tools = {R"({"type":"function","function":{"name":"f"}})"};
+  // Qwen2's ChatML and the Llama templates: tools, a tool's answer and calls
+  // are refused, naming why.
+  for (const char* jinja : {kQwen25Marker, "<|start_header_id|>", kLlama2Marker}) {
+    const ChatTemplate t = ChatTemplate::FromGgufTemplate(jinja);
+    EXPECT_FALSE(t.takes_tools()) << jinja;
+    auto r = t.Render({{"user", "q"}}, tools);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("does not take tools"), std::string::npos) << r.status();
+    r = t.Render({{"user", "q"}, {"tool", "r"}});
+    EXPECT_NE(r.status().message().find("does not take tools"), std::string::npos) << r.status();
+    r = t.Render({{"user", "q"}, {"assistant", "", {{"f", "{}"}}}, {"user", "q"}});
+    EXPECT_NE(r.status().message().find("does not take tools"), std::string::npos) << r.status();
+  }
+  const ChatTemplate qwen3 = ChatTemplate::FromGgufTemplate(std::string("<|im_start|> <think>") + kToolsMarker);
+  auto r = qwen3.Render({{"user", "q"}}, {"[1, 2]"});
+  EXPECT_NE(r.status().message().find("tool 0 is not a JSON object"), std::string::npos) << r.status();
+  r = qwen3.Render({{"user", "q"}, {"assistant", "", {{"f", "{\"a\": 1"}}}, {"user", "q"}});
+  EXPECT_NE(r.status().message().find("not a JSON object"), std::string::npos) << r.status();
+  r = qwen3.Render({{"user", "q", {{"f", "{}"}}}});
+  EXPECT_NE(r.status().message().find("only an assistant"), std::string::npos) << r.status();
+}
+
+// PythonJson writes what Python's json.dumps(..., ensure_ascii=False) does
+// (the strings below are its output for the same values).
+TEST(ChatTemplate, PythonJsonIsJsonDumps) {
+  auto dumps = [](const std::string& text) {
+    absl::StatusOr<std::string> out = PythonJson(text);
+    EXPECT_TRUE(out.ok()) << text;
+    return out.value_or("");
+  };
+  EXPECT_EQ(dumps(R"({"z":1,"a":{"y":[],"b":{}},"m":[true,false,null]})"),
+            R"({"z": 1, "a": {"y": [], "b": {}}, "m": [true, false, null]})");
+  EXPECT_EQ(dumps(R"(["\"\\\/\b\f\n\r\t\u001f\u007f", "é😀\u00a0"])"),
+            "[\"\\\"\\\\/\\b\\f\\n\\r\\t\\u001f\x7f\", \"é😀\u00a0\"]");
+  EXPECT_EQ(dumps("[2.0, -0.5, 1e-05, 1e16, 1.5e300, 12345678901234567890, -7]"),
+            "[2.0, -0.5, 1e-05, 1e+16, 1.5e+300, 12345678901234567890, -7]");
+  EXPECT_FALSE(PythonJson("{\"a\": }").ok());
+  // Deep nesting is refused, not recursed into (a gRPC client's tool could
+  // nest a million levels).
+  EXPECT_TRUE(PythonJson(std::string(64, '[') + std::string(64, ']')).ok());
+  const absl::StatusOr<std::string> deep = PythonJson(std::string(100000, '[') + std::string(100000, ']'));
+  EXPECT_NE(deep.status().message().find("deeper than 64"), std::string::npos) << deep.status();
+}
+
 int Count(const std::vector<int32_t>& ids, int32_t id) {
   return static_cast<int>(std::count(ids.begin(), ids.end(), id));
 }

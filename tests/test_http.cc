@@ -370,6 +370,43 @@ TEST(Http, ChatCompletionsWithTheModelsTemplate) {
   EXPECT_EQ(Collect(r, true).text, text);
   // The prompt is exactly the template's (the gRPC Tokenize of the messages).
   EXPECT_EQ(j["usage"]["prompt_tokens"].get<int>() > 10, true);
+
+  // Tools: listed in the system turn (the prompt grows by them); a
+  // conversation with the answer's calls and the tools' answers is served;
+  // what ellm cannot honour is a 400 naming the field.
+  const json tools = json::array(
+      {{{"type", "function"},
+        {"function", {{"name", "get_time"}, {"description", "The time in a zone"},
+                      {"parameters", {{"type", "object"}, {"properties", {{"zone", {{"type", "string"}}}}}}}}}}});
+  json with_tools = {{"messages", req["messages"]}, {"max_completion_tokens", 4}, {"temperature", 0}, {"tools", tools}};
+  r = Post(port, "/v1/chat/completions", with_tools);
+  ASSERT_EQ(r.status, 200) << r.body;
+  const int tools_prompt = r.Json()["usage"]["prompt_tokens"].get<int>();
+  EXPECT_GT(tools_prompt, j["usage"]["prompt_tokens"].get<int>() + 30);
+  with_tools["messages"].push_back(
+      {{"role", "assistant"},
+       {"content", nullptr},
+       {"tool_calls",
+        json::array({{{"id", "c"}, {"type", "function"},
+                      {"function", {{"name", "get_time"}, {"arguments", "{\"zone\": \"UTC\"}"}}}}})}});
+  with_tools["messages"].push_back({{"role", "tool"}, {"tool_call_id", "c"}, {"content", "12:00"}});
+  with_tools["stream"] = true;
+  r = Post(port, "/v1/chat/completions", with_tools);
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(Collect(r, true).finish_reason.empty(), false) << r.body;
+  with_tools["stream"] = false;
+  r = Post(port, "/v1/chat/completions", with_tools);
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_GT(r.Json()["usage"]["prompt_tokens"].get<int>(), tools_prompt + 10);
+  with_tools["tool_choice"] = "required";
+  r = Post(port, "/v1/chat/completions", with_tools);
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_NE(r.body.find("'tool_choice'"), std::string::npos) << r.body;
+  with_tools["tool_choice"] = "auto";
+  with_tools["messages"][2]["tool_calls"][0]["function"]["arguments"] = "{\"zone\": ";
+  r = Post(port, "/v1/chat/completions", with_tools);
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_NE(r.body.find("not a JSON object"), std::string::npos) << r.body;
   ExpectCleanShutdown(system);
   std::filesystem::remove_all(dir);
 }
@@ -438,8 +475,7 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   for (const auto& [field, value] : std::vector<std::pair<std::string, json>>{
            {"logit_bias", {{"17", 100}}},
            {"response_format", {{"type", "json_object"}}},
-           {"tools", {{{"type", "function"}, {"function", {{"name", "f"}}}}}},
-           {"tool_choice", "required"},
+           {"functions", {{{"name", "f"}}}},
            {"best_of", 3},
            {"repetition_penalty", 1.2},
            {"min_tokens", 4},
@@ -453,6 +489,7 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
            {"logit_bias", json::object()},
            {"response_format", {{"type", "text"}}},
            {"tool_choice", "none"},
+           {"tools", {{{"type", "function"}, {"function", {{"name", "f"}}}}}},
            {"best_of", 1},
            {"ignore_eos", false},
            {"user", "u-1"}}) {
@@ -460,6 +497,11 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
     body[field] = value;
     expect(Post(port, "/v1/chat/completions", body), 400, "no chat template");
   }
+  // Tools are served where the template takes them; a call the output
+  // would have to be constrained to is refused.
+  json required = chat;
+  required["tool_choice"] = "required";
+  expect(Post(port, "/v1/chat/completions", required), 400, "'tool_choice' must be \"auto\" or \"none\"");
   // Deep nesting is refused before it is parsed (parsed, it took 600 MB).
   expect(Call(port, http::verb::post, "/v1/completions",
               absl::StrCat(R"({"prompt":)", std::string(400000, '['), std::string(400000, ']'), "}")),

@@ -219,4 +219,164 @@ TEST(OpenAiApi, CompletionLogprobsIndexTheTextInCodePoints) {
 }
 
 }  // namespace
+// Tools: each kept as the client wrote its keys (the template writes it out
+// so), an assistant's calls and the tools' answers read from the messages,
+// and what ellm cannot honour refused naming the field.
+TEST(OpenAiApi, ToolsAndToolMessagesAreRead) {
+  const std::string body = R"({"messages": [
+      {"role": "user", "content": "Time?"},
+      {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+        "function": {"name": "now", "arguments": "{\"zone\": \"UTC\"}"}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "12:00"}]}],
+    "tools": [{"type": "function", "function": {"name": "now", "parameters": {"zone": {}, "a": 1}}}],
+    "tool_choice": "auto", "parallel_tool_calls": true})";
+  absl::StatusOr<OpenAiRequest> r = ParseOpenAiRequest(body, true, "m");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->read_tool_calls);
+  ASSERT_EQ(r->generate.tools_size(), 1);
+  EXPECT_EQ(r->generate.tools(0), R"({"type":"function","function":{"name":"now","parameters":{"zone":{},"a":1}}})");
+  ASSERT_EQ(r->generate.messages_size(), 3);
+  ASSERT_EQ(r->generate.messages(1).tool_calls_size(), 1);
+  EXPECT_EQ(r->generate.messages(1).tool_calls(0).name(), "now");
+  EXPECT_EQ(r->generate.messages(1).tool_calls(0).arguments(), R"({"zone": "UTC"})");
+  EXPECT_EQ(r->generate.messages(1).content(), "");
+  EXPECT_EQ(r->generate.messages(2).role(), "tool");
+  EXPECT_EQ(r->generate.messages(2).content(), "12:00");
+
+  // "none": the tools are listed, the answer read as text.
+  std::string none = body;
+  none.replace(none.find("\"auto\""), 6, "\"none\"");
+  r = ParseOpenAiRequest(none, true, "m");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->read_tool_calls);
+  EXPECT_EQ(r->generate.tools_size(), 1);
+  // No tools: nothing to read.
+  r = ParseOpenAiRequest(R"({"messages": [{"role": "user", "content": "x"}], "tools": []})", true, "m");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->read_tool_calls);
+
+  auto refused = [](const std::string& body, bool chat, const std::string& field) {
+    absl::StatusOr<OpenAiRequest> r = ParseOpenAiRequest(body, chat, "m");
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << body;
+    EXPECT_NE(r.status().message().find("'" + field + "'"), std::string::npos) << r.status();
+  };
+  const std::string user = R"("messages": [{"role": "user", "content": "x"}])";
+  const std::string tool = R"({"type": "function", "function": {"name": "f"}})";
+  refused("{" + user + R"(, "tools": [)" + tool + R"(], "tool_choice": "required"})", true, "tool_choice");
+  refused("{" + user + R"(, "tools": [)" + tool + R"(], "tool_choice": {"type": "function", "function": {"name": "f"}}})",
+          true, "tool_choice");
+  refused("{" + user + R"(, "tools": [{"type": "function", "function": {"description": "no name"}}]})", true,
+          "tools[0]");
+  refused("{" + user + R"(, "tools": [{"type": "retrieval"}]})", true, "tools[0]");
+  refused("{" + user + R"(, "tools": {"a": 1}})", true, "tools");
+  refused(R"({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}]})",
+          true, "messages[0].tool_calls[0].function.arguments");
+  refused(R"({"messages": [{"role": "assistant", "tool_calls": {}}]})", true, "messages[0].tool_calls");
+  refused(R"({"prompt": "x", "tools": [)" + tool + "]}", false, "tools");
+  refused(R"({"prompt": "x", "tool_choice": "auto"})", false, "tool_choice");
+  refused("{" + user + R"(, "functions": [{"name": "f"}]})", true, "functions");
+}
+
+TEST(OpenAiApi, ToolCallsAreReadAsQwensTemplatesAskForThem) {
+  std::optional<ToolCallsAnswer> a = ParseToolCalls(
+      "Checking.\n<tool_call>\n{\"name\": \"now\", \"arguments\": {\"zone\":\"UTC\",\"a\":[1,2]}}\n</tool_call>\n"
+      "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>");
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->content, "Checking.\n");
+  ASSERT_EQ(a->calls.size(), 2u);
+  EXPECT_EQ(a->calls[0].name, "now");
+  EXPECT_EQ(a->calls[0].arguments, R"({"zone": "UTC", "a": [1, 2]})");  // keys in order, Python's separators
+  EXPECT_EQ(a->calls[1].name, "f");
+  EXPECT_EQ(a->calls[1].arguments, "{}");
+  // An unclosed last call (the answer ended at its stop token) still counts.
+  a = ParseToolCalls("<tool_call>{\"name\": \"f\", \"arguments\": {\"x\": 1}}");
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->content, "");
+  ASSERT_EQ(a->calls.size(), 1u);
+  // Not calls: no marker, JSON that does not parse, no name, no arguments.
+  EXPECT_FALSE(ParseToolCalls("Just text about <tool_calls>.").has_value());
+  EXPECT_FALSE(ParseToolCalls("<tool_call>{\"name\": \"f\", \"arguments\": {</tool_call>").has_value());
+  EXPECT_FALSE(ParseToolCalls("<tool_call>{\"arguments\": {}}</tool_call>").has_value());
+  EXPECT_FALSE(ParseToolCalls("<tool_call>{\"name\": \"f\"}</tool_call>").has_value());
+  EXPECT_FALSE(ParseToolCalls(
+                   "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call><tool_call>[1]</tool_call>")
+                   .has_value());
+}
+
+// The responses: tool_calls (content null when the answer is only calls),
+// finish_reason "tool_calls"; streamed, no part of a call reaches the
+// content, even a "<tool_call>" split across events.
+TEST(OpenAiApi, AnswersThatCallToolsAreReturnedAsToolCalls) {
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
+  ASSERT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  absl::StatusOr<OpenAiRequest> request = ParseOpenAiRequest(
+      R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "now"}}]})",
+      true, "m");
+  ASSERT_TRUE(request.ok()) << request.status();
+  auto events = [](const std::vector<std::string>& parts) {
+    std::vector<StreamEvent> out;
+    for (const std::string& p : parts) out.push_back(StreamEvent{.text = p});
+    out.back().finished = true;
+    out.back().finish.reason = FinishReason::kStopToken;
+    return out;
+  };
+  const std::vector<std::string> call = {"Let me look.", "\n<to", "ol_c", "all>\n{\"name\": \"now\", ",
+                                         "\"arguments\": {\"zone\": \"UTC\"}}\n</tool_call>", ""};
+  const std::vector<std::string> text = {"A <tool", "_ca", "ll> is how I would ", "call <tool"};
+  for (bool streaming : {false, true}) {
+    OpenAiRequest r = *request;
+    r.stream = streaming;
+    for (const auto& [parts, calls] : {std::pair{call, true}, std::pair{text, false}}) {
+      OpenAiResponder responder(r, "chatcmpl-abc", "m", 0, **tok, 1);
+      std::string content, finish;
+      nlohmann::json tool_calls;
+      if (!streaming) {
+        for (const StreamEvent& e : events(parts)) responder.Add(e);
+        const nlohmann::json j = nlohmann::json::parse(responder.Final());
+        const nlohmann::json& message = j["choices"][0]["message"];
+        content = message["content"].is_null() ? "<null>" : message["content"].get<std::string>();
+        finish = j["choices"][0]["finish_reason"];
+        if (message.contains("tool_calls")) tool_calls = message["tool_calls"];
+      } else {
+        for (const StreamEvent& e : events(parts)) {
+          const std::string sse = responder.SseFor(e);
+          for (size_t at = sse.find("data: {"); at != std::string::npos; at = sse.find("data: {", at + 1)) {
+            const nlohmann::json j = nlohmann::json::parse(sse.substr(at + 6, sse.find("\n\n", at) - at - 6));
+            const nlohmann::json& c = j["choices"][0];
+            if (c["delta"].contains("content")) content += c["delta"]["content"].get<std::string>();
+            if (c["delta"].contains("tool_calls")) tool_calls = c["delta"]["tool_calls"];
+            if (!c["finish_reason"].is_null()) finish = c["finish_reason"];
+          }
+        }
+      }
+      if (calls) {
+        EXPECT_EQ(content, "Let me look.\n") << streaming;
+        EXPECT_EQ(finish, "tool_calls");
+        ASSERT_EQ(tool_calls.size(), 1u) << tool_calls;
+        EXPECT_EQ(tool_calls[0]["type"], "function");
+        EXPECT_EQ(tool_calls[0]["id"], "call_abc_0");
+        EXPECT_EQ(tool_calls[0]["function"]["name"], "now");
+        EXPECT_EQ(tool_calls[0]["function"]["arguments"], R"({"zone": "UTC"})");
+        EXPECT_EQ(tool_calls[0].contains("index"), streaming);
+      } else {
+        // Text that only looks like the start of a call comes out whole.
+        EXPECT_EQ(content, "A <tool_call> is how I would call <tool") << streaming;
+        EXPECT_EQ(finish, "stop");
+        EXPECT_TRUE(tool_calls.is_null()) << tool_calls;
+      }
+    }
+  }
+  // With tool_choice "none" the same answer is text.
+  OpenAiRequest none = *request;
+  none.read_tool_calls = false;
+  OpenAiResponder responder(none, "chatcmpl-abc", "m", 0, **tok, 1);
+  for (const StreamEvent& e : events(call)) responder.Add(e);
+  const nlohmann::json j = nlohmann::json::parse(responder.Final());
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_FALSE(j["choices"][0]["message"].contains("tool_calls"));
+}
+
+
 }  // namespace ellm::coord
