@@ -50,35 +50,42 @@ using OrderedJson = nlohmann::ordered_json;
 // tool could nest a million levels).
 constexpr int kMaxJsonNesting = 64;
 
-// False when j nests deeper than kMaxJsonNesting.
-bool AppendPythonJson(const OrderedJson& j, std::string* out, int depth = 0) {
+// False when j nests deeper than kMaxJsonNesting. indent > 0: Python's
+// indent=N layout (one item per line, ",\n" between items).
+bool AppendPythonJson(const OrderedJson& j, std::string* out, int indent, int depth = 0) {
   if (j.is_structured() && depth >= kMaxJsonNesting) return false;
-  if (j.is_object()) {
-    out->push_back('{');
-    bool first = true;
-    for (const auto& [key, value] : j.items()) {
-      if (!first) out->append(", ");
-      first = false;
-      out->append(OrderedJson(key).dump(-1, ' ', false));
-      out->append(": ");
-      if (!AppendPythonJson(value, out, depth + 1)) return false;
-    }
-    out->push_back('}');
-  } else if (j.is_array()) {
-    out->push_back('[');
-    for (size_t i = 0; i < j.size(); ++i) {
-      if (i > 0) out->append(", ");
-      if (!AppendPythonJson(j[i], out, depth + 1)) return false;
-    }
-    out->push_back(']');
-  } else {
+  if (!j.is_structured() || j.empty()) {
     // Scalars as nlohmann writes them without ensure_ascii: the escapes
     // Python writes (\" \\ \b \f \n \r \t, \u00XX for other controls),
     // and floats shortest round trip, exponents as Python's repr ("1e-05").
     out->append(j.dump(-1, ' ', false));
+    return true;
   }
+  const std::string inner = indent > 0 ? "\n" + std::string(static_cast<size_t>(indent) * (depth + 1), ' ') : "";
+  const char* between = indent > 0 ? "," : ", ";
+  out->push_back(j.is_object() ? '{' : '[');
+  bool first = true;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    out->append(first ? "" : between);
+    out->append(inner);
+    first = false;
+    if (j.is_object()) {
+      out->append(OrderedJson(it.key()).dump(-1, ' ', false));
+      out->append(": ");
+    }
+    if (!AppendPythonJson(it.value(), out, indent, depth + 1)) return false;
+  }
+  if (indent > 0) out->append("\n" + std::string(static_cast<size_t>(indent) * depth, ' '));
+  out->push_back(j.is_object() ? '}' : ']');
   return true;
 }
+
+// The text Llama 3.1's template writes before the tools' list, in the first
+// user turn.
+constexpr char kLlamaToolsIntro[] =
+    "Given the following functions, please respond with a JSON for a function call with its proper arguments "
+    "that best answers the given prompt.\n\nRespond in the format {\"name\": function name, \"parameters\": "
+    "dictionary of argument name and its value}.Do not use variables.\n\n";
 
 // The text Qwen2.5's and Qwen3's templates write around the tools' list.
 constexpr char kToolsIntro[] =
@@ -91,11 +98,11 @@ constexpr char kToolsOutro[] =
 
 }  // namespace
 
-absl::StatusOr<std::string> PythonJson(const std::string& json_text) {
+absl::StatusOr<std::string> PythonJson(const std::string& json_text, int indent) {
   const OrderedJson j = OrderedJson::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return absl::InvalidArgumentError("not valid JSON");
   std::string out;
-  if (!AppendPythonJson(j, &out)) {
+  if (!AppendPythonJson(j, &out, indent)) {
     return absl::InvalidArgumentError(absl::StrCat("nests deeper than ", kMaxJsonNesting, " levels"));
   }
   return out;
@@ -159,6 +166,13 @@ ChatTemplate ChatTemplate::FromGgufTemplate(const std::string& jinja) {
                    jinja.find("You are provided with function signatures within <tools></tools> XML tags") !=
                        std::string::npos;
   if (t.format_ == ChatFormat::kChatMl && t.default_system_.empty()) t.takes_tools_ = false;
+  // Llama 3.1's, 3.2's and 3.3's (3.0's has none): JSON calls, the tools in
+  // the first user turn.
+  if (t.format_ == ChatFormat::kLlama3 && t.knowledge_header_ &&
+      jinja.find("Given the following functions, please respond with a JSON for a function call") !=
+          std::string::npos) {
+    t.takes_tools_ = true;
+  }
   // Anything else, e.g. Mistral's [INST] templates (no <<SYS>>; their turns,
   // spaces and system message differ from Llama 2's by version), is not
   // guessed: kNone, and a chat request is refused.
@@ -232,8 +246,9 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
     }
   }
   if (!tools.empty() && !takes_tools_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the model's chat template (", name(), ") does not take tools (ellm renders Qwen2.5's and Qwen3's)"));
+    return absl::InvalidArgumentError(absl::StrCat("the model's chat template (", name(),
+                                                   ") does not take tools (ellm renders Qwen2.5's, Qwen3's and "
+                                                   "Llama 3.1's)"));
   }
   // The tools and the calls' arguments as the template's tojson writes them.
   std::vector<std::string> tool_texts;
@@ -253,6 +268,24 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
             absl::StrCat("message ", i, "'s tool call ", c, " has arguments that are not a JSON object"));
       }
       arguments[i].push_back(*std::move(text));
+    }
+  }
+  const bool with_tools = !tool_texts.empty();
+  size_t system_end = messages[0].role == "system" ? 1 : 0;  // Llama 3.1: the first user turn's index
+  if (format_ == ChatFormat::kLlama3 && takes_tools_) {
+    // Llama 3.1's template raises on these; its tools go into the first
+    // message after the system one, which must be the user's.
+    for (size_t i = 0; i < messages.size(); ++i) {
+      if (messages[i].tool_calls.size() > 1) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("message ", i, " has ", messages[i].tool_calls.size(),
+                         " tool calls; Llama 3.1's chat template takes one call per message"));
+      }
+    }
+    if (with_tools && (system_end >= messages.size() || messages[system_end].role != "user")) {
+      return absl::InvalidArgumentError(
+          "Llama 3.1's chat template puts the tools in the first user message: the messages need one "
+          "(first, or after the system message)");
     }
   }
   // ChatML, Qwen3 and Llama 3 render any order of turns, as their templates
@@ -397,19 +430,47 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
           char buf[32];
           date.assign(buf, std::strftime(buf, sizeof(buf), "%d %b %Y", &local));
         }
-        markup(absl::StrCat("<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n",
-                            "Today Date: ", date, "\n\n"));
+        markup(absl::StrCat("<|start_header_id|>system<|end_header_id|>\n\n",
+                            with_tools ? "Environment: ipython\n" : "",
+                            "Cutting Knowledge Date: December 2023\nToday Date: ", date, "\n\n"));
         if (messages[0].role == "system") {
           content(PythonStrip(messages[0].content));
           first = 1;
         }
         markup("<|eot_id|>");
       }
+      if (with_tools) {
+        // Llama 3.1: the tools (json.dumps with indent=4) open the first
+        // user turn.
+        markup(absl::StrCat("<|start_header_id|>user<|end_header_id|>\n\n", kLlamaToolsIntro));
+        for (const std::string& tool : tools) {
+          content(PythonJson(tool, /*indent=*/4).value_or(""));  // checked above
+          markup("\n\n");
+        }
+        content(PythonStrip(messages[system_end].content));
+        markup("<|eot_id|>");
+        first = system_end + 1;
+      }
       for (size_t i = first; i < messages.size(); ++i) {
         const ChatMessage& m = messages[i];
-        markup(absl::StrCat("<|start_header_id|>", m.role, "<|end_header_id|>\n\n"));
-        content(PythonStrip(m.content));
-        markup("<|eot_id|>");
+        if (!m.tool_calls.empty()) {
+          // Llama 3.1: the call alone (the answer's text is not written).
+          markup("<|start_header_id|>assistant<|end_header_id|>\n\n{\"name\": \"");
+          content(m.tool_calls[0].name);
+          markup("\", \"parameters\": ");
+          content(arguments[i][0]);
+          markup("}<|eot_id|>");
+        } else if (m.role == "tool") {
+          // Llama 3.1's template writes a tool's answer through tojson (a
+          // string is iterable there): as a JSON string.
+          markup("<|start_header_id|>ipython<|end_header_id|>\n\n");
+          content(nlohmann::json(m.content).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+          markup("<|eot_id|>");
+        } else {
+          markup(absl::StrCat("<|start_header_id|>", m.role, "<|end_header_id|>\n\n"));
+          content(PythonStrip(m.content));
+          markup("<|eot_id|>");
+        }
       }
       markup("<|start_header_id|>assistant<|end_header_id|>\n\n");
       break;

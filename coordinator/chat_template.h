@@ -6,7 +6,8 @@
 // block). Others (Mistral's [INST] templates among them) are not guessed.
 // Tools (OpenAI's function calling) with Qwen2.5's and Qwen3's templates,
 // which list them in the system turn and take the answers' <tool_call>s and
-// the tools' <tool_response>s.
+// the tools' <tool_response>s, and Llama 3.1's (3.2, 3.3), which lists them
+// in the first user turn and takes one JSON call per answer.
 #pragma once
 
 #include <string>
@@ -31,14 +32,26 @@ struct ChatMessage {
   std::vector<ChatToolCall> tool_calls = {};  // assistant, with a template that takes tools
 };
 
-// `j` as Python's json.dumps(j, ensure_ascii=False) writes it, which is how
-// the templates' tojson filter (transformers', vLLM's) writes a tool and a
-// call's arguments: keys in their given order, ", " and ": " between items.
+// `json_text` as Python's json.dumps(j, ensure_ascii=False) writes it (with
+// indent > 0: indent=N), which is how the templates' tojson filter
+// (transformers', vLLM's) writes a tool and a call's arguments: keys in
+// their given order, ", " (or "," and a new line) and ": " between items.
 // InvalidArgument when `json_text` is not JSON or nests deeper than 64
 // levels.
-absl::StatusOr<std::string> PythonJson(const std::string& json_text);
+absl::StatusOr<std::string> PythonJson(const std::string& json_text, int indent = 0);
 
 enum class ChatFormat { kNone, kChatMl, kQwen3, kLlama2, kLlama3 };
+
+// How a model's answer calls tools, by its chat template:
+//   kHermes     Qwen2.5, Qwen3 (vLLM's "hermes" parser): the answer's text up
+//               to the first "<tool_call>", then one {"name": ...,
+//               "arguments": ...} JSON object per <tool_call>...</tool_call>
+//               (the last may be unclosed); text after a call is dropped.
+//   kLlamaJson  Llama 3.1 (vLLM's "llama3_json"): an answer that starts with
+//               "{" and is JSON objects {"name": ..., "parameters" (or
+//               "arguments"): ...}, each followed by a 2-character separator
+//               ("; "); it has no text besides.
+enum class ToolCallSyntax { kHermes, kLlamaJson };
 
 // A rendered prompt: its text, and the byte ranges of it that the template
 // wrote (its markup: "<|im_start|>user\n", "[INST] ", ...), where special
@@ -57,8 +70,12 @@ class ChatTemplate {
   ChatFormat format() const { return format_; }
   // "chatml", "qwen3", "llama2", "llama3", or what kNone means for chat.
   const char* name() const;
-  // Whether the template takes tools (Qwen2.5's and Qwen3's do).
+  // Whether the template takes tools (Qwen2.5's, Qwen3's and Llama 3.1's
+  // do), and how the model's answers call them.
   bool takes_tools() const { return takes_tools_; }
+  ToolCallSyntax tool_syntax() const {
+    return format_ == ChatFormat::kLlama3 ? ToolCallSyntax::kLlamaJson : ToolCallSyntax::kHermes;
+  }
 
   // Turns chat off (kNone, with a name() and Render() error that say why)
   // when a special token the markup writes ("<|im_start|>", "<s>", ...) is
@@ -82,7 +99,7 @@ class ChatTemplate {
  private:
   ChatFormat format_ = ChatFormat::kNone;
   bool has_template_ = false;
-  bool takes_tools_ = false;  // Qwen2.5's or Qwen3's tools section
+  bool takes_tools_ = false;  // Qwen2.5's, Qwen3's or Llama 3.1's tools section
   std::string refused_;  // why CheckVocabulary turned a known format off
   std::string default_system_;  // ChatML: Qwen's templates add one
   bool knowledge_header_ = false;  // Llama 3.1+: the dated system block

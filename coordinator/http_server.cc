@@ -300,6 +300,7 @@ class Session : public std::enable_shared_from_this<Session> {
         return p;
       }
       p.request = *std::move(parsed);
+      p.request.tool_syntax = server.service->chat_template().tool_syntax();
       p.options = *std::move(options);
     } catch (const std::exception& e) {
       LogError("HTTP %s: preparing the request: %s", chat ? "/v1/chat/completions" : "/v1/completions", e.what());

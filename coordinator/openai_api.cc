@@ -465,25 +465,79 @@ const char* OpenAiFinishReason(FinishReason reason) {
   }
 }
 
-std::optional<ToolCallsAnswer> ParseToolCalls(std::string_view text) {
+namespace {
+
+// One call's JSON object: its name and its arguments (Python's json.dumps);
+// nullopt when it is not {"name": string, <args_key>: ...}.
+std::optional<ToolCallsAnswer::Call> CallOf(std::string_view json_text, std::initializer_list<const char*> args_keys) {
+  const nlohmann::ordered_json j = nlohmann::ordered_json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("name") || !j["name"].is_string()) return std::nullopt;
+  for (const char* key : args_keys) {
+    if (!j.contains(key)) continue;
+    absl::StatusOr<std::string> arguments =
+        PythonJson(j[key].dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
+    if (!arguments.ok()) return std::nullopt;
+    return ToolCallsAnswer::Call{j["name"].get<std::string>(), *std::move(arguments)};
+  }
+  return std::nullopt;
+}
+
+// The end of the JSON object that starts at text[begin] ('{'): one past its
+// closing brace, or npos when it does not close.
+size_t ObjectEnd(std::string_view text, size_t begin) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (size_t i = begin; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      ++depth;
+    } else if ((c == '}' || c == ']') && --depth == 0) {
+      return i + 1;
+    }
+  }
+  return std::string_view::npos;
+}
+
+}  // namespace
+
+std::optional<ToolCallsAnswer> ParseToolCalls(std::string_view text, ToolCallSyntax syntax) {
+  ToolCallsAnswer out;
+  if (syntax == ToolCallSyntax::kLlamaJson) {
+    // As vLLM's llama3_json: objects from the first character on, each
+    // followed by two characters of separator; anything else is text.
+    if (text.empty() || text.front() != '{') return std::nullopt;
+    for (size_t at = 0; at < text.size();) {
+      if (text[at] != '{') return std::nullopt;
+      const size_t end = ObjectEnd(text, at);
+      if (end == std::string_view::npos) return std::nullopt;
+      std::optional<ToolCallsAnswer::Call> call = CallOf(text.substr(at, end - at), {"arguments", "parameters"});
+      if (!call) return std::nullopt;
+      out.calls.push_back(*std::move(call));
+      at = end + 2;
+    }
+    return out;
+  }
   constexpr std::string_view kOpen = "<tool_call>", kClose = "</tool_call>";
   size_t at = text.find(kOpen);
   if (at == std::string_view::npos) return std::nullopt;
-  ToolCallsAnswer out;
   out.content = std::string(text.substr(0, at));
   while (at != std::string_view::npos) {
     const size_t begin = at + kOpen.size();
     const size_t end = text.find(kClose, begin);
-    const std::string_view call = text.substr(begin, end == std::string_view::npos ? end : end - begin);
-    const nlohmann::ordered_json j = nlohmann::ordered_json::parse(call, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.is_object() || !j.contains("name") || !j["name"].is_string() ||
-        !j.contains("arguments")) {
-      return std::nullopt;
-    }
-    absl::StatusOr<std::string> arguments =
-        PythonJson(j["arguments"].dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
-    if (!arguments.ok()) return std::nullopt;
-    out.calls.push_back({j["name"].get<std::string>(), *std::move(arguments)});
+    std::optional<ToolCallsAnswer::Call> call =
+        CallOf(text.substr(begin, end == std::string_view::npos ? end : end - begin), {"arguments"});
+    if (!call) return std::nullopt;
+    out.calls.push_back(*std::move(call));
     if (end == std::string_view::npos) break;
     at = text.find(kOpen, end + kClose.size());
   }
@@ -592,6 +646,17 @@ std::string OpenAiResponder::ShowableText(const std::string& text) {
     held_ += text;
     return "";
   }
+  if (request_.tool_syntax == ToolCallSyntax::kLlamaJson) {
+    // Calls are the whole answer: its first character decides.
+    if (shown_ || text.empty()) return text;
+    if (text.front() == '{') {
+      in_calls_ = true;
+      held_ = text;
+      return "";
+    }
+    shown_ = true;
+    return text;
+  }
   std::string all = std::move(held_) + text;
   held_.clear();
   const size_t at = all.find(kOpen);
@@ -631,7 +696,7 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e) {
   std::string text = request_.read_tool_calls ? ShowableText(e.text) : e.text;
   std::optional<ToolCallsAnswer> calls;
   if (e.finished && request_.read_tool_calls) {
-    if (in_calls_) calls = ParseToolCalls(held_);
+    if (in_calls_) calls = ParseToolCalls(held_, request_.tool_syntax);
     if (!calls) text += held_;  // not calls after all: the rest is text
     held_.clear();
   }
@@ -679,7 +744,7 @@ void OpenAiResponder::Add(const coord::StreamEvent& e) {
 std::string OpenAiResponder::Final() {
   json choice = {{"index", 0}, {"finish_reason", OpenAiFinishReason(finish_.reason)}, {"logprobs", nullptr}};
   const std::optional<ToolCallsAnswer> calls =
-      request_.read_tool_calls ? ParseToolCalls(text_) : std::nullopt;
+      request_.read_tool_calls ? ParseToolCalls(text_, request_.tool_syntax) : std::nullopt;
   if (calls) {
     choice["message"] = {{"role", "assistant"},
                          {"content", calls->content.empty() ? json(nullptr) : json(calls->content)},

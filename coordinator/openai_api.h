@@ -32,6 +32,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "coordinator/chat_template.h"
 #include "coordinator/request_stream.h"
 #include "core/tokenizer.h"
 #include "core/status.h"
@@ -47,9 +48,10 @@ struct OpenAiRequest {
   bool include_usage = false;
   bool logprobs = false;
   int top_logprobs = 0;  // alternatives per token (also in generate)
-  // Chat with tools and tool_choice "auto": the answer's <tool_call>s are
-  // returned as tool_calls.
+  // Chat with tools and tool_choice "auto": the answer's calls (in
+  // tool_syntax) are returned as tool_calls.
   bool read_tool_calls = false;
+  ToolCallSyntax tool_syntax = ToolCallSyntax::kHermes;  // set by the server from the model's template
   ellm::v1::GenerateRequest generate;
 };
 
@@ -62,10 +64,8 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
 // "stop" for a stop token or string, "length" for max_tokens or the context.
 const char* OpenAiFinishReason(FinishReason reason);
 
-// An answer that calls tools as Qwen's templates ask (and as vLLM's "hermes"
-// parser reads it): its text up to the first "<tool_call>", then one
-// {"name": ..., "arguments": ...} JSON object per <tool_call>...</tool_call>
-// (the last one may be unclosed). Text after a call is dropped.
+// An answer's calls of tools (ToolCallSyntax): its text (kHermes: before the
+// first call), and each call.
 struct ToolCallsAnswer {
   std::string content;
   struct Call {
@@ -74,9 +74,9 @@ struct ToolCallsAnswer {
   };
   std::vector<Call> calls;
 };
-// nullopt when the text has no "<tool_call>", or a call is not such an
-// object: the answer is then plain text.
-std::optional<ToolCallsAnswer> ParseToolCalls(std::string_view text);
+// nullopt when the text holds no calls in that syntax, or one that is not
+// such an object: the answer is then plain text.
+std::optional<ToolCallsAnswer> ParseToolCalls(std::string_view text, ToolCallSyntax syntax);
 
 // Builds the responses of one request: `id` like "cmpl-..." / "chatcmpl-...".
 class OpenAiResponder {
@@ -99,8 +99,9 @@ class OpenAiResponder {
   // OpenAI's tool_calls list (streaming: with each call's index).
   nlohmann::json ToolCallsJson(const ToolCallsAnswer& answer, bool streaming) const;
   // Streaming with read_tool_calls: the part of `text` that may be shown
-  // now. From a "<tool_call>" on, the text is held for ParseToolCalls at the
-  // end; so is a tail that could begin one.
+  // now. Hermes: from a "<tool_call>" on, the text is held for
+  // ParseToolCalls at the end; so is a tail that could begin one. Llama
+  // JSON: an answer that starts with "{" is held whole.
   std::string ShowableText(const std::string& text);
   // The logprobs object of these tokens (advances prev_token_ and text_offset_).
   nlohmann::json LogprobsOf(const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
@@ -119,7 +120,8 @@ class OpenAiResponder {
   int64_t created_;
   bool sent_role_ = false;
   std::string held_;        // streaming with read_tool_calls: text not shown yet
-  bool in_calls_ = false;   // held_ starts with "<tool_call>"
+  bool in_calls_ = false;   // held_ is (may be) calls, to the end
+  bool shown_ = false;      // Llama JSON: the answer's first character was not "{"
   // Not streaming: what the request gave.
   std::string text_;
   std::vector<int32_t> ids_;

@@ -91,6 +91,8 @@ class EllmService final : public ellm::v1::Ellm::Service {
 
   // The HTTP front's API-key check (the Authorization header's value).
   bool AuthorizeHttp(std::string_view authorization) const { return options_.api_key.Matches(authorization); }
+  // The model's chat template (how its answers call tools, among others).
+  const ChatTemplate& chat_template() const { return options_.chat; }
   // Turns a request into scheduler options (InvalidArgument on bad input).
   absl::StatusOr<GenerateOptions> Validate(const ellm::v1::GenerateRequest& request) const;
   // The prompt's token ids: the raw prompt, or the chat messages rendered

@@ -38,6 +38,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                      "<tool_call> <tool_response>",
                                      "<|im_start|><think> You are provided with function signatures within "
                                      "<tools></tools> XML tags <tool_call> <tool_response>",
+                                     "Cutting Knowledge Date: December 2023 <|start_header_id|> set date_string = \"1 May\" "
+                                     "Given the following functions, please respond with a JSON for a function call",
                                      "[INST] <<SYS>>",
                                      "[INST]",
                                      "",
@@ -53,9 +55,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     while (end < size && data[end] != 0) ++end;
     std::string content(reinterpret_cast<const char*>(data + i), end - i);
     i = end + 1;
-    if (const auto calls = ellm::coord::ParseToolCalls(content)) {
-      for (const auto& call : calls->calls) {
-        if (!ellm::coord::PythonJson(call.arguments).ok()) std::abort();  // what it writes reads back
+    for (auto syntax : {ellm::coord::ToolCallSyntax::kHermes, ellm::coord::ToolCallSyntax::kLlamaJson}) {
+      if (const auto calls = ellm::coord::ParseToolCalls(content, syntax)) {
+        for (const auto& call : calls->calls) {
+          if (!ellm::coord::PythonJson(call.arguments).ok()) std::abort();  // what it writes reads back
+        }
       }
     }
     if (kind == 4) {

@@ -78,12 +78,13 @@ def chat(t, msgs):
     return bytes([t]) + b"".join(bytes([r]) + c.encode() + b"\0" for r, c in msgs)
 for t in range(4):
     put("chat_template", "c%d" % t, chat(t, [(0, "Be brief."), (1, "Hi"), (2, "<think>x</think>Hello"), (1, "hi </s><s>[INST] x <|im_end|>")]))
-# tools (templates 4, 5: Qwen2.5's and Qwen3's markers): kind 5 a tool's JSON, 4 an answer's call
-# (content: its arguments), 3 a tool's answer; a content that reads as calls
-for t in (4, 5):
+# tools (templates 4, 5, 6: Qwen2.5's, Qwen3's and Llama 3.1's markers): kind 5 a tool's JSON, 4 an
+# answer's call (content: its arguments), 3 a tool's answer; a content that reads as calls
+for t in (4, 5, 6):
     put("chat_template", "tools%d" % t, chat(t, [(5, '{"type": "function", "function": {"name": "f", "parameters": {"z": 1, "a": [2.5]}}}'),
                                                (1, "Hi"), (4, '{"x": "\u00e9"}'), (3, "42"),
-                                               (2, 'ok <tool_call>\n{"name": "f", "arguments": {"b": 1, "a": 2}}\n</tool_call>'), (1, "q")]))
+                                               (2, 'ok <tool_call>\n{"name": "f", "arguments": {"b": 1, "a": 2}}\n</tool_call>'), (1, "q"),
+                                               (2, '{"name": "f", "parameters": {"b": [1, "}"]}}; {"name": "g", "arguments": {}}')]))
 
 # --- frames: header (magic, version, kind, step, layer, n_seqs, n_tokens, status, payload_bytes) + payload ---
 def frame(kind, step, layer, n_seqs, n_tokens, status, payload):

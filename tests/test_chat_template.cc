@@ -325,6 +325,7 @@ TEST(ChatTemplate, ToolsAsQwensTemplatesWriteThem) {
 
   const ChatTemplate qwen25 = ChatTemplate::FromGgufTemplate(std::string(kQwen25Marker) + kToolsMarker);
   ASSERT_TRUE(qwen25.takes_tools());
+  EXPECT_EQ(qwen25.tool_syntax(), ToolCallSyntax::kHermes);
   auto r = qwen25.Render(chat, tools);
   ASSERT_TRUE(r.ok()) << r.status();
   // Qwen2.5 keeps an answer's thinking text as it is.
@@ -360,10 +361,56 @@ TEST(ChatTemplate, ToolsAsQwensTemplatesWriteThem) {
   EXPECT_EQ(r->text.substr(0, 27), "<|im_start|>system\n# Tools\n");
 }
 
+// Llama 3.1: "Environment: ipython" in the system block, the tools
+// (json.dumps, indent=4) in the first user turn, a call as the answer's
+// whole JSON, a tool's answer as a JSON string (the template's tojson of it).
+TEST(ChatTemplate, ToolsAsLlama31sTemplateWritesThem) {
+  const std::string llama31 =
+      "{%- if not date_string is defined %}{%- set date_string = \"26 Jul 2024\" %}{%- endif %}"
+      "{{- \"Cutting Knowledge Date: December 2023\\n\" }} <|start_header_id|> {{- \"Given the following "
+      "functions, please respond with a JSON for a function call \" }}";
+  const ChatTemplate t = ChatTemplate::FromGgufTemplate(llama31);
+  ASSERT_EQ(t.format(), ChatFormat::kLlama3);
+  ASSERT_TRUE(t.takes_tools());
+  EXPECT_EQ(t.tool_syntax(), ToolCallSyntax::kLlamaJson);
+  const std::vector<std::string> tools = {
+      R"({"type":"function","function":{"name":"get_time","parameters":{"zone":"str","a":[1,2.5],"e":{}}}})"};
+  auto r = t.Render({{"system", " S "},
+                     {"user", " q "},
+                     {"assistant", "", {{"get_time", R"({"zone":"UTC"})"}}},
+                     {"tool", "12:00 \"noon\"\n"},
+                     {"assistant", "Noon."},
+                     {"user", "q2"}},
+                    tools);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text,
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\nCutting Knowledge "
+            "Date: December 2023\nToday Date: 26 Jul 2024\n\nS<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
+            "Given the following functions, please respond with a JSON for a function call with its proper "
+            "arguments that best answers the given prompt.\n\nRespond in the format {\"name\": function name, "
+            "\"parameters\": dictionary of argument name and its value}.Do not use variables.\n\n{\n    \"type\": "
+            "\"function\",\n    \"function\": {\n        \"name\": \"get_time\",\n        \"parameters\": {\n      "
+            "      \"zone\": \"str\",\n            \"a\": [\n                1,\n                2.5\n            ],\n"
+            "            \"e\": {}\n        }\n    }\n}\n\nq<|eot_id|><|start_header_id|>assistant<|end_header_id|>"
+            "\n\n{\"name\": \"get_time\", \"parameters\": {\"zone\": \"UTC\"}}<|eot_id|><|start_header_id|>ipython"
+            "<|end_header_id|>\n\n\"12:00 \\\"noon\\\"\\n\"<|eot_id|><|start_header_id|>assistant<|end_header_id|>"
+            "\n\nNoon.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nq2<|eot_id|><|start_header_id|>"
+            "assistant<|end_header_id|>\n\n");
+  // The template raises on two calls in one answer; with tools, the first
+  // message after the system one is where they go, and must be the user's.
+  r = t.Render({{"user", "q"}, {"assistant", "", {{"f", "{}"}, {"g", "{}"}}}, {"tool", "r"}});
+  EXPECT_NE(r.status().message().find("one call per message"), std::string::npos) << r.status();
+  r = t.Render({{"system", "S"}, {"tool", "r"}, {"user", "q"}}, tools);
+  EXPECT_NE(r.status().message().find("first user message"), std::string::npos) << r.status();
+  r = t.Render({{"system", "S"}}, tools);
+  EXPECT_NE(r.status().message().find("first user message"), std::string::npos) << r.status();
+}
+
 TEST(ChatTemplate, ToolsAreRefusedWhereTheTemplateHasNoPlaceForThem) {
   const std::vector<std::string> tools = {R"({"type":"function","function":{"name":"f"}})"};
   // Qwen2's ChatML and the Llama templates: tools, a tool's answer and calls
   // are refused, naming why.
+  // (Llama 3.0's template has no dated system block and no tools.)
   for (const char* jinja : {kQwen25Marker, "<|start_header_id|>", kLlama2Marker}) {
     const ChatTemplate t = ChatTemplate::FromGgufTemplate(jinja);
     EXPECT_FALSE(t.takes_tools()) << jinja;
@@ -402,6 +449,11 @@ TEST(ChatTemplate, PythonJsonIsJsonDumps) {
   // Deep nesting is refused, not recursed into (a gRPC client's tool could
   // nest a million levels).
   EXPECT_TRUE(PythonJson(std::string(64, '[') + std::string(64, ']')).ok());
+  // indent=4, as the Llama 3.1 template's tojson(indent=4): empty
+  // containers stay "{}" and "[]".
+  EXPECT_EQ(PythonJson(R"({"a":[1,{}],"b":[],"c":{"d":null}})", 4).value_or(""),
+            "{\n    \"a\": [\n        1,\n        {}\n    ],\n    \"b\": [],\n    \"c\": {\n        \"d\": "
+            "null\n    }\n}");
   const absl::StatusOr<std::string> deep = PythonJson(std::string(100000, '[') + std::string(100000, ']'));
   EXPECT_NE(deep.status().message().find("deeper than 64"), std::string::npos) << deep.status();
 }

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "core/gguf.h"
 #include "core/tokenizer.h"
 #include "core/unicode.h"
@@ -277,10 +278,35 @@ TEST(OpenAiApi, ToolsAndToolMessagesAreRead) {
   refused("{" + user + R"(, "functions": [{"name": "f"}]})", true, "functions");
 }
 
+TEST(OpenAiApi, ToolCallsAreReadAsLlama31sTemplateAsksForThem) {
+  // vLLM's llama3_json: objects separated by "; ", "parameters" or "arguments".
+  std::optional<ToolCallsAnswer> a = ParseToolCalls(
+      R"({"name": "now", "parameters": {"zone": "UTC", "a": [1, "}"]}}; {"name": "f", "arguments": {}})",
+      ToolCallSyntax::kLlamaJson);
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->content, "");
+  ASSERT_EQ(a->calls.size(), 2u);
+  EXPECT_EQ(a->calls[0].name, "now");
+  EXPECT_EQ(a->calls[0].arguments, R"({"zone": "UTC", "a": [1, "}"]})");
+  EXPECT_EQ(a->calls[1].name, "f");
+  EXPECT_EQ(a->calls[1].arguments, "{}");
+  // A trailing newline is within the separator's two characters.
+  EXPECT_TRUE(ParseToolCalls("{\"name\": \"f\", \"parameters\": {}}\n", ToolCallSyntax::kLlamaJson).has_value());
+  // Text: not starting with "{", text after the call, no name, no
+  // parameters, unclosed, the other syntax.
+  for (const char* text : {" {\"name\": \"f\", \"parameters\": {}}", "{\"name\": \"f\", \"parameters\": {}} and more",
+                           "{\"parameters\": {}}", "{\"name\": \"f\"}", "{\"name\": \"f\", \"parameters\": {",
+                           "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>", "{\"a\": \"{\"}"}) {
+    EXPECT_FALSE(ParseToolCalls(text, ToolCallSyntax::kLlamaJson).has_value()) << text;
+  }
+  EXPECT_FALSE(ParseToolCalls("{\"name\": \"f\", \"arguments\": {}}", ToolCallSyntax::kHermes).has_value());
+}
+
 TEST(OpenAiApi, ToolCallsAreReadAsQwensTemplatesAskForThem) {
   std::optional<ToolCallsAnswer> a = ParseToolCalls(
       "Checking.\n<tool_call>\n{\"name\": \"now\", \"arguments\": {\"zone\":\"UTC\",\"a\":[1,2]}}\n</tool_call>\n"
-      "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>");
+      "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>",
+      ToolCallSyntax::kHermes);
   ASSERT_TRUE(a.has_value());
   EXPECT_EQ(a->content, "Checking.\n");
   ASSERT_EQ(a->calls.size(), 2u);
@@ -289,17 +315,18 @@ TEST(OpenAiApi, ToolCallsAreReadAsQwensTemplatesAskForThem) {
   EXPECT_EQ(a->calls[1].name, "f");
   EXPECT_EQ(a->calls[1].arguments, "{}");
   // An unclosed last call (the answer ended at its stop token) still counts.
-  a = ParseToolCalls("<tool_call>{\"name\": \"f\", \"arguments\": {\"x\": 1}}");
+  a = ParseToolCalls("<tool_call>{\"name\": \"f\", \"arguments\": {\"x\": 1}}", ToolCallSyntax::kHermes);
   ASSERT_TRUE(a.has_value());
   EXPECT_EQ(a->content, "");
   ASSERT_EQ(a->calls.size(), 1u);
   // Not calls: no marker, JSON that does not parse, no name, no arguments.
-  EXPECT_FALSE(ParseToolCalls("Just text about <tool_calls>.").has_value());
-  EXPECT_FALSE(ParseToolCalls("<tool_call>{\"name\": \"f\", \"arguments\": {</tool_call>").has_value());
-  EXPECT_FALSE(ParseToolCalls("<tool_call>{\"arguments\": {}}</tool_call>").has_value());
-  EXPECT_FALSE(ParseToolCalls("<tool_call>{\"name\": \"f\"}</tool_call>").has_value());
+  EXPECT_FALSE(ParseToolCalls("Just text about <tool_calls>.", ToolCallSyntax::kHermes).has_value());
+  EXPECT_FALSE(ParseToolCalls("<tool_call>{\"name\": \"f\", \"arguments\": {</tool_call>", ToolCallSyntax::kHermes).has_value());
+  EXPECT_FALSE(ParseToolCalls("<tool_call>{\"arguments\": {}}</tool_call>", ToolCallSyntax::kHermes).has_value());
+  EXPECT_FALSE(ParseToolCalls("<tool_call>{\"name\": \"f\"}</tool_call>", ToolCallSyntax::kHermes).has_value());
   EXPECT_FALSE(ParseToolCalls(
-                   "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call><tool_call>[1]</tool_call>")
+                   "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call><tool_call>[1]</tool_call>",
+                   ToolCallSyntax::kHermes)
                    .has_value());
 }
 
@@ -368,6 +395,62 @@ TEST(OpenAiApi, AnswersThatCallToolsAreReturnedAsToolCalls) {
       }
     }
   }
+  // Llama 3.1: an answer that starts with "{" is held whole, then read as
+  // calls (content null) or, if it is not, given as text.
+  OpenAiRequest llama = *request;
+  llama.tool_syntax = ToolCallSyntax::kLlamaJson;
+  for (bool streaming : {false, true}) {
+    llama.stream = streaming;
+    for (const auto& [parts, calls] :
+         {std::pair{std::vector<std::string>{"", "{\"name\": ", "\"now\", \"parameters\": {}}", ""}, true},
+          std::pair{std::vector<std::string>{"{\"name\": ", "\"now\"} is JSON"}, false},
+          std::pair{std::vector<std::string>{"Sure: ", "{\"name\": \"now\", \"parameters\": {}}"}, false}}) {
+      OpenAiResponder responder(llama, "chatcmpl-abc", "m", 0, **tok, 1);
+      std::string all;
+      for (const std::string& p : parts) all += p;
+      std::string content = "<null>", finish;
+      nlohmann::json tool_calls;
+      if (!streaming) {
+        for (const StreamEvent& e : events(parts)) responder.Add(e);
+        const nlohmann::json j = nlohmann::json::parse(responder.Final());
+        const nlohmann::json& message = j["choices"][0]["message"];
+        if (!message["content"].is_null()) content = message["content"];
+        finish = j["choices"][0]["finish_reason"];
+        if (message.contains("tool_calls")) tool_calls = message["tool_calls"];
+      } else {
+        std::vector<std::string> deltas;
+        for (const StreamEvent& e : events(parts)) {
+          const std::string sse = responder.SseFor(e);
+          for (size_t at = sse.find("data: {"); at != std::string::npos; at = sse.find("data: {", at + 1)) {
+            const nlohmann::json j = nlohmann::json::parse(sse.substr(at + 6, sse.find("\n\n", at) - at - 6));
+            const nlohmann::json& c = j["choices"][0];
+            if (c["delta"].contains("content") && c["delta"]["content"] != "") {
+              deltas.push_back(c["delta"]["content"]);
+            }
+            if (c["delta"].contains("tool_calls")) tool_calls = c["delta"]["tool_calls"];
+            if (!c["finish_reason"].is_null()) finish = c["finish_reason"];
+          }
+        }
+        if (!deltas.empty()) content = absl::StrJoin(deltas, "");
+        // Text that is not calls streams as it comes.
+        if (parts[0] == "Sure: ") {
+          EXPECT_EQ(deltas.size(), 2u);
+        }
+      }
+      if (calls) {
+        EXPECT_EQ(content, "<null>") << streaming;
+        EXPECT_EQ(finish, "tool_calls");
+        ASSERT_EQ(tool_calls.size(), 1u) << tool_calls;
+        EXPECT_EQ(tool_calls[0]["function"]["name"], "now");
+        EXPECT_EQ(tool_calls[0]["function"]["arguments"], "{}");
+      } else {
+        EXPECT_EQ(content, all) << streaming;
+        EXPECT_EQ(finish, "stop");
+        EXPECT_TRUE(tool_calls.is_null()) << tool_calls;
+      }
+    }
+  }
+
   // With tool_choice "none" the same answer is text.
   OpenAiRequest none = *request;
   none.read_tool_calls = false;
