@@ -39,13 +39,15 @@ absl::StatusOr<std::string> TextOf(const json& v, const std::string& field, bool
   return Bad(field, "must be a string");
 }
 
-// Whether `body` nests arrays and objects deeper than `limit` (strings'
-// contents aside). Checked before parsing: nlohmann builds every level as a
-// node of its own, so a body of nothing but '[' costs many times its size.
-bool NestsDeeperThan(const std::string& body, int limit) {
+// Walks `text` from `begin` outside its strings, counting the nesting of
+// arrays and objects: `stop(depth)` after each bracket (the depth it leaves)
+// ends the walk at that bracket when true. Its index, or npos.
+template <typename Stop>
+size_t FindByNesting(std::string_view text, size_t begin, Stop stop) {
   int depth = 0;
   bool in_string = false, escaped = false;
-  for (const char c : body) {
+  for (size_t i = begin; i < text.size(); ++i) {
+    const char c = text[i];
     if (in_string) {
       if (escaped) {
         escaped = false;
@@ -56,13 +58,20 @@ bool NestsDeeperThan(const std::string& body, int limit) {
       }
     } else if (c == '"') {
       in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > limit) return true;
-    } else if (c == ']' || c == '}') {
-      --depth;
+    } else if ((c == '[' || c == '{') && stop(++depth)) {
+      return i;
+    } else if ((c == ']' || c == '}') && stop(--depth)) {
+      return i;
     }
   }
-  return false;
+  return std::string_view::npos;
+}
+
+// Whether `body` nests arrays and objects deeper than `limit` (strings'
+// contents aside). Checked before parsing: nlohmann builds every level as a
+// node of its own, so a body of nothing but '[' costs many times its size.
+bool NestsDeeperThan(const std::string& body, int limit) {
+  return FindByNesting(body, 0, [limit](int depth) { return depth > limit; }) != std::string_view::npos;
 }
 
 // Fields of OpenAI's (or vLLM's) API that would change what is generated and
@@ -485,27 +494,8 @@ std::optional<ToolCallsAnswer::Call> CallOf(std::string_view json_text, std::ini
 // The end of the JSON object that starts at text[begin] ('{'): one past its
 // closing brace, or npos when it does not close.
 size_t ObjectEnd(std::string_view text, size_t begin) {
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (size_t i = begin; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      ++depth;
-    } else if ((c == '}' || c == ']') && --depth == 0) {
-      return i + 1;
-    }
-  }
-  return std::string_view::npos;
+  const size_t last = FindByNesting(text, begin, [](int depth) { return depth == 0; });
+  return last == std::string_view::npos ? last : last + 1;
 }
 
 }  // namespace
