@@ -358,9 +358,11 @@ absl::Status Run(const CoordinatorConfig& config) {
       file->Has("tokenizer.chat_template") ? file->GetString("tokenizer.chat_template").value_or("")
                                            : "");
   service_options.chat.CheckVocabulary(*tokenizer);
-  LogInfo("chat template: %s", service_options.chat.name());
+  LogInfo("chat template: %s%s", service_options.chat.name(),
+          service_options.chat.takes_tools() ? " (takes tools)" : "");
   info.set_chat_template(service_options.chat.name());
   info.set_chat(service_options.chat.format() != ChatFormat::kNone);
+  info.set_tools(service_options.chat.takes_tools());
   EllmService service(service_options, model, *tokenizer, &scheduler);
 
   grpc::EnableDefaultHealthCheckService(true);

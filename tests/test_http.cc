@@ -382,6 +382,26 @@ TEST(Http, ChatCompletionsWithTheModelsTemplate) {
   r = Post(port, "/v1/chat/completions", with_tools);
   ASSERT_EQ(r.status, 200) << r.body;
   const int tools_prompt = r.Json()["usage"]["prompt_tokens"].get<int>();
+  EXPECT_NE(system.Log().find("chat template: qwen3 (takes tools)"), std::string::npos) << system.Log();
+  {
+    // GetModelInfo says so; the gRPC Tokenize of the same messages and tool
+    // (as the HTTP API passes it on) is the prompt the request had.
+    ellm::v1::ModelInfo info;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(system.stub()->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info).ok());
+    EXPECT_TRUE(info.tools());
+    ellm::v1::TokenizeRequest tokenize;
+    for (const json& m : with_tools["messages"]) {
+      ellm::v1::ChatMessage* out = tokenize.add_messages();
+      out->set_role(m["role"].get<std::string>());
+      out->set_content(m["content"].get<std::string>());
+    }
+    tokenize.add_tools(tools[0].dump());
+    ellm::v1::TokenizeResponse ids;
+    grpc::ClientContext ctx2;
+    ASSERT_TRUE(system.stub()->Tokenize(&ctx2, tokenize, &ids).ok());
+    EXPECT_EQ(ids.token_ids_size(), tools_prompt);
+  }
   EXPECT_GT(tools_prompt, j["usage"]["prompt_tokens"].get<int>() + 30);
   with_tools["messages"].push_back(
       {{"role", "assistant"},
