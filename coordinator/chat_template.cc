@@ -2,10 +2,9 @@
 
 #include <ctime>
 
-#include <nlohmann/json.hpp>
-
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "coordinator/python_json.h"
 #include "core/unicode.h"
 
 namespace ellm::coord {
@@ -44,42 +43,6 @@ absl::string_view StripNewlines(absl::string_view s, bool left, bool right) {
   return s;
 }
 
-using OrderedJson = nlohmann::ordered_json;
-
-// Nesting deeper than this is refused (the writer recurses; a gRPC client's
-// tool could nest a million levels).
-constexpr int kMaxJsonNesting = 64;
-
-// False when j nests deeper than kMaxJsonNesting. indent > 0: Python's
-// indent=N layout (one item per line, ",\n" between items).
-bool AppendPythonJson(const OrderedJson& j, std::string* out, int indent, int depth = 0) {
-  if (j.is_structured() && depth >= kMaxJsonNesting) return false;
-  if (!j.is_structured() || j.empty()) {
-    // Scalars as nlohmann writes them without ensure_ascii: the escapes
-    // Python writes (\" \\ \b \f \n \r \t, \u00XX for other controls),
-    // and floats shortest round trip, exponents as Python's repr ("1e-05").
-    out->append(j.dump(-1, ' ', false));
-    return true;
-  }
-  const std::string inner = indent > 0 ? "\n" + std::string(static_cast<size_t>(indent) * (depth + 1), ' ') : "";
-  const char* between = indent > 0 ? "," : ", ";
-  out->push_back(j.is_object() ? '{' : '[');
-  bool first = true;
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    out->append(first ? "" : between);
-    out->append(inner);
-    first = false;
-    if (j.is_object()) {
-      out->append(OrderedJson(it.key()).dump(-1, ' ', false));
-      out->append(": ");
-    }
-    if (!AppendPythonJson(it.value(), out, indent, depth + 1)) return false;
-  }
-  if (indent > 0) out->append("\n" + std::string(static_cast<size_t>(indent) * depth, ' '));
-  out->push_back(j.is_object() ? '}' : ']');
-  return true;
-}
-
 // The text Llama 3.1's template writes before the tools' list, in the first
 // user turn.
 constexpr char kLlamaToolsIntro[] =
@@ -97,16 +60,6 @@ constexpr char kToolsOutro[] =
     "<args-json-object>}\n</tool_call><|im_end|>\n";
 
 }  // namespace
-
-absl::StatusOr<std::string> PythonJson(const std::string& json_text, int indent) {
-  const OrderedJson j = OrderedJson::parse(json_text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return absl::InvalidArgumentError("not valid JSON");
-  std::string out;
-  if (!AppendPythonJson(j, &out, indent)) {
-    return absl::InvalidArgumentError(absl::StrCat("nests deeper than ", kMaxJsonNesting, " levels"));
-  }
-  return out;
-}
 
 ChatTemplate ChatTemplate::FromGgufTemplate(const std::string& jinja) {
   ChatTemplate t;
@@ -250,22 +203,26 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
                                                    ") does not take tools (ellm renders Qwen2.5's, Qwen3's and "
                                                    "Llama 3.1's)"));
   }
-  // The tools and the calls' arguments as the template's tojson writes them.
+  // The tools and the calls' arguments as the template's tojson writes them
+  // (Llama 3.1's tools with indent=4).
   std::vector<std::string> tool_texts;
   for (size_t i = 0; i < tools.size(); ++i) {
-    absl::StatusOr<std::string> text = PythonJson(tools[i]);
+    absl::StatusOr<std::string> text = PythonJson(tools[i], format_ == ChatFormat::kLlama3 ? 4 : 0);
     if (!text.ok() || text->empty() || text->front() != '{') {
-      return absl::InvalidArgumentError(absl::StrCat("tool ", i, " is not a JSON object"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tool ", i, " is not a JSON object", text.ok() ? "" : absl::StrCat(": ", text.status().message())));
     }
     tool_texts.push_back(*std::move(text));
   }
+  // A call's arguments: any JSON value; none ("") is {} (as vLLM takes it).
   std::vector<std::vector<std::string>> arguments(messages.size());
   for (size_t i = 0; i < messages.size(); ++i) {
     for (size_t c = 0; c < messages[i].tool_calls.size(); ++c) {
-      absl::StatusOr<std::string> text = PythonJson(messages[i].tool_calls[c].arguments);
-      if (!text.ok() || text->empty() || text->front() != '{') {
-        return absl::InvalidArgumentError(
-            absl::StrCat("message ", i, "'s tool call ", c, " has arguments that are not a JSON object"));
+      const std::string& given = messages[i].tool_calls[c].arguments;
+      absl::StatusOr<std::string> text = PythonJson(given.empty() ? "{}" : given);
+      if (!text.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("message ", i, "'s tool call ", c,
+                                                       " has arguments that are ", text.status().message()));
       }
       arguments[i].push_back(*std::move(text));
     }
@@ -443,8 +400,8 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
         // Llama 3.1: the tools (json.dumps with indent=4) open the first
         // user turn.
         markup(absl::StrCat("<|start_header_id|>user<|end_header_id|>\n\n", kLlamaToolsIntro));
-        for (const std::string& tool : tools) {
-          content(PythonJson(tool, /*indent=*/4).value_or(""));  // checked above
+        for (const std::string& tool : tool_texts) {
+          content(tool);
           markup("\n\n");
         }
         content(PythonStrip(messages[system_end].content));
@@ -464,7 +421,7 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
           // Llama 3.1's template writes a tool's answer through tojson (a
           // string is iterable there): as a JSON string.
           markup("<|start_header_id|>ipython<|end_header_id|>\n\n");
-          content(nlohmann::json(m.content).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+          content(PythonJsonString(m.content));
           markup("<|eot_id|>");
         } else {
           markup(absl::StrCat("<|start_header_id|>", m.role, "<|end_header_id|>\n\n"));

@@ -32,14 +32,6 @@ struct ChatMessage {
   std::vector<ChatToolCall> tool_calls = {};  // assistant, with a template that takes tools
 };
 
-// `json_text` as Python's json.dumps(j, ensure_ascii=False) writes it (with
-// indent > 0: indent=N), which is how the templates' tojson filter
-// (transformers', vLLM's) writes a tool and a call's arguments: keys in
-// their given order, ", " (or "," and a new line) and ": " between items.
-// InvalidArgument when `json_text` is not JSON or nests deeper than 64
-// levels.
-absl::StatusOr<std::string> PythonJson(const std::string& json_text, int indent = 0);
-
 enum class ChatFormat { kNone, kChatMl, kQwen3, kLlama2, kLlama3 };
 
 // How a model's answer calls tools, by its chat template:

@@ -7,6 +7,7 @@
 #include "absl/strings/str_format.h"
 
 #include "coordinator/chat_template.h"
+#include "coordinator/python_json.h"
 #include "core/unicode.h"
 
 namespace ellm::coord {
@@ -20,7 +21,8 @@ absl::Status Bad(const std::string& field, const std::string& what) {
 
 std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
-// A text field: a string, or (chat content) an array of {"type": "text", "text": ...} parts.
+// A text field: a string, or (chat content) an array of {"type": "text",
+// "text": ...} parts, joined with new lines as vLLM joins them.
 absl::StatusOr<std::string> TextOf(const json& v, const std::string& field, bool allow_parts) {
   if (v.is_string()) return v.get<std::string>();
   if (allow_parts && v.is_array()) {
@@ -32,6 +34,7 @@ absl::StatusOr<std::string> TextOf(const json& v, const std::string& field, bool
           !part["text"].is_string()) {
         return Bad(field, "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts");
       }
+      if (&part != &v.front()) out += '\n';
       out += part["text"].get<std::string>();
     }
     return out;
@@ -151,28 +154,23 @@ class Body {
 // parser callback can drop them too, but it scans an object's parent for
 // discarded values at the end of every object: quadratic in a list of
 // objects, such as a long "messages".)
-//
-// Json: nlohmann::json (keys sorted, as the parser reads them), or
-// ordered_json for the one field whose key order matters ("tools", which the
-// template writes out as given); `keep` picks the top-level fields.
-template <typename Json>
 class ReadFieldsBuilder {
  public:
-  ReadFieldsBuilder(Json* root, bool (*keep)(std::string_view)) : root_(root), keep_(keep) {}
+  explicit ReadFieldsBuilder(json* root) : root_(root) {}
 
   bool null() { return Value(nullptr); }
   bool boolean(bool v) { return Value(v); }
-  bool number_integer(typename Json::number_integer_t v) { return Value(v); }
-  bool number_unsigned(typename Json::number_unsigned_t v) { return Value(v); }
-  bool number_float(typename Json::number_float_t v, const typename Json::string_t&) { return Value(v); }
-  bool string(typename Json::string_t& v) { return Value(std::move(v)); }
-  bool binary(typename Json::binary_t& v) { return Value(std::move(v)); }
-  bool start_object(std::size_t) { return Open(Json::object()); }
-  bool start_array(std::size_t) { return Open(Json::array()); }
+  bool number_integer(json::number_integer_t v) { return Value(v); }
+  bool number_unsigned(json::number_unsigned_t v) { return Value(v); }
+  bool number_float(json::number_float_t v, const json::string_t&) { return Value(v); }
+  bool string(json::string_t& v) { return Value(std::move(v)); }
+  bool binary(json::binary_t& v) { return Value(std::move(v)); }
+  bool start_object(std::size_t) { return Open(json::object()); }
+  bool start_array(std::size_t) { return Open(json::array()); }
   bool end_object() { return Close(); }
   bool end_array() { return Close(); }
-  bool key(typename Json::string_t& k) {
-    if (skip_ == 0 && depth_ == 1 && !keep_(k)) skip_ = 1;
+  bool key(json::string_t& k) {
+    if (skip_ == 0 && depth_ == 1 && !IsReadField(k)) skip_ = 1;
     if (skip_ == 0) key_ = std::move(k);
     return true;
   }
@@ -185,17 +183,17 @@ class ReadFieldsBuilder {
   // Puts v where the parser is: the root, the end of the open array, or the
   // open object's last key. Pointers to open containers stay valid: only the
   // innermost one grows.
-  Json* Place(Json&& v) {
+  json* Place(json&& v) {
     if (open_.empty()) {
       *root_ = std::move(v);
       return root_;
     }
-    Json& parent = *open_.back();
+    json& parent = *open_.back();
     if (parent.is_array()) {
       parent.push_back(std::move(v));
       return &parent.back();
     }
-    Json& slot = parent[key_];
+    json& slot = parent[key_];
     slot = std::move(v);
     return &slot;
   }
@@ -207,10 +205,10 @@ class ReadFieldsBuilder {
       if (depth_ == skip_) skip_ = 0;
       return true;
     }
-    Place(Json(std::forward<T>(v)));
+    Place(json(std::forward<T>(v)));
     return true;
   }
-  bool Open(Json&& empty) {
+  bool Open(json&& empty) {
     ++depth_;
     if (skip_ == 0) open_.push_back(Place(std::move(empty)));
     return true;
@@ -225,9 +223,8 @@ class ReadFieldsBuilder {
     return true;
   }
 
-  Json* root_;
-  std::vector<Json*> open_;  // the containers being built, outermost first
-  bool (*keep_)(std::string_view);
+  json* root_;
+  std::vector<json*> open_;  // the containers being built, outermost first
   std::string key_;
   int depth_ = 0;  // containers open in the text, dropped ones too
   int skip_ = 0;
@@ -241,7 +238,7 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
     return absl::InvalidArgumentError(absl::StrCat("the body nests deeper than ", kMaxJsonDepth, " levels"));
   }
   json j;
-  ReadFieldsBuilder<json> builder(&j, [](std::string_view name) { return IsReadField(name); });
+  ReadFieldsBuilder builder(&j);
   if (!json::sax_parse(body, &builder)) return absl::InvalidArgumentError("the body is not valid JSON");
   if (!j.is_object()) return absl::InvalidArgumentError("the body must be a JSON object");
   for (const UnsupportedField& f : kUnsupported) {
@@ -310,12 +307,21 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
           }
           const json& f = call["function"];
           if (!f.contains("name") || !f["name"].is_string()) return Bad(call_field + ".function.name", "must be a string");
-          if (!f.contains("arguments") || !f["arguments"].is_string()) {
-            return Bad(call_field + ".function.arguments", "must be a string (a JSON object's text)");
+          // The arguments' JSON text; none (absent, null, "") is {}, as vLLM
+          // takes it.
+          std::string arguments = "{}";
+          if (f.contains("arguments") && !f["arguments"].is_null()) {
+            if (!f["arguments"].is_string()) {
+              return Bad(call_field + ".function.arguments", "must be a string (the arguments' JSON text)");
+            }
+            if (!f["arguments"].get<std::string>().empty()) arguments = f["arguments"].get<std::string>();
+          }
+          if (absl::Status valid = PythonJson(arguments).status(); !valid.ok()) {
+            return Bad(call_field + ".function.arguments", absl::StrCat("is ", valid.message()));
           }
           ellm::v1::ToolCall* tc = out->add_tool_calls();
           tc->set_name(f["name"].get<std::string>());
-          tc->set_arguments(f["arguments"].get<std::string>());
+          tc->set_arguments(std::move(arguments));
         }
       }
     }
@@ -334,26 +340,38 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
       if (!tools->is_array()) return Bad("tools", "must be a list");
       for (size_t i = 0; i < tools->size(); ++i) {
         const json& t = (*tools)[i];
+        const std::string field = absl::StrCat("tools[", i, "]");
         if (!t.is_object() || !t.contains("type") || t["type"] != "function" || !t.contains("function") ||
-            !t["function"].is_object() || !t["function"].contains("name") || !t["function"]["name"].is_string()) {
-          return Bad(absl::StrCat("tools[", i, "]"),
-                     "must be {\"type\": \"function\", \"function\": {\"name\": ..., ...}}");
+            !t["function"].is_object()) {
+          return Bad(field, "must be {\"type\": \"function\", \"function\": {\"name\": ..., ...}}");
+        }
+        const json& f = t["function"];
+        if (!f.contains("name") || !f["name"].is_string() || f["name"].get<std::string>().empty()) {
+          return Bad(field + ".function.name", "must be a non-empty string");
+        }
+        if (f.contains("description") && !f["description"].is_null() && !f["description"].is_string()) {
+          return Bad(field + ".function.description", "must be a string");
+        }
+        if (f.contains("parameters") && !f["parameters"].is_null() && !f["parameters"].is_object()) {
+          return Bad(field + ".function.parameters", "must be an object (a JSON Schema)");
         }
       }
       if (!tools->empty()) {
-        // Again, for the tools alone, keeping their keys' order: the
-        // template writes each tool as the client wrote it.
-        nlohmann::ordered_json ordered;
-        ReadFieldsBuilder<nlohmann::ordered_json> tools_only(&ordered,
-                                                             [](std::string_view name) { return name == "tools"; });
-        if (!nlohmann::ordered_json::sax_parse(body, &tools_only) || !ordered.contains("tools")) {
-          return absl::InternalError("the body's tools did not parse a second time");
-        }
-        for (const nlohmann::ordered_json& t : ordered["tools"]) {
-          g.add_tools(t.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
+        // Again, for the tools alone, in their keys' order (the template
+        // writes each tool as the client wrote it): read as events, never
+        // built into a tree, so a tool of many keys costs its size.
+        ASSIGN_OR_RETURN(const PythonJsonItems top, PythonJsonItemsOf(body, "tools"));
+        for (const PythonJsonItems::Item& item : top.items) {
+          if (item.key != "tools") continue;
+          ASSIGN_OR_RETURN(PythonJsonItems each, PythonJsonItemsOf(item.text));
+          for (PythonJsonItems::Item& tool : each.items) g.add_tools(std::move(tool.text));
         }
         r.read_tool_calls = read_calls;
       }
+    }
+    if (const json* v = fields.Get("parallel_tool_calls")) {
+      if (!v->is_boolean()) return Bad("parallel_tool_calls", "must be true or false");
+      r.one_tool_call = !v->get<bool>();
     }
   } else {
     const json* prompt = fields.Get("prompt");
@@ -476,19 +494,25 @@ const char* OpenAiFinishReason(FinishReason reason) {
 
 namespace {
 
-// One call's JSON object: its name and its arguments (Python's json.dumps);
-// nullopt when it is not {"name": string, <args_key>: ...}.
+// One call's JSON object: its name and the first of args_keys' values
+// (Python's json.dumps); nullopt when it is not {"name": string, <args_key>:
+// ...}. Read as events (PythonJsonItemsOf): a model's arguments of many
+// keys cost their size.
 std::optional<ToolCallsAnswer::Call> CallOf(std::string_view json_text, std::initializer_list<const char*> args_keys) {
-  const nlohmann::ordered_json j = nlohmann::ordered_json::parse(json_text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("name") || !j["name"].is_string()) return std::nullopt;
+  const absl::StatusOr<PythonJsonItems> call = PythonJsonItemsOf(json_text);
+  if (!call.ok() || !call->object) return std::nullopt;
+  const std::string* name = nullptr;
+  const std::string* arguments = nullptr;
   for (const char* key : args_keys) {
-    if (!j.contains(key)) continue;
-    absl::StatusOr<std::string> arguments =
-        PythonJson(j[key].dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
-    if (!arguments.ok()) return std::nullopt;
-    return ToolCallsAnswer::Call{j["name"].get<std::string>(), *std::move(arguments)};
+    for (const PythonJsonItems::Item& item : call->items) {
+      if (item.key == "name") name = &item.text;
+      if (arguments == nullptr && item.key == key) arguments = &item.text;
+    }
   }
-  return std::nullopt;
+  if (name == nullptr || arguments == nullptr || name->empty() || name->front() != '"') return std::nullopt;
+  const json decoded = json::parse(*name, nullptr, /*allow_exceptions=*/false);
+  if (!decoded.is_string()) return std::nullopt;
+  return ToolCallsAnswer::Call{decoded.get<std::string>(), *arguments};
 }
 
 // The end of the JSON object that starts at text[begin] ('{'): one past its
@@ -620,7 +644,9 @@ json OpenAiResponder::ToolCallsJson(const ToolCallsAnswer& answer, bool streamin
   json calls = json::array();
   // An id per call, unique as the request's id is: "call_" + its random part.
   const std::string base = id_.substr(id_.find('-') + 1);
-  for (size_t i = 0; i < answer.calls.size(); ++i) {
+  // parallel_tool_calls false: the first call only.
+  const size_t n = request_.one_tool_call ? std::min<size_t>(1, answer.calls.size()) : answer.calls.size();
+  for (size_t i = 0; i < n; ++i) {
     json call = {{"id", absl::StrCat("call_", base, "_", i)},
                  {"type", "function"},
                  {"function", {{"name", answer.calls[i].name}, {"arguments", answer.calls[i].arguments}}}};

@@ -52,6 +52,7 @@ struct OpenAiRequest {
   // tool_syntax) are returned as tool_calls.
   bool read_tool_calls = false;
   ToolCallSyntax tool_syntax = ToolCallSyntax::kHermes;  // set by the server from the model's template
+  bool one_tool_call = false;  // parallel_tool_calls false: the answer's first call only
   ellm::v1::GenerateRequest generate;
 };
 

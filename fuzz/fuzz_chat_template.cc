@@ -2,7 +2,7 @@
 // template family (first byte) and messages (role byte, content up to a NUL;
 // two more "roles": an answer whose content is a tool call's arguments, and
 // a tool whose content is its JSON). Each content is also read as an
-// answer's tool calls (ParseToolCalls).
+// answer's tool calls (ParseToolCalls) and written as JSON (PythonJson).
 // Checks that a rendered prompt's markup spans are sorted, disjoint and
 // inside the text, and tokenizes it as the service does (BPE, special tokens
 // parsed in the markup only). test_chat_template checks what the spans keep
@@ -17,6 +17,7 @@
 
 #include "coordinator/chat_template.h"
 #include "coordinator/openai_api.h"
+#include "coordinator/python_json.h"
 #include "core/gguf.h"
 #include "core/tokenizer.h"
 
@@ -55,6 +56,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     while (end < size && data[end] != 0) ++end;
     std::string content(reinterpret_cast<const char*>(data + i), end - i);
     i = end + 1;
+    // What PythonJson writes, it reads back to the same text (with and
+    // without indent).
+    for (int indent : {0, 4}) {
+      if (const auto once = ellm::coord::PythonJson(content, indent); once.ok()) {
+        const auto twice = ellm::coord::PythonJson(*once, indent);
+        if (!twice.ok() || *twice != *once) std::abort();
+      }
+    }
     for (auto syntax : {ellm::coord::ToolCallSyntax::kHermes, ellm::coord::ToolCallSyntax::kLlamaJson}) {
       if (const auto calls = ellm::coord::ParseToolCalls(content, syntax)) {
         for (const auto& call : calls->calls) {

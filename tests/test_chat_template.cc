@@ -2,6 +2,7 @@
 // official template produces; and its markup spans, the only places where
 // special tokens are parsed (message contents cannot inject control tokens).
 #include "coordinator/chat_template.h"
+#include "coordinator/python_json.h"
 
 #include <algorithm>
 #include <ctime>
@@ -426,7 +427,8 @@ TEST(ChatTemplate, ToolsAreRefusedWhereTheTemplateHasNoPlaceForThem) {
   auto r = qwen3.Render({{"user", "q"}}, {"[1, 2]"});
   EXPECT_NE(r.status().message().find("tool 0 is not a JSON object"), std::string::npos) << r.status();
   r = qwen3.Render({{"user", "q"}, {"assistant", "", {{"f", "{\"a\": 1"}}}, {"user", "q"}});
-  EXPECT_NE(r.status().message().find("not a JSON object"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("tool call 0 has arguments that are not valid JSON"), std::string::npos)
+      << r.status();
   r = qwen3.Render({{"user", "q", {{"f", "{}"}}}});
   EXPECT_NE(r.status().message().find("only an assistant"), std::string::npos) << r.status();
 }
@@ -443,8 +445,36 @@ TEST(ChatTemplate, PythonJsonIsJsonDumps) {
             R"({"z": 1, "a": {"y": [], "b": {}}, "m": [true, false, null]})");
   EXPECT_EQ(dumps(R"(["\"\\\/\b\f\n\r\t\u001f\u007f", "é😀\u00a0"])"),
             "[\"\\\"\\\\/\\b\\f\\n\\r\\t\\u001f\x7f\", \"é😀\u00a0\"]");
-  EXPECT_EQ(dumps("[2.0, -0.5, 1e-05, 1e16, 1.5e300, 12345678901234567890, -7]"),
-            "[2.0, -0.5, 1e-05, 1e+16, 1.5e+300, 12345678901234567890, -7]");
+  // Python's float repr: shortest digits, exponent below 1e-4 and from 1e16;
+  // integers keep their digits, past 64 bits too.
+  EXPECT_EQ(dumps("[2.0, -0.5, 1e-05, 0.0001, 1e16, 1e15, 9999999999999998.0, 1.5e300, 1e23, 8.41e21, 0.716169, "
+                  "0.779557, -0.0, 0, -0, 1E2, 12345678901234567890, 123456789012345678901234567890, -7]"),
+            "[2.0, -0.5, 1e-05, 0.0001, 1e+16, 1000000000000000.0, 9999999999999998.0, 1.5e+300, 1e+23, 8.41e+21, "
+            "0.716169, 0.779557, -0.0, 0, 0, 100.0, 12345678901234567890, 123456789012345678901234567890, -7]");
+  // A repeated key keeps its first place and its last value, as a dict.
+  EXPECT_EQ(dumps(R"({"a": 1, "b": {"x": 1, "x": [2]}, "a": 3})"), R"({"a": 3, "b": {"x": [2]}})");
+  // Many keys cost their number (read as events, never looked up in a list).
+  std::string many = "{";
+  for (int i = 0; i < 200000; ++i) many += (i ? ",\"k" : "\"k") + std::to_string(i) + "\":" + std::to_string(i);
+  many += "}";
+  const std::string many_out = dumps(many);
+  EXPECT_EQ(many_out.substr(0, 19), "{\"k0\": 0, \"k1\": 1, ");
+  EXPECT_EQ(many_out.size(), many.size() + 199999 + 200000);  // a space after each "," and ":"
+  // The items of an object or array, and of one key alone.
+  const absl::StatusOr<PythonJsonItems> items = PythonJsonItemsOf(R"({"tools": [{"b":1,"a":2}], "x": [1, {"y": "z"}]})");
+  ASSERT_TRUE(items.ok()) << items.status();
+  EXPECT_TRUE(items->object);
+  ASSERT_EQ(items->items.size(), 2u);
+  EXPECT_EQ(items->items[0].key, "tools");
+  EXPECT_EQ(items->items[0].text, R"([{"b": 1, "a": 2}])");
+  EXPECT_EQ(items->items[1].text, R"([1, {"y": "z"}])");
+  const absl::StatusOr<PythonJsonItems> only = PythonJsonItemsOf(R"({"a": "s", "tools": [], "b": [[1], {"c": 2}]})", "tools");
+  ASSERT_TRUE(only.ok()) << only.status();
+  ASSERT_EQ(only->items.size(), 1u);
+  EXPECT_EQ(only->items[0].text, "[]");
+  EXPECT_FALSE(PythonJsonItemsOf("\"scalar\"").ok());
+  // Past the double range: refused by the reader (Python writes Infinity).
+  EXPECT_NE(PythonJson("[1e400]").status().message().find("not valid JSON"), std::string::npos);
   EXPECT_FALSE(PythonJson("{\"a\": }").ok());
   // Deep nesting is refused, not recursed into (a gRPC client's tool could
   // nest a million levels).

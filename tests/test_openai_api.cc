@@ -235,7 +235,8 @@ TEST(OpenAiApi, ToolsAndToolMessagesAreRead) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->read_tool_calls);
   ASSERT_EQ(r->generate.tools_size(), 1);
-  EXPECT_EQ(r->generate.tools(0), R"({"type":"function","function":{"name":"now","parameters":{"zone":{},"a":1}}})");
+  // In the client's order, as json.dumps writes it.
+  EXPECT_EQ(r->generate.tools(0), R"({"type": "function", "function": {"name": "now", "parameters": {"zone": {}, "a": 1}}})");
   ASSERT_EQ(r->generate.messages_size(), 3);
   ASSERT_EQ(r->generate.messages(1).tool_calls_size(), 1);
   EXPECT_EQ(r->generate.messages(1).tool_calls(0).name(), "now");
@@ -243,6 +244,7 @@ TEST(OpenAiApi, ToolsAndToolMessagesAreRead) {
   EXPECT_EQ(r->generate.messages(1).content(), "");
   EXPECT_EQ(r->generate.messages(2).role(), "tool");
   EXPECT_EQ(r->generate.messages(2).content(), "12:00");
+  EXPECT_FALSE(r->one_tool_call);
 
   // "none": the tools are listed, the answer read as text.
   std::string none = body;
@@ -267,7 +269,34 @@ TEST(OpenAiApi, ToolsAndToolMessagesAreRead) {
   refused("{" + user + R"(, "tools": [)" + tool + R"(], "tool_choice": {"type": "function", "function": {"name": "f"}}})",
           true, "tool_choice");
   refused("{" + user + R"(, "tools": [{"type": "function", "function": {"description": "no name"}}]})", true,
-          "tools[0]");
+          "tools[0].function.name");
+  refused("{" + user + R"(, "tools": [{"type": "function", "function": {"name": ""}}]})", true, "tools[0].function.name");
+  refused("{" + user + R"(, "tools": [{"type": "function", "function": {"name": "f", "description": 5}}]})", true,
+          "tools[0].function.description");
+  refused("{" + user + R"(, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]})", true,
+          "tools[0].function.parameters");
+  refused("{" + user + R"(, "tools": [)" + tool + R"(], "parallel_tool_calls": "yes"})", true, "parallel_tool_calls");
+  refused(R"({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{\"a\":"}}]}]})",
+          true, "messages[0].tool_calls[0].function.arguments");
+  refused(R"({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": ")" +
+              std::string(65, '[') + std::string(65, ']') + R"("}}]}]})",
+          true, "messages[0].tool_calls[0].function.arguments");
+  // Arguments absent, null or "" are {} (as vLLM takes them); any JSON value is kept.
+  r = ParseOpenAiRequest(R"({"messages": [{"role": "assistant", "tool_calls": [
+      {"function": {"name": "a"}}, {"function": {"name": "b", "arguments": null}},
+      {"function": {"name": "c", "arguments": ""}}, {"function": {"name": "d", "arguments": "[1, 2]"}}]}],
+      "parallel_tool_calls": false})", true, "m");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->generate.messages(0).tool_calls_size(), 4);
+  for (int c = 0; c < 3; ++c) EXPECT_EQ(r->generate.messages(0).tool_calls(c).arguments(), "{}");
+  EXPECT_EQ(r->generate.messages(0).tool_calls(3).arguments(), "[1, 2]");
+  EXPECT_TRUE(r->one_tool_call);
+  // Content parts are joined with new lines, as vLLM joins them.
+  r = ParseOpenAiRequest(
+      R"({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})",
+      true, "m");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->generate.messages(0).content(), "a\nb");
   refused("{" + user + R"(, "tools": [{"type": "retrieval"}]})", true, "tools[0]");
   refused("{" + user + R"(, "tools": {"a": 1}})", true, "tools");
   refused(R"({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}]})",
@@ -449,6 +478,20 @@ TEST(OpenAiApi, AnswersThatCallToolsAreReturnedAsToolCalls) {
         EXPECT_TRUE(tool_calls.is_null()) << tool_calls;
       }
     }
+  }
+
+  // parallel_tool_calls false: the first call only.
+  {
+    OpenAiRequest one = *request;
+    one.one_tool_call = true;
+    OpenAiResponder responder(one, "chatcmpl-abc", "m", 0, **tok, 1);
+    for (const StreamEvent& e : events({"<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>"
+                                        "<tool_call>{\"name\": \"b\", \"arguments\": {}}</tool_call>"})) {
+      responder.Add(e);
+    }
+    const nlohmann::json j = nlohmann::json::parse(responder.Final());
+    ASSERT_EQ(j["choices"][0]["message"]["tool_calls"].size(), 1u) << j;
+    EXPECT_EQ(j["choices"][0]["message"]["tool_calls"][0]["function"]["name"], "a");
   }
 
   // With tool_choice "none" the same answer is text.
