@@ -147,7 +147,7 @@ class Writer {
       return true;
     }
     if (static_cast<int>(levels_.size()) >= kMaxPythonJsonNesting) {
-      error_ = absl::StrCat("nests deeper than ", kMaxPythonJsonNesting, " levels");
+      error_ = absl::StrCat("JSON nested deeper than ", kMaxPythonJsonNesting, " levels");
       return false;
     }
     levels_.push_back(Level{object});
