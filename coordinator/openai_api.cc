@@ -501,13 +501,16 @@ namespace {
 std::optional<ToolCallsAnswer::Call> CallOf(std::string_view json_text, std::initializer_list<const char*> args_keys) {
   const absl::StatusOr<PythonJsonItems> call = PythonJsonItemsOf(json_text);
   if (!call.ok() || !call->object) return std::nullopt;
-  const std::string* name = nullptr;
+  auto member = [&call](std::string_view key) -> const std::string* {
+    for (const PythonJsonItems::Item& item : call->items) {
+      if (item.key == key) return &item.text;
+    }
+    return nullptr;
+  };
+  const std::string* name = member("name");
   const std::string* arguments = nullptr;
   for (const char* key : args_keys) {
-    for (const PythonJsonItems::Item& item : call->items) {
-      if (item.key == "name") name = &item.text;
-      if (arguments == nullptr && item.key == key) arguments = &item.text;
-    }
+    if (arguments == nullptr) arguments = member(key);
   }
   if (name == nullptr || arguments == nullptr || name->empty() || name->front() != '"') return std::nullopt;
   const json decoded = json::parse(*name, nullptr, /*allow_exceptions=*/false);
