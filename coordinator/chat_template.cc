@@ -364,7 +364,11 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
           markup("<tool_call>\n{\"name\": \"");
           content(m.tool_calls[c].name);
           markup("\", \"arguments\": ");
-          content(arguments[i][c]);
+          // Qwen3's template writes arguments that are a string (JSON
+          // given as a JSON string) as that string itself.
+          const std::optional<std::string> text =
+              format_ == ChatFormat::kQwen3 ? JsonStringValue(arguments[i][c]) : std::nullopt;
+          content(text.has_value() ? *text : arguments[i][c]);
           markup("}\n</tool_call>");
         }
         markup("<|im_end|>\n");

@@ -1,7 +1,6 @@
 #include "coordinator/python_json.h"
 
 #include <charconv>
-#include <cmath>
 #include <cstdio>
 #include <optional>
 #include <unordered_map>
@@ -89,9 +88,10 @@ class Writer {
   bool number_unsigned(Json::number_unsigned_t v) { return Scalar(std::to_string(v)); }
   bool number_float(Json::number_float_t v, const Json::string_t& raw) {
     if (skip_ > 0) return Scalar("");
-    // An integer past 64 bits comes here: Python keeps its digits.
+    // An integer past 64 bits comes here: Python keeps its digits. (One
+    // past the double range, like 1e400, never does: nlohmann's reader
+    // refuses it.)
     if (raw.find_first_of(".eE") == std::string::npos) return Scalar(raw == "-0" ? "0" : raw);
-    if (!std::isfinite(v)) return Scalar(v > 0 ? "Infinity" : "-Infinity");
     return Scalar(FloatRepr(v));
   }
   bool string(Json::string_t& v) {
@@ -112,12 +112,21 @@ class Writer {
   bool end_object() { return Close(); }
   bool end_array() { return Close(); }
   bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) {
-    // nlohmann's message without its "[json.exception.parse_error.101] ".
+    // nlohmann's message without its "[json.exception.parse_error.101] ",
+    // and cut short: it quotes the token it stopped at, which may be
+    // megabytes of the client's (and goes into replies and logs).
     std::string_view what = e.what();
     if (const size_t tag = what.find("] "); !what.empty() && what.front() == '[' && tag != std::string_view::npos) {
       what.remove_prefix(tag + 2);
     }
-    if (error_.empty()) error_ = absl::StrCat("not valid JSON (", std::string(what), ")");
+    constexpr size_t kMaxDetail = 160;
+    std::string detail(what.substr(0, kMaxDetail));
+    if (what.size() > kMaxDetail) {
+      while (!detail.empty() && (static_cast<unsigned char>(detail.back()) & 0xC0) == 0x80) detail.pop_back();
+      if (!detail.empty() && static_cast<unsigned char>(detail.back()) >= 0xC0) detail.pop_back();  // a cut lead byte
+      detail += "...";
+    }
+    if (error_.empty()) error_ = absl::StrCat("not valid JSON (", detail, ")");
     return false;
   }
 
@@ -224,6 +233,13 @@ absl::Status Read(std::string_view text, Writer* writer) {
 }
 
 }  // namespace
+
+std::optional<std::string> JsonStringValue(std::string_view json_text) {
+  if (json_text.empty() || json_text.front() != '"') return std::nullopt;
+  const Json j = Json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_string()) return std::nullopt;
+  return j.get<std::string>();
+}
 
 std::string PythonJsonString(std::string_view s) {
   std::string out;

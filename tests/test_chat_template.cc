@@ -356,6 +356,15 @@ TEST(ChatTemplate, ToolsAsQwensTemplatesWriteThem) {
   ASSERT_TRUE(r.ok()) << r.status();
   // Qwen3 drops the thinking of an answer before the last question.
   EXPECT_EQ(r->text, system + rest);
+  // Arguments that are a JSON string (JSON sent as a string of JSON):
+  // Qwen3's template writes the string itself, Qwen2.5's its JSON.
+  const std::vector<ChatMessage> string_args = {{"user", "q"}, {"assistant", "", {{"f", R"("{\"a\": 1}")"}}}};
+  r = qwen3.Render(string_args);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->text.find(R"({"name": "f", "arguments": {"a": 1}})"), std::string::npos) << r->text;
+  r = qwen25.Render(string_args);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->text.find(R"({"name": "f", "arguments": "{\"a\": 1}"})"), std::string::npos) << r->text;
   // No system message: the tools' turn alone.
   r = qwen3.Render({{"user", "q"}}, tools);
   ASSERT_TRUE(r.ok()) << r.status();
@@ -475,6 +484,11 @@ TEST(ChatTemplate, PythonJsonIsJsonDumps) {
   EXPECT_FALSE(PythonJsonItemsOf("\"scalar\"").ok());
   // Past the double range: refused by the reader (Python writes Infinity).
   EXPECT_NE(PythonJson("[1e400]").status().message().find("not valid JSON"), std::string::npos);
+  // An error quotes at most a little of the client's text.
+  const absl::Status long_error = PythonJson("[1" + std::string(1000000, '0') + "e400]").status();
+  EXPECT_NE(long_error.message().find("not valid JSON"), std::string::npos) << long_error;
+  EXPECT_LT(long_error.message().size(), 300u);
+  EXPECT_LT(PythonJson("[\"" + std::string(1000000, 'x')).status().message().size(), 300u);
   EXPECT_FALSE(PythonJson("{\"a\": }").ok());
   // Deep nesting is refused, not recursed into (a gRPC client's tool could
   // nest a million levels).
