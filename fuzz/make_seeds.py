@@ -86,6 +86,17 @@ for t in (4, 5, 6):
                                                (2, 'ok <tool_call>\n{"name": "f", "arguments": {"b": 1, "a": 2}}\n</tool_call>'), (1, "q"),
                                                (2, '{"name": "f", "parameters": {"b": [1, "}"]}}; {"name": "g", "arguments": {}}')]))
 
+# --- OpenAI API: mode byte (bit 0: chat, bit 1: Llama's tool-call syntax), then the body, which is
+# also played back as the answer ---
+tools = '"tools": [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {"z": {"type": "string"}}}}}]'
+put("openai", "completion", bytes([0]) + b'{"prompt": "Once upon a time", "max_tokens": 8, "logprobs": 2, "stop": ["."]}')
+put("openai", "chat_tools", bytes([1]) + ('{"messages": [{"role": "user", "content": "Time?"}, {"role": "assistant", "content": null, '
+    '"tool_calls": [{"id": "c", "type": "function", "function": {"name": "now", "arguments": "{\\"z\\": 1.5e300}"}}]}, '
+    '{"role": "tool", "content": [{"type": "text", "text": "12:00"}]}], ' + tools + ', "tool_choice": "auto"}').encode())
+put("openai", "hermes_answer", bytes([1]) + b'Let me see.\n<tool_call>\n{"name": "now", "arguments": {"z": "UTC", "n": [1, 2.0, -0.0]}}\n</tool_call>')
+put("openai", "llama_calls", bytes([3]) + ('{"name": "now", "parameters": {"z": "UTC"}}; {"name": "f", "arguments": {}}').encode())
+put("openai", "partial_marker", bytes([1]) + b'{"messages": [{"role": "user", "content": "x"}]} text <tool_ca')
+
 # --- frames: header (magic, version, kind, step, layer, n_seqs, n_tokens, status, payload_bytes) + payload ---
 def frame(kind, step, layer, n_seqs, n_tokens, status, payload):
     return struct.pack("<IHHQIIIIQ", 0x464D4C45, 1, kind, step, layer, n_seqs, n_tokens, status, len(payload)) + payload

@@ -56,7 +56,7 @@ fuzz() {
   echo "[sanitizers] fuzz_$h: $execs executions in ${fuzz_seconds} s, no failures"
 }
 # $jobs harnesses at a time (each is one process on one core).
-harnesses=(gguf tokenizer chat_template frames request)
+harnesses=(gguf tokenizer chat_template frames request openai)
 echo "[sanitizers] fuzzing ${harnesses[*]}, $jobs at a time, ${fuzz_seconds} s each"
 failed=0
 for ((i = 0; i < ${#harnesses[@]}; i += jobs)); do

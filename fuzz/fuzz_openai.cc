@@ -1,0 +1,90 @@
+// libFuzzer harness: the OpenAI API without a server. The first byte picks
+// /v1/completions or /v1/chat/completions and the tool-call syntax; the rest
+// is the request body (ParseOpenAiRequest). The body's text is then played
+// back as a generated answer, in three events, through OpenAiResponder, both
+// streamed and not, with tool calls read (chat): every response body and SSE chunk
+// must be valid JSON, and a streamed answer that is not calls must give back
+// its text whole.
+#include <cstddef>
+#include <cstdint>
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "coordinator/openai_api.h"
+#include "core/gguf.h"
+#include "core/tokenizer.h"
+#include "core/unicode.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const std::unique_ptr<ellm::Tokenizer> tok = [] {
+    auto file = ellm::GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
+    if (!file.ok()) std::abort();
+    auto t = ellm::Tokenizer::FromGguf(**file);
+    if (!t.ok()) std::abort();
+    return *std::move(t);
+  }();
+  if (size < 1) return 0;
+  const bool chat = data[0] & 1;
+  const std::string body(reinterpret_cast<const char*>(data + 1), size - 1);
+  absl::StatusOr<ellm::coord::OpenAiRequest> parsed = ellm::coord::ParseOpenAiRequest(body, chat, "m");
+  ellm::coord::OpenAiRequest request;
+  if (parsed.ok()) request = *std::move(parsed);
+  request.chat = chat;
+  request.read_tool_calls = chat;  // (tools are refused in completions)
+  request.logprobs = false;
+  request.tool_syntax = data[0] & 2 ? ellm::coord::ToolCallSyntax::kLlamaJson : ellm::coord::ToolCallSyntax::kHermes;
+  // Generated text is whole UTF-8: play the body back only when it is.
+  if (!ellm::IsValidUtf8(body)) return 0;
+  // Events carry whole UTF-8: split at character starts.
+  auto start_of_char = [&body](size_t i) {
+    while (i > 0 && i < body.size() && (static_cast<unsigned char>(body[i]) & 0xC0) == 0x80) --i;
+    return i;
+  };
+  const size_t a = start_of_char(body.size() / 3), b = std::max(a, start_of_char(2 * body.size() / 3));
+  const std::string parts[3] = {body.substr(0, a), body.substr(a, b - a), body.substr(b)};
+  for (bool streaming : {false, true}) {
+    request.stream = streaming;
+    ellm::coord::OpenAiResponder responder(request, "chatcmpl-f", "m", 0, *tok, 1);
+    std::string sse;
+    for (int i = 0; i < 3; ++i) {
+      ellm::coord::StreamEvent e;
+      e.text = parts[i];
+      e.finished = i == 2;
+      e.finish.reason = ellm::coord::FinishReason::kStopToken;
+      if (streaming) {
+        sse += responder.SseFor(e);
+      } else {
+        responder.Add(e);
+      }
+    }
+    if (!streaming) {
+      if (nlohmann::json::parse(responder.Final(), nullptr, false).is_discarded()) std::abort();
+      continue;
+    }
+    std::string content;
+    bool calls = false;
+    // Events: "data: ...\n\n" (JSON text holds no raw new line).
+    for (size_t at = 0; at < sse.size();) {
+      const size_t end = sse.find("\n\n", at);
+      if (end == std::string::npos || sse.compare(at, 6, "data: ") != 0) std::abort();
+      const std::string event = sse.substr(at + 6, end - at - 6);
+      at = end + 2;
+      if (event == "[DONE]") continue;
+      const nlohmann::json j = nlohmann::json::parse(event, nullptr, false);
+      if (j.is_discarded()) std::abort();
+      const nlohmann::json& c = j["choices"][0];
+      if (!chat) {
+        content += c["text"].get<std::string>();
+        continue;
+      }
+      if (c["delta"].contains("content")) content += c["delta"]["content"].get<std::string>();
+      if (c["delta"].contains("tool_calls")) calls = true;
+    }
+    if (!calls && content != body) std::abort();
+  }
+  return 0;
+}
