@@ -18,17 +18,11 @@
 #include "coordinator/chat_template.h"
 #include "coordinator/openai_api.h"
 #include "coordinator/python_json.h"
-#include "core/gguf.h"
 #include "core/tokenizer.h"
+#include "fuzz/fuzz_models.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const std::unique_ptr<ellm::Tokenizer> bpe = [] {
-    auto file = ellm::GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/vocab/qwen2.5-vocab-derived.gguf");
-    if (!file.ok()) std::abort();
-    auto tok = ellm::Tokenizer::FromGguf(**file);
-    if (!tok.ok()) std::abort();
-    return *std::move(tok);
-  }();
+  static const std::unique_ptr<ellm::Tokenizer> bpe = LoadFuzzTokenizer("vocab/qwen2.5-vocab-derived.gguf");
   if (size < 1) return 0;
   static const char* kTemplates[] = {"<|im_start|>",
                                      "<|im_start|><think>",

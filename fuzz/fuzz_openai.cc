@@ -5,9 +5,9 @@
 // streamed and not, with tool calls read (chat): every response body and SSE chunk
 // must be valid JSON, and a streamed answer that is not calls must give back
 // its text whole.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -15,18 +15,12 @@
 #include <nlohmann/json.hpp>
 
 #include "coordinator/openai_api.h"
-#include "core/gguf.h"
 #include "core/tokenizer.h"
 #include "core/unicode.h"
+#include "fuzz/fuzz_models.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const std::unique_ptr<ellm::Tokenizer> tok = [] {
-    auto file = ellm::GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
-    if (!file.ok()) std::abort();
-    auto t = ellm::Tokenizer::FromGguf(**file);
-    if (!t.ok()) std::abort();
-    return *std::move(t);
-  }();
+  static const std::unique_ptr<ellm::Tokenizer> tok = LoadFuzzTokenizer("stories260K.gguf");
   if (size < 1) return 0;
   const bool chat = data[0] & 1;
   const std::string body(reinterpret_cast<const char*>(data + 1), size - 1);

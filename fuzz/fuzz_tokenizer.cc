@@ -11,25 +11,13 @@
 #include <string>
 #include <vector>
 
-#include "core/gguf.h"
 #include "core/tokenizer.h"
 #include "core/unicode.h"
-
-namespace {
-
-std::unique_ptr<ellm::Tokenizer> Load(const char* name) {
-  auto file = ellm::GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/vocab/" + name);
-  if (!file.ok()) std::abort();
-  auto tok = ellm::Tokenizer::FromGguf(**file);
-  if (!tok.ok()) std::abort();
-  return *std::move(tok);
-}
-
-}  // namespace
+#include "fuzz/fuzz_models.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const std::unique_ptr<ellm::Tokenizer> spm = Load("ggml-vocab-llama-spm.gguf");
-  static const std::unique_ptr<ellm::Tokenizer> bpe = Load("qwen2.5-vocab-derived.gguf");
+  static const std::unique_ptr<ellm::Tokenizer> spm = LoadFuzzTokenizer("vocab/ggml-vocab-llama-spm.gguf");
+  static const std::unique_ptr<ellm::Tokenizer> bpe = LoadFuzzTokenizer("vocab/qwen2.5-vocab-derived.gguf");
   if (size < 1) return 0;
   const ellm::Tokenizer& tok = (data[0] & 1) ? *bpe : *spm;
   const int mode = (data[0] >> 1) % 3;
