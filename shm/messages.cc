@@ -73,13 +73,11 @@ absl::Status CheckBytes(const FrameHeader& header, uint64_t expected, const char
   return absl::OkStatus();
 }
 
-}  // namespace
-
-namespace {
 uint64_t StepPlanBytes(const StepPlan& plan) {
   return plan.seqs.size() * sizeof(PlanSeq) + plan.tokens.size() * sizeof(int32_t) +
          plan.counts.size() * sizeof(TokenCount);
 }
+
 }  // namespace
 
 void SetSampling(const SamplingParams& params, PlanSeq* p) {
