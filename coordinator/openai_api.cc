@@ -512,10 +512,10 @@ std::optional<ToolCallsAnswer::Call> CallOf(std::string_view json_text, std::ini
   for (const char* key : args_keys) {
     if (arguments == nullptr) arguments = member(key);
   }
-  if (name == nullptr || arguments == nullptr || name->empty() || name->front() != '"') return std::nullopt;
-  const json decoded = json::parse(*name, nullptr, /*allow_exceptions=*/false);
-  if (!decoded.is_string()) return std::nullopt;
-  return ToolCallsAnswer::Call{decoded.get<std::string>(), *arguments};
+  if (name == nullptr || arguments == nullptr) return std::nullopt;
+  std::optional<std::string> decoded = JsonStringValue(*name);
+  if (!decoded) return std::nullopt;
+  return ToolCallsAnswer::Call{*std::move(decoded), *arguments};
 }
 
 // The end of the JSON object that starts at text[begin] ('{'): one past its
