@@ -283,9 +283,9 @@ void Scheduler::PublishPartial(Sequence* s) {
 shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
   shm::StepPlan plan;
   int budget = options_.max_step_tokens;
-  // Penalised sequences' token counts: one that would overflow the frame
-  // waits for a later step (only a batch of more than 16 long penalised
-  // sequences comes near).
+  // Penalised sequences' token counts, sent with a chunk that samples: one
+  // that would overflow the frame waits for a later step (only a batch of
+  // more than 16 long penalised sequences comes near).
   uint64_t counts_budget = shm::StepPlanCountsCapacity(options_.max_batch);
   // Decoding sequences first (one token each), then prefill chunks: a
   // request's prompt, or after a worker failure its prompt and the tokens it
@@ -296,18 +296,19 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
       const int done = s->fed - s->base;  // tokens fed
       const bool decoding = !s->generated.empty() && total - done == 1;
       if ((pass == 0) != decoding || budget == 0 || done >= total) continue;
-      const bool penalised = s->options.sampling.penalised();
-      if (penalised && s->counts.size() > counts_budget) continue;
+      const int n = std::min(budget, total - done);
+      const bool sample = done + n == total;
+      const bool sends_counts = sample && s->options.sampling.penalised();
+      if (sends_counts && s->counts.size() > counts_budget) continue;
       shm::PlanSeq p;
       p.slice.seq_id = s->id;
       p.slice.start_pos = static_cast<uint32_t>(s->fed);
-      const int n = std::min(budget, total - done);
       p.slice.n_tokens = static_cast<uint32_t>(n);
       s->AppendTokens(done, n, &plan.tokens);
-      p.sample = done + n == total ? 1 : 0;
+      p.sample = sample ? 1 : 0;
       budget -= n;
       shm::SetSampling(s->options.sampling, &p);
-      if (p.sample && penalised) {
+      if (sends_counts) {
         p.n_counts = static_cast<uint32_t>(s->counts.size());
         counts_budget -= p.n_counts;
         for (const auto& [token, count] : s->counts) plan.counts.push_back({token, count});
