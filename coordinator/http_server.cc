@@ -96,10 +96,10 @@ class Session : public std::enable_shared_from_this<Session> {
   }
   ~Session() {
     --server_->sessions;
-    if (request_ == nullptr) return;
+    if (requests_.empty()) return;
     --server_->answering;
-    request_->SetNotify(nullptr);
-    if (!finished_) request_->Cancel();  // the client went away mid-generation
+    for (const std::shared_ptr<RequestStream>& r : requests_) r->SetNotify(nullptr);
+    if (!finished_) CancelAll();  // the client went away mid-generation
   }
 
   void Start() { Read(); }
@@ -202,7 +202,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void Fail(const std::exception& e) {
     const http::request<http::string_body>& req = parser_->get();
     LogError("HTTP %s %s: %s", std::string(req.method_string()), std::string(req.target()), e.what());
-    if (request_ != nullptr && !finished_) request_->Cancel();
+    if (!finished_) CancelAll();
     finished_ = true;
     if (writing_) return Close();
     keep_alive_ = false;
@@ -322,23 +322,34 @@ class Session : public std::enable_shared_from_this<Session> {
         absl::StrFormat("%s-%016x", chat ? "chatcmpl" : "cmpl", server_->id_base ^ (n * 0x9E3779B97F4A7C15ULL));
     prepared.options.source = absl::StrCat("HTTP ", id);
     const int32_t last_prompt_token = prepared.options.prompt.empty() ? -1 : prepared.options.prompt.back();
+    // n choices: n sequences of the prompt, choice i sampled with seed + i.
+    // With the prefix cache, choices 1..n-1 wait for choice 0's first token
+    // (SubmitLaterChoices), and then find its prompt's whole blocks cached
+    // instead of each prefilling the prompt again.
+    if (parsed.n > 1) {
+      later_choices_.assign(static_cast<size_t>(parsed.n - 1), prepared.options);
+      for (int i = 1; i < parsed.n; ++i) {
+        GenerateOptions& o = later_choices_[static_cast<size_t>(i - 1)];
+        o.seed += static_cast<uint64_t>(i);
+        o.source = absl::StrCat(prepared.options.source, " choice ", i);
+      }
+    }
     absl::StatusOr<std::shared_ptr<RequestStream>> request = server_->scheduler->Submit(std::move(prepared.options));
-    if (!request.ok()) return SendError(request.status());
-    request_ = *std::move(request);
+    if (!request.ok()) {
+      later_choices_.clear();
+      return SendError(request.status());
+    }
+    requests_.push_back(*std::move(request));
     ++server_->answering;
-    streaming_ = parsed.stream;
     responder_ = std::make_unique<OpenAiResponder>(
         parsed, id,
         server_->options.model_id, static_cast<int64_t>(std::time(nullptr)), *server_->tokenizer,
         last_prompt_token);
     stream_.expires_never();
-    std::weak_ptr<Session> weak = shared_from_this();
-    auto executor = stream_.get_executor();
-    request_->SetNotify([weak, executor] {
-      net::post(executor, [weak] {
-        if (auto self = weak.lock()) self->Drain();
-      });
-    });
+    Notify(*requests_.front());
+    // (Before the stream begins: a refusal is the response's status.)
+    if (!server_->scheduler->prefix_cache() && !SubmitLaterChoices()) return;
+    streaming_ = parsed.stream;
     if (streaming_) {
       header_.emplace(http::status::ok, version_);
       header_->set(http::field::content_type, "text/event-stream");
@@ -361,25 +372,75 @@ class Session : public std::enable_shared_from_this<Session> {
     Drain();  // events that arrived before the notifier was set
   }
 
-  // Takes every event the request has; queues its bytes (streaming) or,
+  // Events of `request` wake this session (on its executor) to Drain.
+  void Notify(RequestStream& request) {
+    std::weak_ptr<Session> weak = shared_from_this();
+    auto executor = stream_.get_executor();
+    request.SetNotify([weak, executor] {
+      net::post(executor, [weak] {
+        if (auto self = weak.lock()) self->Drain();
+      });
+    });
+  }
+
+  // Submits choices 1..n-1 (none left: true). A refusal (a full queue, say)
+  // ends the whole request with that error: false.
+  bool SubmitLaterChoices() {
+    std::vector<GenerateOptions> later = std::move(later_choices_);
+    later_choices_.clear();
+    for (GenerateOptions& o : later) {
+      absl::StatusOr<std::shared_ptr<RequestStream>> request = server_->scheduler->Submit(std::move(o));
+      if (!request.ok()) {
+        FailAll(request.status());
+        return false;
+      }
+      requests_.push_back(*std::move(request));
+      Notify(*requests_.back());
+    }
+    return true;
+  }
+
+  void CancelAll() {
+    for (const std::shared_ptr<RequestStream>& r : requests_) r->Cancel();
+  }
+
+  // The request fails: the choices still running are cancelled, and the
+  // client gets the error (in the stream once it has begun).
+  void FailAll(const absl::Status& error) {
+    CancelAll();
+    later_choices_.clear();
+    finished_ = true;
+    if (streaming_) {
+      // The headers may be out: report in the stream, as OpenAI's servers do.
+      outbox_.push_back(absl::StrCat("data: ", OpenAiErrorBody(error), "\n\n"));
+      last_queued_ = true;
+      WriteNext();
+    } else {
+      SendError(error);
+    }
+  }
+
+  // Takes every event the choices have; queues their bytes (streaming) or,
   // at the end, the whole response.
   void Drain() {
-    if (request_ == nullptr || finished_) return;
-    while (std::optional<StreamEvent> e = request_->Pop(absl::ZeroDuration())) {
-      if (!e->error.ok()) {
-        finished_ = true;
-        if (streaming_) {
-          // The headers may be out: report in the stream, as OpenAI's servers do.
-          outbox_.push_back(absl::StrCat("data: ", OpenAiErrorBody(e->error), "\n\n"));
-          last_queued_ = true;
-          WriteNext();
-        } else {
-          SendError(e->error);
-        }
-        return;
-      }
+    if (requests_.empty() || finished_) return;
+    for (size_t i = 0; i < requests_.size() && !finished_; ++i) DrainChoice(static_cast<int>(i));
+    if (!finished_ && responder_->finished()) {
+      finished_ = true;
+      if (!streaming_) return Send(200, responder_->Final(), "application/json");
+      last_queued_ = true;
+    }
+    WriteNext();
+  }
+
+  void DrainChoice(int index) {
+    RequestStream& request = *requests_[static_cast<size_t>(index)];
+    while (std::optional<StreamEvent> e = request.Pop(absl::ZeroDuration())) {
+      if (!e->error.ok()) return FailAll(e->error);
+      // Choice 0's prompt is in the cache once it samples.
+      if (index == 0 && !later_choices_.empty() && !SubmitLaterChoices()) return;
       if (streaming_) {
-        std::string bytes = responder_->SseFor(*e);
+        std::string bytes = responder_->SseFor(*e, index);
         outbox_bytes_ += bytes.size();
         if (!bytes.empty()) outbox_.push_back(std::move(bytes));
         if (outbox_bytes_ > kMaxQueuedBytes) {
@@ -387,16 +448,10 @@ class Session : public std::enable_shared_from_this<Session> {
           return ClientGone();
         }
       } else {
-        responder_->Add(*e);
+        responder_->Add(*e, index);
       }
-      if (e->finished) {
-        finished_ = true;
-        if (!streaming_) return Send(200, responder_->Final(), "application/json");
-        last_queued_ = true;
-        break;
-      }
+      if (e->finished) return;
     }
-    WriteNext();
   }
 
   void WriteNext() {
@@ -464,9 +519,10 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void ClientGone() {
-    if (request_ != nullptr && !finished_) {
+    if (!requests_.empty() && !finished_) {
       LogInfo("HTTP client went away; cancelling its request");
-      request_->Cancel();
+      CancelAll();
+      later_choices_.clear();
       finished_ = true;
     }
     Close();
@@ -504,11 +560,10 @@ class Session : public std::enable_shared_from_this<Session> {
   // dropping pinned_ here never destroys the session under them.
   void Reset() {
     pinned_.reset();
-    if (request_ != nullptr) {
-      request_->SetNotify(nullptr);
-      --server_->answering;
-    }
-    request_.reset();
+    if (!requests_.empty()) --server_->answering;
+    for (const std::shared_ptr<RequestStream>& r : requests_) r->SetNotify(nullptr);
+    requests_.clear();
+    later_choices_.clear();
     responder_.reset();
     streaming_ = finished_ = last_queued_ = last_written_ = chunked_ = false;
     outbox_.clear();
@@ -551,8 +606,10 @@ class Session : public std::enable_shared_from_this<Session> {
   unsigned version_ = 11;
   bool keep_alive_ = false;
   bool head_ = false;  // the request is a HEAD: answers carry no body
-  // The generation this connection serves.
-  std::shared_ptr<RequestStream> request_;
+  // The generation this connection serves: one stream per choice submitted,
+  // and the choices still to submit (after choice 0's prefill).
+  std::vector<std::shared_ptr<RequestStream>> requests_;
+  std::vector<GenerateOptions> later_choices_;
   std::unique_ptr<OpenAiResponder> responder_;
   bool streaming_ = false, finished_ = false, last_queued_ = false, last_written_ = false;
   std::optional<http::response<http::empty_body>> header_;

@@ -461,7 +461,12 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
     }
   }
   if (const json* v = fields.Get("n")) {
-    if (!v->is_number_integer() || v->get<int64_t>() != 1) return Bad("n", "must be 1 (one choice per request)");
+    if (!v->is_number_integer() || v->get<int64_t>() < 1 || v->get<int64_t>() > kMaxChoices) {
+      return Bad("n", absl::StrCat("must be an integer in [1, ", kMaxChoices, "]"));
+    }
+    r.n = static_cast<int>(v->get<int64_t>());
+    // best_of (only 1 is taken) counts the candidates n is chosen from.
+    if (r.n > 1 && fields.Get("best_of") != nullptr) return Bad("best_of", "must not be less than n");
   }
   ASSIGN_OR_RETURN(std::optional<double> presence, number("presence_penalty", -2, 2));
   if (presence) g.mutable_sampling()->set_presence_penalty(static_cast<float>(*presence));
@@ -563,9 +568,11 @@ std::optional<ToolCallsAnswer> ParseToolCalls(std::string_view text, ToolCallSyn
 
 OpenAiResponder::OpenAiResponder(const OpenAiRequest& request, std::string id, std::string model_id,
                                  int64_t created, const Tokenizer& tokenizer, int32_t last_prompt_token)
-    : request_(request), tokenizer_(tokenizer), prev_token_(last_prompt_token),
-      offset_decoder_(tokenizer, last_prompt_token), id_(std::move(id)), model_id_(std::move(model_id)),
-      created_(created) {}
+    : request_(request), tokenizer_(tokenizer), id_(std::move(id)), model_id_(std::move(model_id)),
+      created_(created) {
+  choices_.reserve(std::max(1, request_.n));
+  for (int i = 0; i < std::max(1, request_.n); ++i) choices_.emplace_back(tokenizer, last_prompt_token);
+}
 
 namespace {
 
@@ -588,14 +595,19 @@ int64_t CodePoints(std::string_view whole_utf8) {
 
 }  // namespace
 
-json OpenAiResponder::Usage(const FinishInfo& f) const {
-  return {{"prompt_tokens", f.prompt_tokens},
-          {"completion_tokens", f.completion_tokens},
-          {"total_tokens", f.prompt_tokens + f.completion_tokens},
-          {"prompt_tokens_details", {{"cached_tokens", f.cached_tokens}}}};
+json OpenAiResponder::Usage() const {
+  // The prompt once, as the first choice found it (the others find it
+  // cached: coordinator/http_server.cc submits them after its prefill).
+  const FinishInfo& first = choices_.front().finish;
+  int completion = 0;
+  for (const Choice& c : choices_) completion += c.finish.completion_tokens;
+  return {{"prompt_tokens", first.prompt_tokens},
+          {"completion_tokens", completion},
+          {"total_tokens", first.prompt_tokens + completion},
+          {"prompt_tokens_details", {{"cached_tokens", first.cached_tokens}}}};
 }
 
-json OpenAiResponder::LogprobsOf(const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
+json OpenAiResponder::LogprobsOf(Choice& c, const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
                                  const std::vector<std::vector<TokenLogprob>>& top) {
   auto bytes_of = [](const std::string& piece) {
     json bytes = json::array();
@@ -608,9 +620,9 @@ json OpenAiResponder::LogprobsOf(const std::vector<int32_t>& ids, const std::vec
   for (size_t i = 0; i < ids.size(); ++i) {
     // Every candidate at this position reads as it would after the same
     // previous token (a SentencePiece word start depends on it).
-    const int32_t prev = prev_token_;
+    const int32_t prev = c.prev_token;
     const std::string piece = tokenizer_.TokenBytes(prev, ids[i]);
-    prev_token_ = ids[i];
+    c.prev_token = ids[i];
     const float lp = i < logprobs.size() ? logprobs[i] : 0.0f;
     static const std::vector<TokenLogprob> kNone;
     const std::vector<TokenLogprob>& alternatives = i < top.size() ? top[i] : kNone;
@@ -634,19 +646,21 @@ json OpenAiResponder::LogprobsOf(const std::vector<int32_t>& ids, const std::vec
     top_logprobs.push_back(alt);
     // A U+FFFD this token's bytes flush belongs to the tokens before it.
     int earlier = 0;
-    const std::string text = offset_decoder_.Push(ids[i], &earlier);
-    text_offset.push_back(text_offset_ + earlier);
-    text_offset_ += CodePoints(text);
+    const std::string text = c.offset_decoder.Push(ids[i], &earlier);
+    text_offset.push_back(c.text_offset + earlier);
+    c.text_offset += CodePoints(text);
   }
   if (request_.chat) return {{"content", content}};
   return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs},
           {"text_offset", text_offset}};
 }
 
-json OpenAiResponder::ToolCallsJson(const ToolCallsAnswer& answer, bool streaming) const {
+json OpenAiResponder::ToolCallsJson(const ToolCallsAnswer& answer, int index, bool streaming) const {
   json calls = json::array();
-  // An id per call, unique as the request's id is: "call_" + its random part.
-  const std::string base = id_.substr(id_.find('-') + 1);
+  // An id per call, unique as the request's id is: "call_" + its random part
+  // (and the choice's index after the first).
+  std::string base = id_.substr(id_.find('-') + 1);
+  if (index > 0) absl::StrAppend(&base, "_", index);
   // parallel_tool_calls false: the first call only.
   const size_t n = request_.one_tool_call ? std::min<size_t>(1, answer.calls.size()) : answer.calls.size();
   for (size_t i = 0; i < n; ++i) {
@@ -659,36 +673,36 @@ json OpenAiResponder::ToolCallsJson(const ToolCallsAnswer& answer, bool streamin
   return calls;
 }
 
-std::string OpenAiResponder::ShowableText(const std::string& text) {
+std::string OpenAiResponder::ShowableText(Choice& c, const std::string& text) {
   constexpr std::string_view kOpen = "<tool_call>";
-  if (in_calls_) {
-    held_ += text;
+  if (c.in_calls) {
+    c.held += text;
     return "";
   }
   if (request_.tool_syntax == ToolCallSyntax::kLlamaJson) {
     // Calls are the whole answer: its first character decides.
-    if (shown_ || text.empty()) return text;
+    if (c.shown || text.empty()) return text;
     if (text.front() == '{') {
-      in_calls_ = true;
-      held_ = text;
+      c.in_calls = true;
+      c.held = text;
       return "";
     }
-    shown_ = true;
+    c.shown = true;
     return text;
   }
-  std::string all = std::move(held_) + text;
-  held_.clear();
+  std::string all = std::move(c.held) + text;
+  c.held.clear();
   const size_t at = all.find(kOpen);
   if (at != std::string::npos) {
-    held_ = all.substr(at);
-    in_calls_ = true;
+    c.held = all.substr(at);
+    c.in_calls = true;
     all.resize(at);
     return all;
   }
   // The longest tail that is the start of "<tool_call>".
   for (size_t n = std::min(all.size(), kOpen.size() - 1); n > 0; --n) {
     if (std::string_view(all).substr(all.size() - n) == kOpen.substr(0, n)) {
-      held_ = all.substr(all.size() - n);
+      c.held = all.substr(all.size() - n);
       all.resize(all.size() - n);
       break;
     }
@@ -704,83 +718,103 @@ json OpenAiResponder::Chunk(const json& choice) const {
           {"choices", json::array({choice})}};
 }
 
-std::string OpenAiResponder::SseFor(const coord::StreamEvent& e) {
+void OpenAiResponder::Finished(Choice& c, const FinishInfo& finish) {
+  if (c.finished) return;
+  c.finished = true;
+  c.finish = finish;
+  ++finished_;
+}
+
+std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
+  Choice& c = choices_.at(static_cast<size_t>(index));
   std::string out;
   auto emit = [&out](const json& j) { absl::StrAppend(&out, "data: ", Dump(j), "\n\n"); };
-  if (request_.chat && !sent_role_) {
-    sent_role_ = true;
-    emit(Chunk({{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
+  if (request_.chat && !c.sent_role) {
+    c.sent_role = true;
+    emit(Chunk({{"index", index}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
                 {"finish_reason", nullptr}}));
   }
-  std::string text = request_.read_tool_calls ? ShowableText(e.text) : e.text;
+  std::string text = request_.read_tool_calls ? ShowableText(c, e.text) : e.text;
   std::optional<ToolCallsAnswer> calls;
   if (e.finished && request_.read_tool_calls) {
-    if (in_calls_) calls = ParseToolCalls(held_, request_.tool_syntax);
-    if (!calls) text += held_;  // not calls after all: the rest is text
-    held_.clear();
+    if (c.in_calls) calls = ParseToolCalls(c.held, request_.tool_syntax);
+    if (!calls) text += c.held;  // not calls after all: the rest is text
+    c.held.clear();
   }
   // (Tokens whose text is held show only for their logprobs.)
   if (!text.empty() || e.finished ||
       (!e.token_ids.empty() && (request_.logprobs || !request_.read_tool_calls))) {
-    json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+    json choice = {{"index", index}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
     if (request_.chat) {
       choice["delta"] = text.empty() ? json::object() : json{{"content", text}};
     } else {
       choice["text"] = text;
     }
-    if (request_.logprobs && !e.token_ids.empty()) choice["logprobs"] = LogprobsOf(e.token_ids, e.logprobs, e.top_logprobs);
+    if (request_.logprobs && !e.token_ids.empty()) {
+      choice["logprobs"] = LogprobsOf(c, e.token_ids, e.logprobs, e.top_logprobs);
+    }
     if (calls) {
       // The calls in one chunk of their own, then the finish.
       json with_calls = choice;
-      with_calls["delta"]["tool_calls"] = ToolCallsJson(*calls, /*streaming=*/true);
+      with_calls["delta"]["tool_calls"] = ToolCallsJson(*calls, index, /*streaming=*/true);
       emit(Chunk(with_calls));
-      choice = {{"index", 0}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", "tool_calls"}};
+      choice = {{"index", index}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", "tool_calls"}};
     } else if (e.finished) {
       choice["finish_reason"] = OpenAiFinishReason(e.finish.reason);
     }
     emit(Chunk(choice));
   }
   if (e.finished) {
-    if (request_.include_usage) {
-      json usage = Chunk({});
-      usage["choices"] = json::array();
-      usage["usage"] = Usage(e.finish);
-      emit(usage);
+    Finished(c, e.finish);
+    if (finished()) {
+      if (request_.include_usage) {
+        json usage = Chunk({});
+        usage["choices"] = json::array();
+        usage["usage"] = Usage();
+        emit(usage);
+      }
+      out += "data: [DONE]\n\n";
     }
-    out += "data: [DONE]\n\n";
   }
   return out;
 }
 
-void OpenAiResponder::Add(const coord::StreamEvent& e) {
-  text_ += e.text;
-  ids_.insert(ids_.end(), e.token_ids.begin(), e.token_ids.end());
-  logprobs_.insert(logprobs_.end(), e.logprobs.begin(), e.logprobs.end());
-  top_.insert(top_.end(), e.top_logprobs.begin(), e.top_logprobs.end());
-  if (e.finished) finish_ = e.finish;
+void OpenAiResponder::Add(const coord::StreamEvent& e, int index) {
+  Choice& c = choices_.at(static_cast<size_t>(index));
+  c.text += e.text;
+  c.ids.insert(c.ids.end(), e.token_ids.begin(), e.token_ids.end());
+  c.logprobs.insert(c.logprobs.end(), e.logprobs.begin(), e.logprobs.end());
+  c.top.insert(c.top.end(), e.top_logprobs.begin(), e.top_logprobs.end());
+  if (e.finished) Finished(c, e.finish);
 }
 
 std::string OpenAiResponder::Final() {
-  json choice = {{"index", 0}, {"finish_reason", OpenAiFinishReason(finish_.reason)}, {"logprobs", nullptr}};
-  const std::optional<ToolCallsAnswer> calls =
-      request_.read_tool_calls ? ParseToolCalls(text_, request_.tool_syntax) : std::nullopt;
-  if (calls) {
-    choice["message"] = {{"role", "assistant"},
-                         {"content", calls->content.empty() ? json(nullptr) : json(calls->content)},
-                         {"tool_calls", ToolCallsJson(*calls, /*streaming=*/false)}};
-    choice["finish_reason"] = "tool_calls";
-  } else if (request_.chat) {
-    choice["message"] = {{"role", "assistant"}, {"content", text_}};
-  } else {
-    choice["text"] = text_;
+  json choices = json::array();
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    Choice& c = choices_[i];
+    const int index = static_cast<int>(i);
+    json choice = {{"index", index}, {"finish_reason", OpenAiFinishReason(c.finish.reason)}, {"logprobs", nullptr}};
+    const std::optional<ToolCallsAnswer> calls =
+        request_.read_tool_calls ? ParseToolCalls(c.text, request_.tool_syntax) : std::nullopt;
+    if (calls) {
+      choice["message"] = {{"role", "assistant"},
+                           {"content", calls->content.empty() ? json(nullptr) : json(calls->content)},
+                           {"tool_calls", ToolCallsJson(*calls, index, /*streaming=*/false)}};
+      choice["finish_reason"] = "tool_calls";
+    } else if (request_.chat) {
+      choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+    } else {
+      choice["text"] = c.text;
+    }
+    if (request_.logprobs) choice["logprobs"] = LogprobsOf(c, c.ids, c.logprobs, c.top);
+    choices.push_back(std::move(choice));
   }
-  if (request_.logprobs) choice["logprobs"] = LogprobsOf(ids_, logprobs_, top_);
   json body = {{"id", id_},
                {"object", request_.chat ? "chat.completion" : "text_completion"},
                {"created", created_},
                {"model", model_id_},
-               {"choices", json::array({choice})},
-               {"usage", Usage(finish_)}};
+               {"choices", std::move(choices)},
+               {"usage", Usage()}};
   return Dump(body);
 }
 

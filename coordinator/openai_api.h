@@ -10,11 +10,12 @@
 // (string or list), stream, stream_options.include_usage, logprobs (chat:
 // true, with top_logprobs 0..20 alternatives per token; completions: an
 // integer 0..20, the number of alternatives, the chosen token always
-// included), n = 1; chat: tools with tool_choice auto or none, messages with
+// included), n (1..kMaxChoices choices, each sampled as its own request
+// with seed + i; see OpenAiResponder); chat: tools with tool_choice auto or none, messages with
 // an assistant's tool_calls and the tool role (rendered by the template,
 // coordinator/chat_template.h), and an answer's <tool_call>s returned as
-// tool_calls (ParseToolCalls). Refused with 400 naming the field: n > 1,
-// echo, suffix, any field that would constrain or bias the output
+// tool_calls (ParseToolCalls). Refused with 400 naming the field: n out
+// of range, echo, suffix, any field that would constrain or bias the output
 // (logit_bias, response_format other than text, tool_choice required or
 // named, functions, function_call other than none/auto, best_of > 1, and
 // vLLM's repetition_penalty, min_tokens, ignore_eos, guided_*), and any
@@ -41,6 +42,7 @@
 namespace ellm::coord {
 
 constexpr int kMaxJsonDepth = 32;
+constexpr int kMaxChoices = 16;  // most choices (n) one request may ask for
 
 struct OpenAiRequest {
   bool chat = false;
@@ -48,6 +50,7 @@ struct OpenAiRequest {
   bool include_usage = false;
   bool logprobs = false;
   int top_logprobs = 0;  // alternatives per token (also in generate)
+  int n = 1;             // choices: n sequences of the same prompt
   // Chat with tools and tool_choice "auto": the answer's calls (in
   // tool_syntax) are returned as tool_calls.
   bool read_tool_calls = false;
@@ -80,6 +83,11 @@ struct ToolCallsAnswer {
 std::optional<ToolCallsAnswer> ParseToolCalls(std::string_view text, ToolCallSyntax syntax);
 
 // Builds the responses of one request: `id` like "cmpl-..." / "chatcmpl-...".
+// A request of n choices has n event streams, one per choice (each its own
+// sequence); the events of each are passed with its index, in their order,
+// and the streams may interleave. The response carries every choice under
+// its index; its usage counts the prompt once (prompt_tokens and
+// cached_tokens as choice 0 found them) and the completion tokens of all.
 class OpenAiResponder {
  public:
   // `tokenizer` names each token in logprobs; the first generated token reads
@@ -87,48 +95,64 @@ class OpenAiResponder {
   OpenAiResponder(const OpenAiRequest& request, std::string id, std::string model_id, int64_t created,
                   const Tokenizer& tokenizer, int32_t last_prompt_token);
 
-  // Streaming: the SSE bytes ("data: {...}\n\n" ...) for one event, and after
-  // the last event the usage chunk (when asked) and "data: [DONE]\n\n".
-  std::string SseFor(const coord::StreamEvent& event);
-  // Not streaming: folds in an event; Final() is the whole response body.
-  void Add(const coord::StreamEvent& event);
+  // Streaming: the SSE bytes ("data: {...}\n\n" ...) for one event of a
+  // choice, and after the last event of the last choice to finish the usage
+  // chunk (when asked) and "data: [DONE]\n\n".
+  std::string SseFor(const coord::StreamEvent& event, int choice = 0);
+  // Not streaming: folds in an event; Final() is the whole response body,
+  // once every choice has finished.
+  void Add(const coord::StreamEvent& event, int choice = 0);
   std::string Final();
+  // Every choice has had its last event.
+  bool finished() const { return finished_ == static_cast<int>(choices_.size()); }
 
  private:
+  // What one choice has sent or gathered so far.
+  struct Choice {
+    Choice(const Tokenizer& tokenizer, int32_t last_prompt_token)
+        : prev_token(last_prompt_token), offset_decoder(tokenizer, last_prompt_token) {}
+    int32_t prev_token;       // for each token's text in logprobs
+    // Completions' text_offset: code points of the text the tokens so far
+    // decode to, as the client's string indexes it; a multi-byte character
+    // still incomplete is not counted until it completes (its tokens' offsets
+    // are where it starts).
+    StreamDecoder offset_decoder;
+    int64_t text_offset = 0;
+    bool sent_role = false;
+    std::string held;        // streaming with read_tool_calls: text not shown yet
+    bool in_calls = false;   // held is (may be) calls, to the end
+    bool shown = false;      // Llama JSON: the answer's first character was not "{"
+    // Not streaming: what the request gave.
+    std::string text;
+    std::vector<int32_t> ids;
+    std::vector<float> logprobs;
+    std::vector<std::vector<TokenLogprob>> top;
+    bool finished = false;
+    FinishInfo finish;
+  };
+
   nlohmann::json Chunk(const nlohmann::json& choice) const;
-  nlohmann::json Usage(const FinishInfo& f) const;
-  // OpenAI's tool_calls list (streaming: with each call's index).
-  nlohmann::json ToolCallsJson(const ToolCallsAnswer& answer, bool streaming) const;
+  // The whole request's usage (once every choice has finished).
+  nlohmann::json Usage() const;
+  // OpenAI's tool_calls list of choice `index` (streaming: with each call's index).
+  nlohmann::json ToolCallsJson(const ToolCallsAnswer& answer, int index, bool streaming) const;
   // Streaming with read_tool_calls: the part of `text` that may be shown
   // now. Hermes: from a "<tool_call>" on, the text is held for
   // ParseToolCalls at the end; so is a tail that could begin one. Llama
   // JSON: an answer that starts with "{" is held whole.
-  std::string ShowableText(const std::string& text);
-  // The logprobs object of these tokens (advances prev_token_ and text_offset_).
-  nlohmann::json LogprobsOf(const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
+  std::string ShowableText(Choice& c, const std::string& text);
+  // The logprobs object of these tokens (advances c's prev_token and text_offset).
+  nlohmann::json LogprobsOf(Choice& c, const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
                             const std::vector<std::vector<TokenLogprob>>& top);
+  // Folds the end of a choice in (once).
+  void Finished(Choice& c, const FinishInfo& finish);
 
   OpenAiRequest request_;
   const Tokenizer& tokenizer_;
-  int32_t prev_token_;       // for each token's text in logprobs
-  // Completions' text_offset: code points of the text the tokens so far
-  // decode to, as the client's string indexes it; a multi-byte character
-  // still incomplete is not counted until it completes (its tokens' offsets
-  // are where it starts).
-  StreamDecoder offset_decoder_;
-  int64_t text_offset_ = 0;
   std::string id_, model_id_;
   int64_t created_;
-  bool sent_role_ = false;
-  std::string held_;        // streaming with read_tool_calls: text not shown yet
-  bool in_calls_ = false;   // held_ is (may be) calls, to the end
-  bool shown_ = false;      // Llama JSON: the answer's first character was not "{"
-  // Not streaming: what the request gave.
-  std::string text_;
-  std::vector<int32_t> ids_;
-  std::vector<float> logprobs_;
-  std::vector<std::vector<TokenLogprob>> top_;
-  FinishInfo finish_;
+  std::vector<Choice> choices_;
+  int finished_ = 0;  // choices that have had their last event
 };
 
 // OpenAI's error body: {"error": {"message", "type", "param", "code"}}, and

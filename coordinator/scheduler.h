@@ -154,6 +154,7 @@ class Scheduler {
   // to their end: the first step of a graceful shutdown.
   void StopAdmitting();
   bool admitting() const { return admitting_.load(); }
+  bool prefix_cache() const { return options_.prefix_cache; }
   void Stop();
 
  private:

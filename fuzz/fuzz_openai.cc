@@ -1,16 +1,18 @@
 // libFuzzer harness: the OpenAI API without a server. The first byte picks
 // /v1/completions or /v1/chat/completions and the tool-call syntax; the rest
 // is the request body (ParseOpenAiRequest). The body's text is then played
-// back as a generated answer, in three events, through OpenAiResponder, both
-// streamed and not, with tool calls read (chat): every response body and SSE chunk
-// must be valid JSON, and a streamed answer that is not calls must give back
-// its text whole.
+// back as a generated answer, in three events, to each of the request's n
+// choices (their events interleaved), through OpenAiResponder, both streamed
+// and not, with tool calls read (chat): every response body and SSE chunk
+// must be valid JSON, each streamed choice that is not calls must give back
+// the text whole, and one [DONE] must end the stream.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -43,42 +45,55 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (bool streaming : {false, true}) {
     request.stream = streaming;
     ellm::coord::OpenAiResponder responder(request, "chatcmpl-f", "m", 0, *tok, 1);
+    const int n = std::max(1, request.n);
     std::string sse;
     for (int i = 0; i < 3; ++i) {
-      ellm::coord::StreamEvent e;
-      e.text = parts[i];
-      e.finished = i == 2;
-      e.finish.reason = ellm::coord::FinishReason::kStopToken;
-      if (streaming) {
-        sse += responder.SseFor(e);
-      } else {
-        responder.Add(e);
+      for (int choice = 0; choice < n; ++choice) {
+        ellm::coord::StreamEvent e;
+        e.text = parts[i];
+        e.finished = i == 2;
+        e.finish.reason = ellm::coord::FinishReason::kStopToken;
+        if (streaming) {
+          sse += responder.SseFor(e, choice);
+        } else {
+          responder.Add(e, choice);
+        }
       }
     }
+    if (!responder.finished()) std::abort();
     if (!streaming) {
       if (nlohmann::json::parse(responder.Final(), nullptr, false).is_discarded()) std::abort();
       continue;
     }
-    std::string content;
-    bool calls = false;
+    std::vector<std::string> content(static_cast<size_t>(n));
+    std::vector<bool> calls(static_cast<size_t>(n));
+    if (sse.size() < 14 || sse.compare(sse.size() - 14, 14, "data: [DONE]\n\n") != 0) std::abort();
     // Events: "data: ...\n\n" (JSON text holds no raw new line).
     for (size_t at = 0; at < sse.size();) {
       const size_t end = sse.find("\n\n", at);
       if (end == std::string::npos || sse.compare(at, 6, "data: ") != 0) std::abort();
       const std::string event = sse.substr(at + 6, end - at - 6);
       at = end + 2;
-      if (event == "[DONE]") continue;
-      const nlohmann::json j = nlohmann::json::parse(event, nullptr, false);
-      if (j.is_discarded()) std::abort();
-      const nlohmann::json& c = j["choices"][0];
-      if (!chat) {
-        content += c["text"].get<std::string>();
+      if (event == "[DONE]") {
+        if (at != sse.size()) std::abort();
         continue;
       }
-      if (c["delta"].contains("content")) content += c["delta"]["content"].get<std::string>();
-      if (c["delta"].contains("tool_calls")) calls = true;
+      const nlohmann::json j = nlohmann::json::parse(event, nullptr, false);
+      if (j.is_discarded()) std::abort();
+      if (j["choices"].empty()) continue;  // the usage chunk
+      const nlohmann::json& c = j["choices"][0];
+      const int index = c["index"].get<int>();
+      if (index < 0 || index >= n) std::abort();
+      if (!chat) {
+        content[index] += c["text"].get<std::string>();
+        continue;
+      }
+      if (c["delta"].contains("content")) content[index] += c["delta"]["content"].get<std::string>();
+      if (c["delta"].contains("tool_calls")) calls[index] = true;
     }
-    if (!calls && content != body) std::abort();
+    for (int i = 0; i < n; ++i) {
+      if (!calls[i] && content[i] != body) std::abort();
+    }
   }
   return 0;
 }

@@ -1,9 +1,9 @@
 // The OpenAI-compatible HTTP front, /metrics and gRPC reflection, end to end
 // on the real processes, through a real HTTP client (Boost.Beast): streaming
 // and non-streaming completions and chat, SSE framing, usage, stop strings,
-// logprobs, every error status, a client that disconnects mid-stream, 32
-// concurrent streams each equal to its solo run, and the service list a
-// reflection client sees.
+// logprobs, n choices sharing one prefill, every error status, a client that
+// disconnects mid-stream, 32 concurrent streams each equal to its solo run,
+// and the service list a reflection client sees.
 #include <signal.h>
 
 #include <chrono>
@@ -326,6 +326,110 @@ TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
   ExpectCleanShutdown(system);
 }
 
+// n choices: choice i is the answer the same request with seed + i gives
+// alone; streamed or not, every choice comes under its index with its own
+// finish, the usage counts the prompt once, and one [DONE] ends the stream.
+// With the prefix cache (on by default) the prompt is prefilled once: the
+// other choices find its whole blocks cached. Off, the choices run at once.
+TEST(Http, ChoicesAreTheirSeedsAnswersAndShareOnePrefill) {
+  const std::string prompt =
+      "Once upon a time there was a little girl named Lily. She loved to play outside in the park with her "
+      "friends. One day, she saw a big red ball under a tall tree. She ran to get it, but a big dog was there too.";
+  for (bool cache : {true, false}) {
+    // Steps of 32 tokens: the prompt takes choice 0 several steps, so choices
+    // submitted with it would prefill alongside it instead of finding it.
+    std::vector<std::string> args = {"--model=" + kStories, "--no-numactl", "--max-step-tokens=32"};
+    if (!cache) args.push_back("--no-prefix-cache");
+    EllmSystem system(args);
+    ASSERT_TRUE(system.ready()) << system.Log();
+    const int port = system.http_port();
+    ellm::v1::ModelInfo info;
+    {
+      grpc::ClientContext ctx;
+      ASSERT_TRUE(system.stub()->GetModelInfo(&ctx, ellm::v1::GetModelInfoRequest(), &info).ok());
+    }
+    json req = {{"model", "llama"}, {"prompt", prompt}, {"max_tokens", 24}, {"temperature", 1.0}, {"seed", 11}, {"n", 3}};
+    std::map<std::string, double> before = Samples(Call(port, http::verb::get, "/metrics").body);
+    const HttpResult r = Post(port, "/v1/completions", req);
+    ASSERT_EQ(r.status, 200) << r.body;
+    std::map<std::string, double> after = Samples(Call(port, http::verb::get, "/metrics").body);
+    const json j = r.Json();
+    ASSERT_EQ(j["choices"].size(), 3u) << j;
+    const int prompt_tokens = j["usage"]["prompt_tokens"];
+    ASSERT_GT(prompt_tokens, 3 * info.kv_block_tokens()) << "the premise: a prompt of several blocks";
+    const double cached = after["ellm_cached_prompt_tokens_total"] - before["ellm_cached_prompt_tokens_total"];
+    if (cache) {
+      EXPECT_EQ(j["usage"]["prompt_tokens_details"]["cached_tokens"], 0) << "choice 0 prefilled it";
+      EXPECT_GE(cached, 2 * (prompt_tokens / info.kv_block_tokens()) * info.kv_block_tokens())
+          << "choices 1 and 2 prefilled the prompt again";
+    } else {
+      EXPECT_EQ(cached, 0);
+    }
+    std::set<std::string> texts;
+    int completion = 0;
+    for (int i = 0; i < 3; ++i) {
+      const json& choice = j["choices"][i];
+      EXPECT_EQ(choice["index"], i);
+      json alone = req;
+      alone.erase("n");
+      alone["seed"] = 11 + i;
+      const json a = Post(port, "/v1/completions", alone).Json();
+      EXPECT_EQ(choice["text"], a["choices"][0]["text"]) << "choice " << i << " (cache " << cache << ")";
+      EXPECT_EQ(choice["finish_reason"], a["choices"][0]["finish_reason"]) << i;
+      completion += a["usage"]["completion_tokens"].get<int>();
+      texts.insert(choice["text"].get<std::string>());
+    }
+    EXPECT_EQ(texts.size(), 3u) << "the premise: three seeds, three answers";
+    EXPECT_EQ(j["usage"]["completion_tokens"], completion);
+    EXPECT_EQ(j["usage"]["total_tokens"], prompt_tokens + completion);
+
+    // Streamed: the same choices, each chunk under its index.
+    json stream_req = req;
+    stream_req["stream"] = true;
+    stream_req["stream_options"] = {{"include_usage", true}};
+    const HttpResult s = Post(port, "/v1/completions", stream_req);
+    ASSERT_EQ(s.status, 200) << s.body;
+    const std::vector<std::string> data = SseData(s.body);
+    ASSERT_GE(data.size(), 3u);
+    EXPECT_EQ(data.back(), "[DONE]");
+    std::vector<std::string> text(3), finish(3);
+    int finishes = 0, usages = 0;
+    for (size_t i = 0; i + 1 < data.size(); ++i) {
+      const json c = json::parse(data[i], nullptr, false);
+      ASSERT_FALSE(c.is_discarded()) << data[i];
+      if (c.contains("usage")) {
+        ++usages;
+        EXPECT_EQ(finishes, 3) << "usage before every choice finished";
+        EXPECT_EQ(c["usage"]["completion_tokens"], completion);
+        EXPECT_EQ(c["usage"]["prompt_tokens"], prompt_tokens);
+        continue;
+      }
+      ASSERT_EQ(c["choices"].size(), 1u) << data[i];
+      const int index = c["choices"][0]["index"];
+      ASSERT_TRUE(index >= 0 && index < 3) << data[i];
+      EXPECT_TRUE(finish[index].empty()) << "a chunk of choice " << index << " after its finish";
+      text[index] += c["choices"][0]["text"].get<std::string>();
+      if (!c["choices"][0]["finish_reason"].is_null()) {
+        finish[index] = c["choices"][0]["finish_reason"];
+        ++finishes;
+      }
+    }
+    EXPECT_EQ(usages, 1);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(text[i], j["choices"][i]["text"]) << i;
+      EXPECT_EQ(finish[i], j["choices"][i]["finish_reason"]) << i;
+    }
+    // Greedy, every choice is the greedy answer.
+    json greedy = Completion(prompt, 16, false);
+    greedy["n"] = 2;
+    const json g = Post(port, "/v1/completions", greedy).Json();
+    ASSERT_EQ(g["choices"].size(), 2u) << g;
+    EXPECT_EQ(g["choices"][0]["text"], Post(port, "/v1/completions", Completion(prompt, 16, false)).Json()["choices"][0]["text"]);
+    EXPECT_EQ(g["choices"][1]["text"], g["choices"][0]["text"]);
+    ExpectCleanShutdown(system);
+  }
+}
+
 TEST(Http, ChatCompletionsWithTheModelsTemplate) {
   const std::string dir = MakeTempDir("httpchat");
   const std::string model = dir + "/qwen3.gguf";
@@ -478,7 +582,7 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"top_p", 2}}), 400, "'top_p'");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stop", 3}}), 400, "'stop'");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stop", std::string(257, 'a')}}), 400, "at most 256");
-  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"n", 2}}), 400, "'n'");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"n", 17}}), 400, "'n'");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"logprobs", 21}}), 400, "'logprobs'");
   expect(Post(port, "/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"top_logprobs", 2}}),
          400, "'top_logprobs'");
@@ -546,6 +650,13 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   // server reads the rest and drops it rather than reset the upload.
   const std::string reply = ReplyAfterSending(port, 16 << 20);
   EXPECT_TRUE(absl::StartsWith(reply, "HTTP/1.1 413")) << "reply: " << reply.substr(0, 200);
+  // Choices past the queue's room (choice 0 runs, choice 1 waits, choice 2
+  // finds the queue full): the whole request is 429, and the choices it had
+  // started are cancelled, none left running or waiting.
+  json many = Completion("Once upon a time", 50, false);
+  many["n"] = 3;
+  expect(Post(port, "/v1/completions", many), 429, "wait queue");
+  EXPECT_TRUE(WaitForQueue(port, 0, 0)) << "a choice of the refused request stayed";
   // One request runs (--max-batch=1), one waits (--max-queue=1): a third is
   // 429. The attention worker is stopped meanwhile, so that the running
   // request cannot end (at EOS, on a fast machine) before the third arrives;
@@ -1056,9 +1167,9 @@ TEST(Http, ADisconnectCancelsAndConcurrentStreamsMatchTheirSoloRuns) {
                      "--heartbeat-ms=5000", "--min-step-timeout-s=60"});
   ASSERT_TRUE(system.ready()) << system.Log();
   const int port = system.http_port();
-  // Read the start of a long stream, then hang up. The attention workers
-  // stop meanwhile, so that the request cannot end by itself (at EOS, in a
-  // few ms) before the server sees the hang-up.
+  // Read the start of a long stream of three choices, then hang up. The
+  // attention workers stop meanwhile, so that the request cannot end by
+  // itself (at EOS, in a few ms) before the server sees the hang-up.
   const std::vector<pid_t> workers = system.FindChildren("ellm-attn-worker");
   ASSERT_EQ(workers.size(), 2u);
   {
@@ -1067,7 +1178,9 @@ TEST(Http, ADisconnectCancelsAndConcurrentStreamsMatchTheirSoloRuns) {
     socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
     http::request<http::string_body> req(http::verb::post, "/v1/completions", 11);
     req.set(http::field::host, "127.0.0.1");
-    req.body() = Completion("Once upon a time", 1900, true).dump();
+    json body = Completion("Once upon a time", 1900, true);
+    body["n"] = 3;
+    req.body() = body.dump();
     req.prepare_payload();
     http::write(socket, req);
     std::string seen;
@@ -1081,9 +1194,9 @@ TEST(Http, ADisconnectCancelsAndConcurrentStreamsMatchTheirSoloRuns) {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     for (pid_t w : workers) kill(w, SIGCONT);
   }
-  // The server cancels it: nothing runs a moment later.
+  // The server cancels it, every choice: nothing runs a moment later.
   EXPECT_TRUE(system.WaitUntilIdle()) << "the disconnected request still runs";
-  EXPECT_EQ(Samples(Call(port, http::verb::get, "/metrics").body)["ellm_requests_total{outcome=\"cancelled\"}"], 1);
+  EXPECT_EQ(Samples(Call(port, http::verb::get, "/metrics").body)["ellm_requests_total{outcome=\"cancelled\"}"], 3);
   EXPECT_EQ(Post(port, "/v1/completions", Completion("Once", 4, false)).status, 200);
 
   // 32 concurrent streams, each what it gives alone.

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -504,5 +505,123 @@ TEST(OpenAiApi, AnswersThatCallToolsAreReturnedAsToolCalls) {
   EXPECT_FALSE(j["choices"][0]["message"].contains("tool_calls"));
 }
 
+// n choices: each event goes to its choice's index, however the choices'
+// events interleave; a choice's held text and calls stay its own (call ids
+// differ between choices); the finish of each comes with its index, and the
+// usage (the prompt once, every choice's completion tokens) and [DONE] only
+// after the last choice to finish.
+TEST(OpenAiApi, ChoicesAreKeptApartWhenTheirEventsInterleave) {
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
+  ASSERT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  for (const char* bad : {"0", "17", "1.5", "\"2\"", "-1", "true"}) {
+    const absl::StatusOr<OpenAiRequest> r =
+        ParseOpenAiRequest(absl::StrCat(R"({"prompt": "x", "n": )", bad, "}"), false, "m");
+    EXPECT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("'n' must be an integer in [1, 16]"), std::string::npos) << r.status();
+  }
+  const absl::StatusOr<OpenAiRequest> best_of =
+      ParseOpenAiRequest(R"({"prompt": "x", "n": 2, "best_of": 1})", false, "m");
+  EXPECT_NE(best_of.status().message().find("'best_of' must not be less than n"), std::string::npos)
+      << best_of.status();
+  absl::StatusOr<OpenAiRequest> request = ParseOpenAiRequest(
+      R"({"messages": [{"role": "user", "content": "x"}], "n": 3, "stream_options": {"include_usage": true},
+          "tools": [{"type": "function", "function": {"name": "now"}}]})",
+      true, "m");
+  ASSERT_TRUE(request.ok()) << request.status();
+  ASSERT_EQ(request->n, 3);
+  // Choices 0 and 2 call the tool (split over events), choice 1 answers in
+  // text; their events interleave, and choice 1 ends first.
+  const std::vector<std::vector<std::string>> parts = {
+      {"Let me look.", "\n<to", "ol_c", "all>\n{\"name\": \"now\", ", "\"arguments\": {}}\n</tool_call>"},
+      {"It is ", "noon <tool"},
+      {"<tool_call>{\"name\": \"now\", ", "\"arguments\": {\"zone\": \"UTC\"}}"}};
+  const std::vector<int> completion = {5, 2, 2};
+  std::vector<std::pair<int, StreamEvent>> events;
+  for (size_t step = 0; step < 5; ++step) {
+    for (int c : {1, 0, 2}) {
+      if (step >= parts[c].size()) continue;
+      StreamEvent e{.text = parts[c][step], .token_ids = {5}};
+      if (step + 1 == parts[c].size()) {
+        e.finished = true;
+        e.finish.reason = FinishReason::kStopToken;
+        e.finish.prompt_tokens = 9;
+        e.finish.completion_tokens = completion[c];
+        e.finish.cached_tokens = c == 0 ? 0 : 8;
+      }
+      events.emplace_back(c, e);
+    }
+  }
+  for (bool streaming : {false, true}) {
+    OpenAiRequest r = *request;
+    r.stream = streaming;
+    r.include_usage = streaming;
+    OpenAiResponder responder(r, "chatcmpl-abc", "m", 0, **tok, 1);
+    std::vector<std::string> content(3), finish(3);
+    std::vector<nlohmann::json> calls(3);
+    nlohmann::json usage;
+    if (!streaming) {
+      for (const auto& [c, e] : events) {
+        EXPECT_FALSE(responder.finished());
+        responder.Add(e, c);
+      }
+      ASSERT_TRUE(responder.finished());
+      const nlohmann::json j = nlohmann::json::parse(responder.Final());
+      ASSERT_EQ(j["choices"].size(), 3u) << j;
+      for (int c = 0; c < 3; ++c) {
+        const nlohmann::json& choice = j["choices"][c];
+        EXPECT_EQ(choice["index"], c);
+        content[c] = choice["message"]["content"].is_null() ? "" : choice["message"]["content"].get<std::string>();
+        finish[c] = choice["finish_reason"];
+        if (choice["message"].contains("tool_calls")) calls[c] = choice["message"]["tool_calls"];
+      }
+      usage = j["usage"];
+    } else {
+      int done = 0;
+      for (size_t i = 0; i < events.size(); ++i) {
+        const std::string sse = responder.SseFor(events[i].second, events[i].first);
+        const bool last = i + 1 == events.size();
+        EXPECT_EQ(sse.find("[DONE]") != std::string::npos, last) << i;
+        EXPECT_EQ(absl::EndsWith(sse, "data: [DONE]\n\n"), last) << i;
+        for (size_t at = sse.find("data: {"); at != std::string::npos; at = sse.find("data: {", at + 1)) {
+          const nlohmann::json j = nlohmann::json::parse(sse.substr(at + 6, sse.find("\n\n", at) - at - 6));
+          if (j.contains("usage")) {
+            EXPECT_TRUE(last);
+            EXPECT_TRUE(j["choices"].empty());
+            usage = j["usage"];
+            continue;
+          }
+          ASSERT_EQ(j["choices"].size(), 1u);
+          const nlohmann::json& ch = j["choices"][0];
+          const int c = ch["index"];
+          EXPECT_EQ(c, events[i].first) << "a chunk under another choice's index";
+          if (ch["delta"].contains("content")) content[c] += ch["delta"]["content"].get<std::string>();
+          if (ch["delta"].contains("tool_calls")) calls[c] = ch["delta"]["tool_calls"];
+          if (!ch["finish_reason"].is_null()) {
+            finish[c] = ch["finish_reason"];
+            ++done;
+          }
+        }
+      }
+      EXPECT_EQ(done, 3);
+    }
+    EXPECT_EQ(content[0], "Let me look.\n") << streaming;
+    EXPECT_EQ(content[1], "It is noon <tool") << streaming;
+    EXPECT_EQ(content[2], "") << streaming;
+    EXPECT_EQ(finish, (std::vector<std::string>{"tool_calls", "stop", "tool_calls"})) << streaming;
+    ASSERT_EQ(calls[0].size(), 1u) << calls[0];
+    ASSERT_EQ(calls[2].size(), 1u) << calls[2];
+    EXPECT_TRUE(calls[1].is_null());
+    EXPECT_EQ(calls[0][0]["function"]["arguments"], "{}");
+    EXPECT_EQ(calls[2][0]["function"]["arguments"], R"({"zone": "UTC"})");
+    EXPECT_EQ(calls[0][0]["id"], "call_abc_0");
+    EXPECT_EQ(calls[2][0]["id"], "call_abc_2_0");
+    EXPECT_EQ(usage["prompt_tokens"], 9) << usage;
+    EXPECT_EQ(usage["completion_tokens"], 9) << usage;
+    EXPECT_EQ(usage["total_tokens"], 18) << usage;
+    EXPECT_EQ(usage["prompt_tokens_details"]["cached_tokens"], 0) << "the prompt as choice 0 found it";
+  }
+}
 
 }  // namespace ellm::coord
