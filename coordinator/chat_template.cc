@@ -171,7 +171,7 @@ const char* ChatTemplate::name() const {
 }
 
 absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& messages,
-                                                const std::vector<std::string>& tools) const {
+                                                const std::vector<std::string>& tools, bool enable_thinking) const {
   if (format_ == ChatFormat::kNone) {
     if (!refused_.empty()) return absl::InvalidArgumentError(absl::StrCat("chat is off: ", refused_));
     return absl::InvalidArgumentError(
@@ -340,7 +340,9 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
           // what precedes the first one, after the last "<think>" there.
           absl::string_view thinking;
           const size_t end_think = text.rfind("</think>");
-          if (end_think != absl::string_view::npos) {
+          if (m.reasoning.has_value()) {
+            thinking = *m.reasoning;  // given apart: the content is kept whole
+          } else if (end_think != absl::string_view::npos) {
             thinking = StripNewlines(text.substr(0, text.find("</think>")), false, true);
             const size_t open = thinking.rfind("<think>");
             if (open != absl::string_view::npos) thinking.remove_prefix(open + 7);
@@ -374,6 +376,7 @@ absl::StatusOr<ChatPrompt> ChatTemplate::Render(const std::vector<ChatMessage>& 
         markup("<|im_end|>\n");
       }
       markup("<|im_start|>assistant\n");
+      if (format_ == ChatFormat::kQwen3 && !enable_thinking) markup("<think>\n\n</think>\n\n");
       break;
     }
     case ChatFormat::kLlama3: {

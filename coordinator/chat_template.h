@@ -10,6 +10,7 @@
 // in the first user turn and takes one JSON call per answer.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,6 +31,11 @@ struct ChatMessage {
   std::string role;     // system, user, assistant, tool
   std::string content;
   std::vector<ChatToolCall> tool_calls = {};  // assistant, with a template that takes tools
+  // An assistant's thinking, given apart from its content (OpenAI API's
+  // reasoning_content, as vLLM returns it). Qwen3's template writes it
+  // where it keeps thinking, instead of taking the thinking from a
+  // "<think>...</think>" in the content; other templates ignore it.
+  std::optional<std::string> reasoning = std::nullopt;
 };
 
 enum class ChatFormat { kNone, kChatMl, kQwen3, kLlama2, kLlama3 };
@@ -80,13 +86,18 @@ class ChatTemplate {
   // appear as text in its markup (tokenize with special tokens parsed in
   // ChatPrompt::markup only). Qwen3: earlier answers lose their <think>
   // part, and the answer opens its own thinking block (enable_thinking, the
-  // template's default). InvalidArgument for an unknown template, an unknown
+  // template's default; false: the prompt ends with an empty one, which
+  // tells the model not to think). Other templates ignore enable_thinking.
+  // InvalidArgument for an unknown template, an unknown
   // role, no messages, tools (each a JSON object's text: OpenAI's
   // {"type": "function", "function": {...}}), tool calls or a tool's answer
   // with a template that does not take them, or a call's arguments that are
   // not a JSON object.
   absl::StatusOr<ChatPrompt> Render(const std::vector<ChatMessage>& messages,
-                                    const std::vector<std::string>& tools = {}) const;
+                                    const std::vector<std::string>& tools = {}, bool enable_thinking = true) const;
+  // Whether answers may open with a "<think>" block (Qwen3's template):
+  // the OpenAI API then returns that block as reasoning_content.
+  bool thinks() const { return format_ == ChatFormat::kQwen3; }
 
  private:
   ChatFormat format_ = ChatFormat::kNone;

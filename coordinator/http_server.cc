@@ -301,6 +301,8 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       p.request = *std::move(parsed);
       p.request.tool_syntax = server.service->chat_template().tool_syntax();
+      p.request.read_reasoning =
+          chat && server.options.reasoning_parser && server.service->chat_template().thinks();
       p.options = *std::move(options);
     } catch (const std::exception& e) {
       LogError("HTTP %s: preparing the request: %s", chat ? "/v1/chat/completions" : "/v1/completions", e.what());

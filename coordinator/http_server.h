@@ -30,6 +30,7 @@ struct HttpOptions {
   int max_connections = 1024;              // more at once: answered 503 and closed
   std::chrono::seconds write_timeout{60};  // for one write to go out (a client that stopped reading)
   std::string model_id;                    // the model's name in /v1/models and requests
+  bool reasoning_parser = true;            // OpenAiRequest::read_reasoning where the template thinks
   std::function<bool()> serving;           // /health: 200 when true, 503 otherwise
   std::function<std::string()> metrics;    // /metrics: Prometheus text exposition
 };

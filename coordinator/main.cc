@@ -51,6 +51,7 @@ struct CoordinatorConfig {
   int max_step_tokens = 256;
   int max_queue = 64;
   bool prefix_cache = true;
+  bool reasoning_parser = true;
   bool allow_synthetic_context = false;
   bool kv_store = false;
   bool recover = true;
@@ -87,6 +88,10 @@ Args Flags() {
   a.Flag("max-queue", "64", "most requests waiting for admission (more: RESOURCE_EXHAUSTED)");
   a.Flag("default-max-tokens", "128", "max_tokens of a request that does not say (less where the context or the KV cache has less room left)");
   a.Flag("prefix-cache", "true", "share the KV blocks of equal prompt prefixes across requests (true or false)",
+         true);
+  a.Flag("reasoning-parser", "true",
+         "OpenAI chat on a template whose answers think (Qwen3's): return an answer's opening "
+         "<think>...</think> block as reasoning_content, apart from its content (true or false)",
          true);
   a.Flag("kv-store", "false",
          "the attention workers keep cached blocks on disk (their --kv-store): index them and load on a match",
@@ -146,6 +151,7 @@ absl::StatusOr<CoordinatorConfig> ConfigFromFlags(const Args& args) {
   }
   c.drain_timeout = absl::Seconds(drain_timeout_s);
   c.prefix_cache = args.GetBool("prefix-cache");
+  c.reasoning_parser = args.GetBool("reasoning-parser");
   c.allow_synthetic_context = args.GetBool("allow-synthetic-context");
   c.kv_store = args.GetBool("kv-store") && c.prefix_cache;
   c.recover = args.GetBool("recover");
@@ -358,8 +364,11 @@ absl::Status Run(const CoordinatorConfig& config) {
       file->Has("tokenizer.chat_template") ? file->GetString("tokenizer.chat_template").value_or("")
                                            : "");
   service_options.chat.CheckVocabulary(*tokenizer);
-  LogInfo("chat template: %s%s", service_options.chat.name(),
-          service_options.chat.takes_tools() ? " (takes tools)" : "");
+  LogInfo("chat template: %s%s%s", service_options.chat.name(),
+          service_options.chat.takes_tools() ? " (takes tools)" : "",
+          !service_options.chat.thinks()  ? ""
+          : config.reasoning_parser       ? " (thinking returned as reasoning_content)"
+                                          : " (thinking returned in content: --reasoning-parser=false)");
   info.set_chat_template(service_options.chat.name());
   info.set_chat(service_options.chat.format() != ChatFormat::kNone);
   info.set_tools(service_options.chat.takes_tools());
@@ -428,6 +437,7 @@ absl::Status Run(const CoordinatorConfig& config) {
     ho.max_connections = config.http_max_connections;
     ho.write_timeout = std::chrono::seconds(config.client_write_timeout_s);
     ho.model_id = ModelId(config.model_path, model);
+    ho.reasoning_parser = config.reasoning_parser;
     ho.serving = serving;
     ho.metrics = [&scheduler, &metrics, &workers] {
       return metrics.Render(scheduler.Stats(), WorkerSamples(*workers->link()));

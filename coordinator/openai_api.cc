@@ -1,6 +1,8 @@
 #include "coordinator/openai_api.h"
 
+#include <algorithm>
 #include <string_view>
+#include <tuple>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -110,7 +112,8 @@ constexpr UnsupportedField kUnsupported[] = {
 constexpr std::string_view kReadFields[] = {
     "model", "messages", "prompt", "echo", "suffix", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options", "n", "presence_penalty",
-    "frequency_penalty", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"};
+    "frequency_penalty", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "chat_template_kwargs"};
 
 constexpr bool IsReadField(std::string_view name) {
   for (std::string_view f : kReadFields) {
@@ -292,6 +295,11 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
         ASSIGN_OR_RETURN(std::string content, TextOf(m["content"], field + ".content", true));
         out->set_content(content);
       }
+      // An assistant's thinking as this API returns it (vLLM's field).
+      if (m.contains("reasoning_content") && !m["reasoning_content"].is_null()) {
+        if (!m["reasoning_content"].is_string()) return Bad(field + ".reasoning_content", "must be a string");
+        out->set_reasoning_content(m["reasoning_content"].get<std::string>());
+      }
       // An assistant's calls: [{"id", "type": "function", "function":
       // {"name", "arguments": a JSON object's text}}]; the id is not part
       // of the prompt.
@@ -367,6 +375,18 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
           for (PythonJsonItems::Item& tool : each.items) g.add_tools(std::move(tool.text));
         }
         r.read_tool_calls = read_calls;
+      }
+    }
+    // The template's variables (vLLM's chat_template_kwargs): enable_thinking
+    // is the one ellm's templates read (Qwen3's); others are ignored, as a
+    // template ignores variables it does not use.
+    if (const json* kwargs = fields.Get("chat_template_kwargs")) {
+      if (!kwargs->is_object()) return Bad("chat_template_kwargs", "must be an object");
+      if (kwargs->contains("enable_thinking") && !(*kwargs)["enable_thinking"].is_null()) {
+        if (!(*kwargs)["enable_thinking"].is_boolean()) {
+          return Bad("chat_template_kwargs.enable_thinking", "must be true or false");
+        }
+        g.set_enable_thinking((*kwargs)["enable_thinking"].get<bool>());
       }
     }
     if (const json* v = fields.Get("parallel_tool_calls")) {
@@ -673,6 +693,56 @@ json OpenAiResponder::ToolCallsJson(const ToolCallsAnswer& answer, int index, bo
   return calls;
 }
 
+namespace {
+
+constexpr std::string_view kThinkOpen = "<think>";
+constexpr std::string_view kThinkClose = "</think>";
+
+// The length of the longest tail of `text` that is a start of `marker`
+// (shorter than the whole marker).
+size_t TailStartingMarker(std::string_view text, std::string_view marker) {
+  for (size_t n = std::min(text.size(), marker.size() - 1); n > 0; --n) {
+    if (text.substr(text.size() - n) == marker.substr(0, n)) return n;
+  }
+  return 0;
+}
+
+}  // namespace
+
+ReasoningAnswer SplitReasoning(std::string_view text) {
+  if (!text.starts_with(kThinkOpen)) return {std::nullopt, std::string(text)};
+  text.remove_prefix(kThinkOpen.size());
+  const size_t end = text.find(kThinkClose);
+  if (end == std::string_view::npos) return {std::string(text), ""};
+  return {std::string(text.substr(0, end)), std::string(text.substr(end + kThinkClose.size()))};
+}
+
+std::pair<std::string, std::string> OpenAiResponder::SplitReasoningDelta(Choice& c, const std::string& text,
+                                                                         bool last) {
+  using Thinking = Choice::Thinking;
+  std::string all = std::move(c.think_held) + text;
+  c.think_held.clear();
+  if (c.thinking == Thinking::kUndecided) {
+    if (!last && all.size() < kThinkOpen.size() && kThinkOpen.starts_with(all)) {
+      c.think_held = std::move(all);  // may still open the block
+      return {};
+    }
+    c.thinking = std::string_view(all).starts_with(kThinkOpen) ? Thinking::kIn : Thinking::kOut;
+    if (c.thinking == Thinking::kIn) all.erase(0, kThinkOpen.size());
+  }
+  if (c.thinking == Thinking::kOut) return {"", std::move(all)};
+  const size_t end = all.find(kThinkClose);
+  if (end != std::string::npos) {
+    c.thinking = Thinking::kOut;
+    return {all.substr(0, end), all.substr(end + kThinkClose.size())};
+  }
+  // A tail that may begin "</think>" waits for the next event.
+  const size_t keep = last ? 0 : TailStartingMarker(all, kThinkClose);
+  c.think_held = all.substr(all.size() - keep);
+  all.resize(all.size() - keep);
+  return {std::move(all), ""};
+}
+
 std::string OpenAiResponder::ShowableText(Choice& c, const std::string& text) {
   constexpr std::string_view kOpen = "<tool_call>";
   if (c.in_calls) {
@@ -700,13 +770,9 @@ std::string OpenAiResponder::ShowableText(Choice& c, const std::string& text) {
     return all;
   }
   // The longest tail that is the start of "<tool_call>".
-  for (size_t n = std::min(all.size(), kOpen.size() - 1); n > 0; --n) {
-    if (std::string_view(all).substr(all.size() - n) == kOpen.substr(0, n)) {
-      c.held = all.substr(all.size() - n);
-      all.resize(all.size() - n);
-      break;
-    }
-  }
+  const size_t n = TailStartingMarker(all, kOpen);
+  c.held = all.substr(all.size() - n);
+  all.resize(all.size() - n);
   return all;
 }
 
@@ -734,7 +800,9 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
     emit(Chunk({{"index", index}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
                 {"finish_reason", nullptr}}));
   }
-  std::string text = request_.read_tool_calls ? ShowableText(c, e.text) : e.text;
+  std::string reasoning, text = e.text;
+  if (request_.read_reasoning) std::tie(reasoning, text) = SplitReasoningDelta(c, e.text, e.finished);
+  if (request_.read_tool_calls) text = ShowableText(c, text);
   std::optional<ToolCallsAnswer> calls;
   if (e.finished && request_.read_tool_calls) {
     if (c.in_calls) calls = ParseToolCalls(c.held, request_.tool_syntax);
@@ -742,11 +810,14 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
     c.held.clear();
   }
   // (Tokens whose text is held show only for their logprobs.)
-  if (!text.empty() || e.finished ||
-      (!e.token_ids.empty() && (request_.logprobs || !request_.read_tool_calls))) {
+  const bool holds = request_.read_tool_calls || request_.read_reasoning;
+  if (!text.empty() || !reasoning.empty() || e.finished ||
+      (!e.token_ids.empty() && (request_.logprobs || !holds))) {
     json choice = {{"index", index}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
     if (request_.chat) {
-      choice["delta"] = text.empty() ? json::object() : json{{"content", text}};
+      choice["delta"] = json::object();
+      if (!reasoning.empty()) choice["delta"]["reasoning_content"] = reasoning;
+      if (!text.empty()) choice["delta"]["content"] = text;
     } else {
       choice["text"] = text;
     }
@@ -756,6 +827,7 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
     if (calls) {
       // The calls in one chunk of their own, then the finish.
       json with_calls = choice;
+      with_calls["delta"].erase("reasoning_content");
       with_calls["delta"]["tool_calls"] = ToolCallsJson(*calls, index, /*streaming=*/true);
       emit(Chunk(with_calls));
       choice = {{"index", index}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", "tool_calls"}};
@@ -794,18 +866,23 @@ std::string OpenAiResponder::Final() {
     Choice& c = choices_[i];
     const int index = static_cast<int>(i);
     json choice = {{"index", index}, {"finish_reason", OpenAiFinishReason(c.finish.reason)}, {"logprobs", nullptr}};
+    ReasoningAnswer answer = request_.read_reasoning ? SplitReasoning(c.text) : ReasoningAnswer{{}, c.text};
     const std::optional<ToolCallsAnswer> calls =
-        request_.read_tool_calls ? ParseToolCalls(c.text, request_.tool_syntax) : std::nullopt;
+        request_.read_tool_calls ? ParseToolCalls(answer.content, request_.tool_syntax) : std::nullopt;
     if (calls) {
       choice["message"] = {{"role", "assistant"},
                            {"content", calls->content.empty() ? json(nullptr) : json(calls->content)},
                            {"tool_calls", ToolCallsJson(*calls, index, /*streaming=*/false)}};
       choice["finish_reason"] = "tool_calls";
     } else if (request_.chat) {
-      choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+      // After thinking, no answer is null (as vLLM gives it).
+      choice["message"] = {{"role", "assistant"},
+                           {"content", answer.reasoning && answer.content.empty() ? json(nullptr)
+                                                                                  : json(answer.content)}};
     } else {
       choice["text"] = c.text;
     }
+    if (answer.reasoning) choice["message"]["reasoning_content"] = *answer.reasoning;
     if (request_.logprobs) choice["logprobs"] = LogprobsOf(c, c.ids, c.logprobs, c.top);
     choices.push_back(std::move(choice));
   }

@@ -14,7 +14,9 @@
 // with seed + i; see OpenAiResponder); chat: tools with tool_choice auto or none, messages with
 // an assistant's tool_calls and the tool role (rendered by the template,
 // coordinator/chat_template.h), and an answer's <tool_call>s returned as
-// tool_calls (ParseToolCalls). Refused with 400 naming the field: n out
+// tool_calls (ParseToolCalls); chat_template_kwargs.enable_thinking, a
+// message's reasoning_content, and (Qwen3) an answer's thinking block
+// returned as reasoning_content (SplitReasoning). Refused with 400 naming the field: n out
 // of range, echo, suffix, any field that would constrain or bias the output
 // (logit_bias, response_format other than text, tool_choice required or
 // named, functions, function_call other than none/auto, best_of > 1, and
@@ -29,6 +31,7 @@
 #include <optional>
 #include <string_view>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -56,6 +59,10 @@ struct OpenAiRequest {
   bool read_tool_calls = false;
   ToolCallSyntax tool_syntax = ToolCallSyntax::kHermes;  // set by the server from the model's template
   bool one_tool_call = false;  // parallel_tool_calls false: the answer's first call only
+  // Chat on a template whose answers think (ChatTemplate::thinks), unless
+  // the server was told otherwise: an answer's opening "<think>" block is
+  // returned as reasoning_content (SplitReasoning). Set by the server.
+  bool read_reasoning = false;
   ellm::v1::GenerateRequest generate;
 };
 
@@ -81,6 +88,18 @@ struct ToolCallsAnswer {
 // nullopt when the text holds no calls in that syntax, or one that is not
 // such an object: the answer is then plain text.
 std::optional<ToolCallsAnswer> ParseToolCalls(std::string_view text, ToolCallSyntax syntax);
+
+// An answer that opens with "<think>" (Qwen3's thinking block): the text up
+// to the first "</think>" is its reasoning, the rest its content (all of it
+// reasoning when "</think>" never comes, as when max_tokens cuts the
+// thinking short). Otherwise all content, with no reasoning. Nothing is
+// trimmed (as vLLM's reasoning parsers return them). Tool calls are read
+// from the content only: a "<tool_call>" the model thinks about is not one.
+struct ReasoningAnswer {
+  std::optional<std::string> reasoning;
+  std::string content;
+};
+ReasoningAnswer SplitReasoning(std::string_view text);
 
 // Builds the responses of one request: `id` like "cmpl-..." / "chatcmpl-...".
 // A request of n choices has n event streams, one per choice (each its own
@@ -122,6 +141,12 @@ class OpenAiResponder {
     std::string held;        // streaming with read_tool_calls: text not shown yet
     bool in_calls = false;   // held is (may be) calls, to the end
     bool shown = false;      // Llama JSON: the answer's first character was not "{"
+    // Streaming with read_reasoning: whether the answer opened a thinking
+    // block (undecided while its text could still be the start of
+    // "<think>"), and text not shown yet (that start, or a tail of the
+    // thinking that could begin "</think>").
+    enum class Thinking { kUndecided, kIn, kOut } thinking = Thinking::kUndecided;
+    std::string think_held;
     // Not streaming: what the request gave.
     std::string text;
     std::vector<int32_t> ids;
@@ -141,6 +166,10 @@ class OpenAiResponder {
   // ParseToolCalls at the end; so is a tail that could begin one. Llama
   // JSON: an answer that starts with "{" is held whole.
   std::string ShowableText(Choice& c, const std::string& text);
+  // Streaming with read_reasoning: splits an event's text into what may be
+  // shown now as reasoning and as content (SplitReasoning, as the text
+  // arrives; `last`: the answer's last event, nothing is held).
+  std::pair<std::string, std::string> SplitReasoningDelta(Choice& c, const std::string& text, bool last);
   // The logprobs object of these tokens (advances c's prev_token and text_offset).
   nlohmann::json LogprobsOf(Choice& c, const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
                             const std::vector<std::vector<TokenLogprob>>& top);

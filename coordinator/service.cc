@@ -89,7 +89,8 @@ std::vector<int32_t> EllmService::Encode(std::string_view text, bool add_bos,
 absl::StatusOr<std::vector<int32_t>> EllmService::PromptTokens(
     const std::string& prompt,
     const google::protobuf::RepeatedPtrField<ellm::v1::ChatMessage>& messages,
-    const google::protobuf::RepeatedPtrField<std::string>& tools, const std::optional<bool>& add_bos) const {
+    const google::protobuf::RepeatedPtrField<std::string>& tools, const std::optional<bool>& add_bos,
+    bool enable_thinking) const {
   if (messages.empty()) {
     if (!tools.empty()) return absl::InvalidArgumentError("tools are given but no chat messages");
     if (prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
@@ -105,6 +106,12 @@ absl::StatusOr<std::vector<int32_t>> EllmService::PromptTokens(
       return absl::InvalidArgumentError("a chat message is not valid UTF-8");
     }
     ChatMessage message{m.role(), m.content()};
+    if (m.has_reasoning_content()) {
+      if (!IsValidUtf8(m.reasoning_content())) {
+        return absl::InvalidArgumentError("a chat message's reasoning_content is not valid UTF-8");
+      }
+      message.reasoning = m.reasoning_content();
+    }
     for (const ellm::v1::ToolCall& call : m.tool_calls()) {
       if (!IsValidUtf8(call.name()) || !IsValidUtf8(call.arguments())) {
         return absl::InvalidArgumentError("a chat message's tool call is not valid UTF-8");
@@ -117,7 +124,7 @@ absl::StatusOr<std::vector<int32_t>> EllmService::PromptTokens(
     if (!IsValidUtf8(tool)) return absl::InvalidArgumentError("a tool is not valid UTF-8");
   }
   ASSIGN_OR_RETURN(ChatPrompt rendered,
-                   options_.chat.Render(chat, std::vector<std::string>(tools.begin(), tools.end())));
+                   options_.chat.Render(chat, std::vector<std::string>(tools.begin(), tools.end()), enable_thinking));
   // The template writes BOS itself where the model wants one. Special tokens
   // are parsed in its markup only: message contents are plain text.
   return Encode(rendered.text, add_bos.value_or(false), rendered.markup);
@@ -148,7 +155,8 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
   if (r.prompt_token_ids().empty()) {
     ASSIGN_OR_RETURN(o.prompt, PromptTokens(r.prompt(), r.messages(), r.tools(),
                                             r.has_add_bos() ? std::optional<bool>(r.add_bos())
-                                                            : std::nullopt));
+                                                            : std::nullopt,
+                                            !r.has_enable_thinking() || r.enable_thinking()));
   } else {
     ASSIGN_OR_RETURN(o.prompt, GivenTokens(r));
   }
@@ -316,7 +324,8 @@ grpc::Status EllmService::Tokenize(grpc::ServerContext* context, const ellm::v1:
           ? absl::StatusOr<std::vector<int32_t>>(Encode(
                 request->text(), request->has_add_bos() ? request->add_bos() : tokenizer_.add_bos(), {}))
           : PromptTokens("", request->messages(), request->tools(),
-                         request->has_add_bos() ? std::optional<bool>(request->add_bos()) : std::nullopt);
+                         request->has_add_bos() ? std::optional<bool>(request->add_bos()) : std::nullopt,
+                         !request->has_enable_thinking() || request->enable_thinking());
   if (!ids.ok()) return ToGrpcStatus(ids.status());
   int32_t prev = -1;
   for (int32_t id : *ids) {

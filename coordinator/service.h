@@ -97,11 +97,13 @@ class EllmService final : public ellm::v1::Ellm::Service {
   absl::StatusOr<GenerateOptions> Validate(const ellm::v1::GenerateRequest& request) const;
   // The prompt's token ids: the raw prompt, or the chat messages rendered
   // with the model's template and the tools they may call (special tokens
-  // parsed in the template's own text only).
+  // parsed in the template's own text only; enable_thinking as
+  // ChatTemplate::Render's).
   absl::StatusOr<std::vector<int32_t>> PromptTokens(
       const std::string& prompt,
       const google::protobuf::RepeatedPtrField<ellm::v1::ChatMessage>& messages,
-      const google::protobuf::RepeatedPtrField<std::string>& tools, const std::optional<bool>& add_bos) const;
+      const google::protobuf::RepeatedPtrField<std::string>& tools, const std::optional<bool>& add_bos,
+      bool enable_thinking = true) const;
   // A request's prompt_token_ids, checked against the vocabulary.
   absl::StatusOr<std::vector<int32_t>> GivenTokens(const ellm::v1::GenerateRequest& request) const;
 

@@ -3,9 +3,11 @@
 // is the request body (ParseOpenAiRequest). The body's text is then played
 // back as a generated answer, in three events, to each of the request's n
 // choices (their events interleaved), through OpenAiResponder, both streamed
-// and not, with tool calls read (chat): every response body and SSE chunk
+// and not, with tool calls read (chat) and, when the first byte says so,
+// thinking read as reasoning_content: every response body and SSE chunk
 // must be valid JSON, each streamed choice that is not calls must give back
-// the text whole, and one [DONE] must end the stream.
+// the text whole (its reasoning and content as SplitReasoning splits the
+// whole text), and one [DONE] must end the stream.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -31,6 +33,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (parsed.ok()) request = *std::move(parsed);
   request.chat = chat;
   request.read_tool_calls = chat;  // (tools are refused in completions)
+  request.read_reasoning = chat && (data[0] & 4);
   request.logprobs = false;
   request.tool_syntax = data[0] & 2 ? ellm::coord::ToolCallSyntax::kLlamaJson : ellm::coord::ToolCallSyntax::kHermes;
   // Generated text is whole UTF-8: play the body back only when it is.
@@ -65,7 +68,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (nlohmann::json::parse(responder.Final(), nullptr, false).is_discarded()) std::abort();
       continue;
     }
-    std::vector<std::string> content(static_cast<size_t>(n));
+    std::vector<std::string> content(static_cast<size_t>(n)), reasoning(static_cast<size_t>(n));
     std::vector<bool> calls(static_cast<size_t>(n));
     if (sse.size() < 14 || sse.compare(sse.size() - 14, 14, "data: [DONE]\n\n") != 0) std::abort();
     // Events: "data: ...\n\n" (JSON text holds no raw new line).
@@ -89,10 +92,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         continue;
       }
       if (c["delta"].contains("content")) content[index] += c["delta"]["content"].get<std::string>();
+      if (c["delta"].contains("reasoning_content")) {
+        if (!request.read_reasoning) std::abort();
+        reasoning[index] += c["delta"]["reasoning_content"].get<std::string>();
+      }
       if (c["delta"].contains("tool_calls")) calls[index] = true;
     }
+    const ellm::coord::ReasoningAnswer split =
+        request.read_reasoning ? ellm::coord::SplitReasoning(body) : ellm::coord::ReasoningAnswer{{}, body};
     for (int i = 0; i < n; ++i) {
-      if (!calls[i] && content[i] != body) std::abort();
+      if (reasoning[i] != split.reasoning.value_or("")) std::abort();
+      if (!calls[i] && content[i] != split.content) std::abort();
     }
   }
   return 0;

@@ -80,6 +80,7 @@ struct LaunchConfig {
   std::string log_level;
   bool use_numactl = true;
   bool prefix_cache = true;
+  bool reasoning_parser = true;
   bool allow_synthetic_context = false;
   std::string kv_store;   // folder of the KV store; empty: none
   int kv_store_mb = 16384;
@@ -440,6 +441,7 @@ absl::Status Launch::Start() {
         "--mlp-channel=" + mlp_channel, "--workers=" + absl::StrJoin(worker_addresses, ","),
         common_limits, step_limit, "--log-level=" + c_.log_level,
         c_.prefix_cache ? "--prefix-cache=true" : "--prefix-cache=false",
+        c_.reasoning_parser ? "--reasoning-parser=true" : "--reasoning-parser=false",
         c_.allow_synthetic_context ? "--allow-synthetic-context=true" : "--allow-synthetic-context=false",
         c_.kv_store.empty() ? "--kv-store=false" : "--kv-store=true", c_.restart ? "--recover=true" : "--recover=false",
         secret_flag, api_key_flag, "--tls-cert=" + c_.tls_cert, "--tls-key=" + c_.tls_key,
@@ -785,6 +787,9 @@ int Main(int argc, char** argv) {
             "memory to its node, and the MLP worker's CPUs to its node)", true);
   args.Flag("no-prefix-cache", "", "do not share KV blocks of equal prompt prefixes across requests",
             true);
+  args.Flag("no-reasoning-parser", "", "OpenAI chat with Qwen3's template: keep an answer's <think>...</think> "
+            "block in its content (default: returned apart, as reasoning_content, as vLLM's qwen3 reasoning "
+            "parser does)", true);
   args.Flag("allow-synthetic-context", "", "accept requests' synthetic_context (ellm-bench e2e: random K/V "
             "written into the caches before the prompt; every step waits while it is written)", true);
   args.Flag("kv-store", "", "folder for the KV store: cached prefixes written to disk and loaded back "
@@ -822,6 +827,7 @@ int Main(int argc, char** argv) {
   }
   c.use_numactl = !args.GetBool("no-numactl");
   c.prefix_cache = !args.GetBool("no-prefix-cache");
+  c.reasoning_parser = !args.GetBool("no-reasoning-parser");
   c.allow_synthetic_context = args.GetBool("allow-synthetic-context");
   c.kv_store = args.Get("kv-store");
   c.restart = !args.GetBool("no-restart");

@@ -300,6 +300,48 @@ const char kToolsMarker[] =
 // Expected texts: the real templates rendered by jinja2 with transformers'
 // tojson (json.dumps, keys in order), the calls' arguments as dicts (vLLM
 // parses them before rendering).
+// Qwen3's template with enable_thinking false (an empty thinking block
+// opens the answer) and with an assistant's reasoning_content given apart
+// (used instead of a "<think>" in its content, which is then kept whole).
+// The expected texts are the real template's, rendered by jinja2.
+TEST(ChatTemplate, Qwen3ThinkingSwitchAndReasoningGivenApart) {
+  const ChatTemplate qwen3 = ChatTemplate::FromGgufTemplate(std::string("<|im_start|> <think>") + kToolsMarker);
+  ASSERT_TRUE(qwen3.thinks());
+  EXPECT_FALSE(ChatTemplate::FromGgufTemplate("<|im_start|>").thinks());
+  const std::vector<ChatMessage> a = {
+      {"user", "q"}, {"assistant", "\nAnswer.", {}, "\nr1\n"}, {"user", "q2"}};
+  const std::string a_text =
+      "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n\nAnswer.<|im_end|>\n<|im_start|>user\nq2<|im_end|>\n"
+      "<|im_start|>assistant\n";
+  auto r = qwen3.Render(a, {}, /*enable_thinking=*/false);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text, a_text + "<think>\n\n</think>\n\n");
+  EXPECT_EQ(OutsideMarkup(*r), "|q|\nAnswer.|q2|") << "the block is the template's markup";
+  r = qwen3.Render(a);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text, a_text);
+  // Other templates ignore both.
+  const ChatTemplate chatml = ChatTemplate::FromGgufTemplate("<|im_start|>");
+  auto plain = chatml.Render(a, {}, false);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->text, a_text);
+  // A tool loop: after the last question, the given reasoning is written as
+  // the thinking block; an empty one still writes the (empty) block of the
+  // last answer, whose content keeps its own "<think>".
+  const std::vector<ChatMessage> b = {
+      {"user", "q"},
+      {"assistant", "Let me look.", {{"get_time", "{}"}}, "I need the time."},
+      {"tool", "12:00"},
+      {"assistant", "\n<think>x</think>It is noon.", {}, ""}};
+  r = qwen3.Render(b);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->text,
+            "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>\nI need the time.\n</think>\n\nLet me "
+            "look.\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call><|im_end|>\n<|im_start|>"
+            "user\n<tool_response>\n12:00\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+            "<think>x</think>It is noon.<|im_end|>\n<|im_start|>assistant\n");
+}
+
 TEST(ChatTemplate, ToolsAsQwensTemplatesWriteThem) {
   const std::vector<std::string> tools = {
       R"({"type":"function","function":{"name":"get_time","parameters":{"zone":"str","a":[1,2.5]}}})"};

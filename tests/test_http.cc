@@ -522,6 +522,39 @@ TEST(Http, ChatCompletionsWithTheModelsTemplate) {
   r = Post(port, "/v1/chat/completions", with_tools);
   ASSERT_EQ(r.status, 200) << r.body;
   EXPECT_GT(r.Json()["usage"]["prompt_tokens"].get<int>(), tools_prompt + 10);
+  // Thinking (Qwen3): chat_template_kwargs.enable_thinking false and an
+  // answer's reasoning_content reach the prompt as the gRPC Tokenize of the
+  // same request renders it (the empty thinking block, the given reasoning
+  // in the last answer's block); the log says how answers' thinking returns.
+  EXPECT_NE(system.Log().find("(thinking returned as reasoning_content)"), std::string::npos) << system.Log();
+  {
+    json thinking = {{"messages", {{{"role", "user"}, {"content", "Hi there"}},
+                                   {{"role", "assistant"}, {"content", "Sure."}, {"reasoning_content", "Think it over."}}}},
+                     {"max_completion_tokens", 2},
+                     {"chat_template_kwargs", {{"enable_thinking", false}}}};
+    r = Post(port, "/v1/chat/completions", thinking);
+    ASSERT_EQ(r.status, 200) << r.body;
+    const int with_both = r.Json()["usage"]["prompt_tokens"];
+    ellm::v1::TokenizeRequest tokenize;
+    ellm::v1::ChatMessage* user = tokenize.add_messages();
+    user->set_role("user");
+    user->set_content("Hi there");
+    ellm::v1::ChatMessage* answer = tokenize.add_messages();
+    answer->set_role("assistant");
+    answer->set_content("Sure.");
+    answer->set_reasoning_content("Think it over.");
+    tokenize.set_enable_thinking(false);
+    ellm::v1::TokenizeResponse ids;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(system.stub()->Tokenize(&ctx, tokenize, &ids).ok());
+    EXPECT_EQ(ids.token_ids_size(), with_both);
+    thinking["messages"][1].erase("reasoning_content");
+    const int without_reasoning = Post(port, "/v1/chat/completions", thinking).Json()["usage"]["prompt_tokens"];
+    thinking["chat_template_kwargs"]["enable_thinking"] = true;
+    const int thinking_on = Post(port, "/v1/chat/completions", thinking).Json()["usage"]["prompt_tokens"];
+    EXPECT_GE(with_both, without_reasoning + 3) << "the reasoning is in the prompt";
+    EXPECT_GT(without_reasoning, thinking_on) << "the empty thinking block is in the prompt";
+  }
   with_tools["tool_choice"] = "required";
   r = Post(port, "/v1/chat/completions", with_tools);
   EXPECT_EQ(r.status, 400) << r.body;

@@ -624,4 +624,95 @@ TEST(OpenAiApi, ChoicesAreKeptApartWhenTheirEventsInterleave) {
   }
 }
 
+// With read_reasoning (Qwen3's template), an answer's opening
+// "<think>...</think>" block is reasoning_content, streamed or not, however
+// its markers are split across events; tool calls are read from the content
+// only; an answer that opens no block is all content; a block max_tokens cut
+// short is all reasoning. chat_template_kwargs.enable_thinking and a
+// message's reasoning_content reach the GenerateRequest.
+TEST(OpenAiApi, ThinkingIsReturnedAsReasoningContent) {
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
+  ASSERT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  absl::StatusOr<OpenAiRequest> request = ParseOpenAiRequest(
+      R"({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a", "reasoning_content": "r"},
+                       {"role": "user", "content": "y"}],
+          "chat_template_kwargs": {"enable_thinking": false, "other": 1},
+          "tools": [{"type": "function", "function": {"name": "now"}}]})",
+      true, "m");
+  ASSERT_TRUE(request.ok()) << request.status();
+  EXPECT_TRUE(request->generate.has_enable_thinking());
+  EXPECT_FALSE(request->generate.enable_thinking());
+  EXPECT_EQ(request->generate.messages(1).reasoning_content(), "r");
+  EXPECT_FALSE(request->generate.messages(0).has_reasoning_content());
+  for (const char* bad : {R"("chat_template_kwargs": {"enable_thinking": "no"})", R"("chat_template_kwargs": 1)",
+                          R"("messages": [{"role": "assistant", "content": "a", "reasoning_content": 5}])"}) {
+    const absl::StatusOr<OpenAiRequest> r = ParseOpenAiRequest(
+        absl::StrCat(R"({"messages": [{"role": "user", "content": "x"}], )", bad, "}"), true, "m");
+    EXPECT_FALSE(r.ok()) << bad;
+  }
+  request->read_reasoning = true;
+  struct Case {
+    std::vector<std::string> parts;
+    std::optional<std::string> reasoning;
+    std::string content;  // "<null>": null
+    bool call;
+  };
+  const std::vector<Case> cases = {
+      {{"<thi", "nk>\nI think <tool_call> is", " a tag.\n</thi", "nk>\n\nThe answer",
+        "<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call>"},
+       "\nI think <tool_call> is a tag.\n", "\n\nThe answer", true},
+      {{"<think>", "</think>", "Hi."}, "", "Hi.", false},
+      {{"Hello <think>", "x</think>"}, std::nullopt, "Hello <think>x</think>", false},
+      {{"<think>\nstill ", "thinking </th"}, "\nstill thinking </th", "<null>", false},
+      {{"<th"}, std::nullopt, "<th", false},
+      {{"", "<", "think>", "a</think>b"}, "a", "b", false},
+  };
+  for (bool streaming : {false, true}) {
+    for (const Case& k : cases) {
+      OpenAiRequest r = *request;
+      r.stream = streaming;
+      OpenAiResponder responder(r, "chatcmpl-abc", "m", 0, **tok, 1);
+      std::vector<StreamEvent> events;
+      for (const std::string& p : k.parts) events.push_back(StreamEvent{.text = p});
+      events.back().finished = true;
+      events.back().finish.reason = FinishReason::kStopToken;
+      std::optional<std::string> reasoning;
+      std::string content;
+      bool call = false;
+      if (!streaming) {
+        for (const StreamEvent& e : events) responder.Add(e);
+        const nlohmann::json j = nlohmann::json::parse(responder.Final());
+        const nlohmann::json& m = j["choices"][0]["message"];
+        if (m.contains("reasoning_content")) reasoning = m["reasoning_content"].get<std::string>();
+        content = m["content"].is_null() ? "<null>" : m["content"].get<std::string>();
+        call = m.contains("tool_calls");
+      } else {
+        for (const StreamEvent& e : events) {
+          const std::string sse = responder.SseFor(e);
+          for (size_t at = sse.find("data: {"); at != std::string::npos; at = sse.find("data: {", at + 1)) {
+            const nlohmann::json j = nlohmann::json::parse(sse.substr(at + 6, sse.find("\n\n", at) - at - 6));
+            const nlohmann::json& d = j["choices"][0]["delta"];
+            if (d.contains("reasoning_content")) {
+              EXPECT_TRUE(content.empty()) << "reasoning after content";
+              reasoning = reasoning.value_or("") + d["reasoning_content"].get<std::string>();
+            }
+            if (d.contains("content")) content += d["content"].get<std::string>();
+            call = call || d.contains("tool_calls");
+          }
+        }
+        // Streamed, a block that holds nothing shows no reasoning delta;
+        // no answer after thinking is no content.
+        if (k.reasoning && k.reasoning->empty() && !reasoning) reasoning = "";
+        if (content.empty() && k.content == "<null>") content = "<null>";
+      }
+      const std::string label = absl::StrCat(absl::StrJoin(k.parts, "|"), streaming ? " (streamed)" : "");
+      EXPECT_EQ(reasoning, k.reasoning) << label;
+      EXPECT_EQ(content, k.content) << label;
+      EXPECT_EQ(call, k.call) << label;
+    }
+  }
+}
+
 }  // namespace ellm::coord
