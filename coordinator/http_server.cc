@@ -35,7 +35,8 @@ using tcp = net::ip::tcp;
 
 constexpr auto kRequestTimeout = std::chrono::seconds(60);  // to read a request
 // A stream's bytes queued for a client that does not read them: past this,
-// the client is treated as gone (its request is cancelled).
+// the client is treated as gone (its request is cancelled). Per choice: a
+// request of n choices may queue n times as much.
 constexpr size_t kMaxQueuedBytes = size_t{16} << 20;
 // After refusing a request it has not read to its end, the server reads and
 // drops what the client still sends, for this long and this much at most,
@@ -324,33 +325,18 @@ class Session : public std::enable_shared_from_this<Session> {
         absl::StrFormat("%s-%016x", chat ? "chatcmpl" : "cmpl", server_->id_base ^ (n * 0x9E3779B97F4A7C15ULL));
     prepared.options.source = absl::StrCat("HTTP ", id);
     const int32_t last_prompt_token = prepared.options.prompt.empty() ? -1 : prepared.options.prompt.back();
-    // n choices: n sequences of the prompt, choice i sampled with seed + i.
-    // With the prefix cache, choices 1..n-1 wait for choice 0's first token
-    // (SubmitLaterChoices), and then find its prompt's whole blocks cached
-    // instead of each prefilling the prompt again.
-    if (parsed.n > 1) {
-      later_choices_.assign(static_cast<size_t>(parsed.n - 1), prepared.options);
-      for (int i = 1; i < parsed.n; ++i) {
-        GenerateOptions& o = later_choices_[static_cast<size_t>(i - 1)];
-        o.seed += static_cast<uint64_t>(i);
-        o.source = absl::StrCat(prepared.options.source, " choice ", i);
-      }
-    }
-    absl::StatusOr<std::shared_ptr<RequestStream>> request = server_->scheduler->Submit(std::move(prepared.options));
-    if (!request.ok()) {
-      later_choices_.clear();
-      return SendError(request.status());
-    }
-    requests_.push_back(*std::move(request));
+    // n choices: n sequences of the prompt, queued together (Scheduler::SubmitChoices).
+    absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> choices =
+        server_->scheduler->SubmitChoices(std::move(prepared.options), parsed.n);
+    if (!choices.ok()) return SendError(choices.status());
+    requests_ = *std::move(choices);
     ++server_->answering;
     responder_ = std::make_unique<OpenAiResponder>(
         parsed, id,
         server_->options.model_id, static_cast<int64_t>(std::time(nullptr)), *server_->tokenizer,
         last_prompt_token);
     stream_.expires_never();
-    Notify(*requests_.front());
-    // (Before the stream begins: a refusal is the response's status.)
-    if (!server_->scheduler->prefix_cache() && !SubmitLaterChoices()) return;
+    for (const std::shared_ptr<RequestStream>& r : requests_) Notify(*r);
     streaming_ = parsed.stream;
     if (streaming_) {
       header_.emplace(http::status::ok, version_);
@@ -385,23 +371,6 @@ class Session : public std::enable_shared_from_this<Session> {
     });
   }
 
-  // Submits choices 1..n-1 (none left: true). A refusal (a full queue, say)
-  // ends the whole request with that error: false.
-  bool SubmitLaterChoices() {
-    std::vector<GenerateOptions> later = std::move(later_choices_);
-    later_choices_.clear();
-    for (GenerateOptions& o : later) {
-      absl::StatusOr<std::shared_ptr<RequestStream>> request = server_->scheduler->Submit(std::move(o));
-      if (!request.ok()) {
-        FailAll(request.status());
-        return false;
-      }
-      requests_.push_back(*std::move(request));
-      Notify(*requests_.back());
-    }
-    return true;
-  }
-
   void CancelAll() {
     for (const std::shared_ptr<RequestStream>& r : requests_) r->Cancel();
   }
@@ -410,7 +379,6 @@ class Session : public std::enable_shared_from_this<Session> {
   // client gets the error (in the stream once it has begun).
   void FailAll(const absl::Status& error) {
     CancelAll();
-    later_choices_.clear();
     finished_ = true;
     if (streaming_) {
       // The headers may be out: report in the stream, as OpenAI's servers do.
@@ -439,13 +407,11 @@ class Session : public std::enable_shared_from_this<Session> {
     RequestStream& request = *requests_[static_cast<size_t>(index)];
     while (std::optional<StreamEvent> e = request.Pop(absl::ZeroDuration())) {
       if (!e->error.ok()) return FailAll(e->error);
-      // Choice 0's prompt is in the cache once it samples.
-      if (index == 0 && !later_choices_.empty() && !SubmitLaterChoices()) return;
       if (streaming_) {
         std::string bytes = responder_->SseFor(*e, index);
         outbox_bytes_ += bytes.size();
         if (!bytes.empty()) outbox_.push_back(std::move(bytes));
-        if (outbox_bytes_ > kMaxQueuedBytes) {
+        if (outbox_bytes_ > kMaxQueuedBytes * requests_.size()) {
           LogWarning("HTTP client reads too slowly (%d MiB of its stream queued)", outbox_bytes_ >> 20);
           return ClientGone();
         }
@@ -524,7 +490,6 @@ class Session : public std::enable_shared_from_this<Session> {
     if (!requests_.empty() && !finished_) {
       LogInfo("HTTP client went away; cancelling its request");
       CancelAll();
-      later_choices_.clear();
       finished_ = true;
     }
     Close();
@@ -565,7 +530,6 @@ class Session : public std::enable_shared_from_this<Session> {
     if (!requests_.empty()) --server_->answering;
     for (const std::shared_ptr<RequestStream>& r : requests_) r->SetNotify(nullptr);
     requests_.clear();
-    later_choices_.clear();
     responder_.reset();
     streaming_ = finished_ = last_queued_ = last_written_ = chunked_ = false;
     outbox_.clear();
@@ -608,10 +572,8 @@ class Session : public std::enable_shared_from_this<Session> {
   unsigned version_ = 11;
   bool keep_alive_ = false;
   bool head_ = false;  // the request is a HEAD: answers carry no body
-  // The generation this connection serves: one stream per choice submitted,
-  // and the choices still to submit (after choice 0's prefill).
+  // The generation this connection serves: one stream per choice.
   std::vector<std::shared_ptr<RequestStream>> requests_;
-  std::vector<GenerateOptions> later_choices_;
   std::unique_ptr<OpenAiResponder> responder_;
   bool streaming_ = false, finished_ = false, last_queued_ = false, last_written_ = false;
   std::optional<http::response<http::empty_body>> header_;

@@ -40,13 +40,37 @@ void Scheduler::Stop() {
   for (auto& s : running_) s->stream->Push({.finished = true, .error = status});
   waiting_.clear();
   running_.clear();
+  leading_.clear();
 }
 
 absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Submit(GenerateOptions options) {
+  ASSIGN_OR_RETURN(std::vector<std::shared_ptr<RequestStream>> streams, SubmitChoices(std::move(options), 1));
+  return streams.front();
+}
+
+absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> Scheduler::SubmitChoices(GenerateOptions options,
+                                                                                    int n) {
   const std::string source = options.source;
-  absl::StatusOr<std::shared_ptr<RequestStream>> stream = Enqueue(std::move(options));
-  if (!stream.ok()) Refused(stream.status(), source);
-  return stream;
+  absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> streams =
+      absl::InvalidArgumentError(absl::StrCat("n = ", n, " choices are more than the wait queue holds (--max-queue ",
+                                              options_.max_queue, ")"));
+  if (n == 1 || (n > 1 && n <= options_.max_queue)) {
+    std::vector<std::unique_ptr<Sequence>> seqs;
+    for (int i = 0; i < n; ++i) {
+      GenerateOptions o = options;
+      o.seed += static_cast<uint64_t>(i);
+      if (n > 1) o.source = absl::StrCat(source.empty() ? "request" : source, " choice ", i);
+      absl::StatusOr<std::unique_ptr<Sequence>> seq = MakeSequence(std::move(o));
+      if (!seq.ok()) {
+        streams = seq.status();
+        break;
+      }
+      seqs.push_back(*std::move(seq));
+    }
+    if (static_cast<int>(seqs.size()) == n) streams = Enqueue(std::move(seqs), options_.prefix_cache);
+  }
+  if (!streams.ok()) Refused(streams.status(), source);
+  return streams;
 }
 
 std::string Scheduler::Named(const Sequence& s) {
@@ -59,7 +83,7 @@ void Scheduler::Refused(const absl::Status& status, const std::string& source) {
   if (options_.metrics != nullptr) options_.metrics->RequestEnded("refused");
 }
 
-absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Enqueue(GenerateOptions options) {
+absl::StatusOr<std::unique_ptr<Scheduler::Sequence>> Scheduler::MakeSequence(GenerateOptions options) const {
   if (options.synthetic_context < 0) {
     return absl::InvalidArgumentError("synthetic_context must not be negative");
   }
@@ -96,22 +120,32 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Enqueue(GenerateOption
   seq->base = seq->fed = seq->options.synthetic_context;
   seq->needs_fill = seq->base > 0;
   seq->submitted = absl::Now();
-  std::shared_ptr<RequestStream> stream = seq->stream;
+  return seq;
+}
+
+absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> Scheduler::Enqueue(
+    std::vector<std::unique_ptr<Sequence>> seqs, bool lead) {
+  std::vector<std::shared_ptr<RequestStream>> streams;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_) return broken_status_;
     if (stop_ || !admitting_.load()) {
       return absl::UnavailableError("the server is shutting down: it takes no new requests");
     }
-    if (static_cast<int>(waiting_.size()) >= options_.max_queue) {
+    if (waiting_.size() + seqs.size() > static_cast<size_t>(options_.max_queue)) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "the wait queue is full (", options_.max_queue, " requests wait for KV space or a batch slot)"));
     }
-    seq->id = next_id_++;
-    waiting_.push_back(std::move(seq));
+    for (std::unique_ptr<Sequence>& seq : seqs) {
+      seq->id = next_id_++;
+      if (lead && seq != seqs.front()) seq->leader = seqs.front()->id;
+      streams.push_back(seq->stream);
+    }
+    if (lead && seqs.size() > 1) leading_.insert(seqs.front()->id);
+    for (std::unique_ptr<Sequence>& seq : seqs) waiting_.push_back(std::move(seq));
   }
   cv_.notify_all();
-  return stream;
+  return streams;
 }
 
 void Scheduler::MarkBroken(const absl::Status& status) {
@@ -149,6 +183,11 @@ void Scheduler::Admit() {
   if (load_) return;
   const int bt = options_.kv_block_tokens;
   while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_batch) {
+    // The first that is not a choice waiting for its choice 0 comes to the
+    // head of the queue (the others keep their order).
+    const auto next = std::find_if(waiting_.begin(), waiting_.end(), [this](const auto& w) { return !Held(*w); });
+    if (next == waiting_.end()) break;
+    std::rotate(waiting_.begin(), next, next + 1);
     Sequence* seq = waiting_.front().get();
     // The longest cached run of whole blocks, short of the block that holds
     // the last prompt token (its logits must be computed).
@@ -377,6 +416,7 @@ void Scheduler::Loop() {
         for (auto& s : running_) Fail(s.get(), broken_status_);
         waiting_.clear();
         running_.clear();
+        leading_.clear();
         pending_ = KvOps();
         continue;
       }
@@ -419,6 +459,7 @@ void Scheduler::Loop() {
                 absl::ToDoubleMilliseconds(absl::Now() - (*it)->submitted),
                 static_cast<int>((*it)->options.prompt.size()));
         if (options_.metrics != nullptr) options_.metrics->RequestEnded("cancelled");
+        leading_.erase((*it)->id);
         it = waiting_.erase(it);
       }
       Admit();
@@ -529,6 +570,7 @@ void Scheduler::Retire(Sequence* s, bool publish) {
   if (s->partial.rows > 0) cache_.Release({s->partial.key});
   cache_.Release(s->keys);
   blocks_free_ += s->blocks;
+  leading_.erase(s->id);
   running_.erase(it);
   cv_.notify_all();
 }
@@ -546,7 +588,10 @@ void Scheduler::Deliver(const shm::SampledSeq& r, absl::Time now) {
       m->InterTokenLatency(now - s->last_token);
     }
   }
-  if (s->generated.empty()) s->first_token = now;
+  if (s->generated.empty()) {
+    s->first_token = now;
+    leading_.erase(s->id);  // its prompt's blocks are published: its other choices may come
+  }
   s->last_token = now;
   s->generated.push_back(r.token);
   if (s->options.sampling.penalised()) ++s->counts[r.token];

@@ -32,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "coordinator/metrics.h"
 #include "coordinator/prefix_cache.h"
 #include "coordinator/request_stream.h"
@@ -123,6 +124,14 @@ class Scheduler {
   // the queue is full; Unavailable once the workers have failed. Every
   // refusal is logged and counted (Refused).
   absl::StatusOr<std::shared_ptr<RequestStream>> Submit(GenerateOptions options);
+  // The n choices of one request (OpenAI's n): n sequences of `options`'
+  // prompt, choice i sampled with seed + i (and named "choice i" in the
+  // log), queued together or not at all; InvalidArgument when n is more
+  // than the wait queue holds. With the prefix cache, choices 1..n-1 wait
+  // in the queue until choice 0 has sampled its first token (or ended), so
+  // that they find its prompt's whole blocks cached instead of prefilling
+  // the prompt again; requests queued behind them are admitted meanwhile.
+  absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> SubmitChoices(GenerateOptions options, int n);
   // Logs and counts a request refused before it reached the queue (a bad
   // request, a full queue, a server that is stopping): "refused" in the
   // metrics' requests by outcome. Submit calls it; so do the fronts for the
@@ -154,7 +163,6 @@ class Scheduler {
   // to their end: the first step of a graceful shutdown.
   void StopAdmitting();
   bool admitting() const { return admitting_.load(); }
-  bool prefix_cache() const { return options_.prefix_cache; }
   void Stop();
 
  private:
@@ -179,6 +187,9 @@ class Scheduler {
     int cached_tokens = -1;    // prompt tokens attached at its first admission (-1: not yet)
     bool needs_fill = false;
     std::vector<int32_t> generated;
+    // Choices 1..n-1 of a request (SubmitChoices): the id of its choice 0,
+    // whose first token they wait for while it is in leading_ (0: none).
+    uint64_t leader = 0;
     std::map<int32_t, int32_t> counts;  // of generated, when it has penalties (by token id: the frame's order)
     // Its tokens so far: the prompt, then the generated ones. Positions
     // [base, fed) hold the first fed - base of them.
@@ -202,7 +213,14 @@ class Scheduler {
   void Loop();
   // Builds the next plan from the running sequences (locked).
   shm::StepPlan PlanStep(std::vector<Sequence*>* in_step);
-  absl::StatusOr<std::shared_ptr<RequestStream>> Enqueue(GenerateOptions options);  // Submit's work
+  // Submit's and SubmitChoices' checks of a request: a sequence to queue.
+  absl::StatusOr<std::unique_ptr<Sequence>> MakeSequence(GenerateOptions options) const;
+  // Queues all of `seqs` or none (locked inside); the first leads the others
+  // when `lead` (SubmitChoices).
+  absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> Enqueue(std::vector<std::unique_ptr<Sequence>> seqs,
+                                                                     bool lead);
+  // A choice waiting for its choice 0's first token (locked).
+  bool Held(const Sequence& s) const { return s.leader != 0 && leading_.contains(s.leader); }
   void Admit();  // locked
   // "sequence 3 (HTTP cmpl-…)": how the log names a request.
   static std::string Named(const Sequence& s);
@@ -249,6 +267,10 @@ class Scheduler {
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::list<std::unique_ptr<Sequence>> running_;
+  // Choices 0 of SubmitChoices whose first token has not come yet (by id):
+  // their other choices are Held. An id leaves it at the first token or when
+  // the sequence ends, however it ends.
+  absl::flat_hash_set<uint64_t> leading_;
   KvOps pending_;         // decided, not yet sent to the workers
   PrefixCache cache_;
   int64_t blocks_free_;   // neither reserved by a sequence nor cached

@@ -683,12 +683,11 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   // server reads the rest and drops it rather than reset the upload.
   const std::string reply = ReplyAfterSending(port, 16 << 20);
   EXPECT_TRUE(absl::StartsWith(reply, "HTTP/1.1 413")) << "reply: " << reply.substr(0, 200);
-  // Choices past the queue's room (choice 0 runs, choice 1 waits, choice 2
-  // finds the queue full): the whole request is 429, and the choices it had
-  // started are cancelled, none left running or waiting.
-  json many = Completion("Once upon a time", 50, false);
+  // More choices than the wait queue holds can never be served: 400 (not a
+  // 429 that a client would retry for ever), nothing queued.
+  json many = Completion("Once upon a time", 50, true);
   many["n"] = 3;
-  expect(Post(port, "/v1/completions", many), 429, "wait queue");
+  expect(Post(port, "/v1/completions", many), 400, "more than the wait queue holds (--max-queue 1)");
   EXPECT_TRUE(WaitForQueue(port, 0, 0)) << "a choice of the refused request stayed";
   // One request runs (--max-batch=1), one waits (--max-queue=1): a third is
   // 429. The attention worker is stopped meanwhile, so that the running

@@ -1325,6 +1325,102 @@ TEST_F(PrefixCacheTest, ConcurrentSharersAndOneCancelledMidway) {
   exec_.ExpectConsistent(true);
 }
 
+// n choices (SubmitChoices): queued together, choice i with seed + i; with
+// the prefix cache, choices 1..n-1 wait until choice 0 has sampled, while a
+// request queued behind them is admitted, and then attach its prompt's whole
+// blocks instead of prefilling them again.
+TEST_F(PrefixCacheTest, ChoicesWaitForTheFirstsPrefillAndShareIt) {
+  options_.max_step_tokens = 16;  // the prompt takes choice 0 several steps
+  Start();
+  const std::vector<int32_t> prompt = Prompt(360, 52);  // 3 whole blocks + 4
+  exec_.Hold();
+  GenerateOptions o;
+  o.prompt = prompt;
+  o.max_tokens = 6;
+  o.sampling = {.temperature = 0.7f, .top_k = 40, .top_p = 0.95f};
+  o.seed = 1234;
+  o.source = "test";
+  absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> choices = scheduler_->SubmitChoices(o, 3);
+  ASSERT_TRUE(choices.ok()) << choices.status();
+  ASSERT_EQ(choices->size(), 3u);
+  std::shared_ptr<RequestStream> other = Submit(Prompt(361, 8), 3);
+  ASSERT_TRUE(exec_.WaitForRuns(1));
+  // Choice 0 and the request behind the held choices run; choices 1, 2 wait.
+  ASSERT_TRUE(WaitForStats([](const SchedulerStats& s) { return s.running == 2 && s.waiting == 2; }));
+  exec_.Release();
+  std::vector<Outcome> out;
+  for (const auto& c : *choices) out.push_back(Collect(*c));
+  EXPECT_TRUE(Collect(*other).error.ok());
+  for (const Outcome& x : out) ASSERT_TRUE(x.error.ok()) << x.error;
+  EXPECT_EQ(out[0].finish.cached_tokens, 0);
+  EXPECT_GE(out[1].finish.cached_tokens, 48) << "choice 1 prefilled the prompt again";
+  EXPECT_GE(out[2].finish.cached_tokens, 48) << "choice 2 prefilled the prompt again";
+  // Choice i samples as a request of seed 1234 + i alone: its draws are that
+  // seed's.
+  std::map<uint64_t, SeqTrace> traces = Traces(exec_.plans());
+  std::vector<std::vector<float>> draws;
+  for (const auto& [id, t] : traces) {
+    // (Choices 1, 2 feed the prompt from where their cached rows end.)
+    const size_t start = t.slices.front().slice.start_pos;
+    if (start >= prompt.size() || t.fed.size() < prompt.size() - start ||
+        !std::equal(prompt.begin() + start, prompt.end(), t.fed.begin())) {
+      continue;
+    }
+    std::vector<float> u;
+    for (const shm::PlanSeq& p : t.slices) {
+      if (p.sample) u.push_back(p.u);
+    }
+    draws.push_back(u);
+  }
+  ASSERT_EQ(draws.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    GenerateOptions alone = o;
+    alone.seed = 1234 + i;
+    absl::StatusOr<std::shared_ptr<RequestStream>> s = scheduler_->Submit(alone);
+    ASSERT_TRUE(s.ok());
+    ASSERT_TRUE(Collect(**s).error.ok());
+    std::vector<float> u;
+    for (const shm::PlanSeq& p : Traces(exec_.plans()).rbegin()->second.slices) {
+      if (p.sample) u.push_back(p.u);
+    }
+    EXPECT_EQ(u, draws[i]) << "choice " << i;
+  }
+  EXPECT_NE(draws[0], draws[1]);
+  EXPECT_TRUE(AllReleased());
+  exec_.ExpectConsistent(true);
+}
+
+// Choices are queued all or none: a queue without room for every one takes
+// none (ResourceExhausted), more than it can ever hold is InvalidArgument;
+// a choice 0 cancelled before its first token releases the others.
+TEST_F(PrefixCacheTest, ChoicesAreQueuedTogetherAndNeverWaitForAGoneFirst) {
+  options_.max_batch = 1;
+  Start();
+  exec_.Hold();
+  std::shared_ptr<RequestStream> running = Submit(Prompt(370, 20), 3);
+  ASSERT_TRUE(exec_.WaitForRuns(1));
+  for (int i = 0; i < 5; ++i) Submit(Prompt(371 + i, 20), 3);
+  ASSERT_TRUE(WaitForStats([](const SchedulerStats& s) { return s.waiting == 5; }));
+  GenerateOptions o;
+  o.prompt = Prompt(380, 40);
+  o.max_tokens = 4;
+  EXPECT_EQ(scheduler_->SubmitChoices(o, 4).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(scheduler_->Stats().waiting, 5) << "some choices were queued";
+  EXPECT_EQ(scheduler_->SubmitChoices(o, 9).status().code(), absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> choices = scheduler_->SubmitChoices(o, 3);
+  ASSERT_TRUE(choices.ok()) << choices.status();
+  EXPECT_EQ(scheduler_->Stats().waiting, 8);
+  (*choices)[0]->Cancel();
+  exec_.Release();
+  for (size_t i = 1; i < 3; ++i) {
+    const Outcome c = Collect(*(*choices)[i]);
+    EXPECT_TRUE(c.error.ok()) << c.error;
+    EXPECT_EQ(c.tokens.size(), 4u) << "choice " << i;
+  }
+  EXPECT_TRUE(AllReleased());
+  exec_.ExpectConsistent(true);
+}
+
 TEST_F(PrefixCacheTest, EveryWayOfEndingLeavesTheCountsRight) {
   Start();
   const std::vector<int32_t> prompt = Prompt(350, 40);
