@@ -420,9 +420,7 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
       ASSIGN_OR_RETURN(std::string text, TextOf(p, "prompt", false));
       g.set_prompt(text);
     }
-    if (const json* echo = fields.Get("echo"); echo != nullptr && echo->is_boolean() && echo->get<bool>()) {
-      return Bad("echo", "is not supported");
-    }
+    ASSIGN_OR_RETURN(r.echo, boolean("echo"));
     if (fields.Get("suffix") != nullptr) return Bad("suffix", "is not supported");
     for (Field field : {Field("tools"), Field("tool_choice")}) {
       if (const json* v = fields.Get(field); v != nullptr && !(v->is_array() && v->empty()) && *v != "none") {
@@ -505,6 +503,9 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
     if (!chat) r.logprobs = true;
     if (chat && !r.logprobs && r.top_logprobs > 0) return Bad(top_field.name(), "needs logprobs: true");
     g.set_top_logprobs(r.top_logprobs);
+  }
+  if (r.echo && r.logprobs) {
+    return Bad("echo", "with logprobs would need the prompt tokens' log-probabilities, which ellm does not compute");
   }
   return r;
 }
@@ -590,6 +591,10 @@ OpenAiResponder::OpenAiResponder(const OpenAiRequest& request, std::string id, s
                                  int64_t created, const Tokenizer& tokenizer, int32_t last_prompt_token)
     : request_(request), tokenizer_(tokenizer), id_(std::move(id)), model_id_(std::move(model_id)),
       created_(created) {
+  if (request_.echo) {
+    const auto& ids = request_.generate.prompt_token_ids();
+    echo_ = ids.empty() ? request_.generate.prompt() : tokenizer.Decode(std::vector<int32_t>(ids.begin(), ids.end()));
+  }
   choices_.reserve(std::max(1, request_.n));
   for (int i = 0; i < std::max(1, request_.n); ++i) choices_.emplace_back(tokenizer, last_prompt_token);
 }
@@ -803,6 +808,10 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
   std::string reasoning, text = e.text;
   if (request_.read_reasoning) std::tie(reasoning, text) = SplitReasoningDelta(c, e.text, e.finished);
   if (request_.read_tool_calls) text = ShowableText(c, text);
+  if (request_.echo && !c.echoed) {
+    c.echoed = true;
+    text = echo_ + text;
+  }
   std::optional<ToolCallsAnswer> calls;
   if (e.finished && request_.read_tool_calls) {
     if (c.in_calls) calls = ParseToolCalls(c.held, request_.tool_syntax);
@@ -880,7 +889,7 @@ std::string OpenAiResponder::Final() {
                            {"content", answer.reasoning && answer.content.empty() ? json(nullptr)
                                                                                   : json(answer.content)}};
     } else {
-      choice["text"] = c.text;
+      choice["text"] = echo_ + c.text;
     }
     if (answer.reasoning) choice["message"]["reasoning_content"] = *answer.reasoning;
     if (request_.logprobs) choice["logprobs"] = LogprobsOf(c, c.ids, c.logprobs, c.top);

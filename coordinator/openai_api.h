@@ -11,13 +11,15 @@
 // true, with top_logprobs 0..20 alternatives per token; completions: an
 // integer 0..20, the number of alternatives, the chosen token always
 // included), n (1..kMaxChoices choices, each sampled as its own request
-// with seed + i; see OpenAiResponder); chat: tools with tool_choice auto or none, messages with
-// an assistant's tool_calls and the tool role (rendered by the template,
+// with seed + i; see OpenAiResponder); completions: echo (the prompt's
+// text before each choice's; not with logprobs, which would need the
+// prompt's); chat: tools with tool_choice auto or none, messages with an
+// assistant's tool_calls and the tool role (rendered by the template,
 // coordinator/chat_template.h), and an answer's <tool_call>s returned as
 // tool_calls (ParseToolCalls); chat_template_kwargs.enable_thinking, a
 // message's reasoning_content, and (Qwen3) an answer's thinking block
-// returned as reasoning_content (SplitReasoning). Refused with 400 naming the field: n out
-// of range, echo, suffix, any field that would constrain or bias the output
+// returned as reasoning_content (SplitReasoning). Refused with 400 naming
+// the field: n out of range, echo with logprobs, suffix, any field that would constrain or bias the output
 // (logit_bias, response_format other than text, tool_choice required or
 // named, functions, function_call other than none/auto, best_of > 1, and
 // vLLM's repetition_penalty, min_tokens, ignore_eos, guided_*), and any
@@ -54,6 +56,7 @@ struct OpenAiRequest {
   bool logprobs = false;
   int top_logprobs = 0;  // alternatives per token (also in generate)
   int n = 1;             // choices: n sequences of the same prompt
+  bool echo = false;     // completions: each choice's text starts with the prompt's
   // Chat with tools and tool_choice "auto": the answer's calls (in
   // tool_syntax) are returned as tool_calls.
   bool read_tool_calls = false;
@@ -138,6 +141,7 @@ class OpenAiResponder {
     StreamDecoder offset_decoder;
     int64_t text_offset = 0;
     bool sent_role = false;
+    bool echoed = false;     // streaming with echo: the prompt's text went out
     std::string held;        // streaming with read_tool_calls: text not shown yet
     bool in_calls = false;   // held is (may be) calls, to the end
     bool shown = false;      // Llama JSON: the answer's first character was not "{"
@@ -182,6 +186,7 @@ class OpenAiResponder {
   int64_t created_;
   std::vector<Choice> choices_;
   int finished_ = 0;  // choices that have had their last event
+  std::string echo_;  // echo: the prompt's text (ids decoded)
 };
 
 // OpenAI's error body: {"error": {"message", "type", "param", "code"}}, and

@@ -100,9 +100,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     const ellm::coord::ReasoningAnswer split =
         request.read_reasoning ? ellm::coord::SplitReasoning(body) : ellm::coord::ReasoningAnswer{{}, body};
+    // echo (completions): the prompt's text comes first.
+    const auto& ids = request.generate.prompt_token_ids();
+    const std::string echo = !request.echo ? ""
+                             : ids.empty() ? request.generate.prompt()
+                                           : tok->Decode(std::vector<int32_t>(ids.begin(), ids.end()));
     for (int i = 0; i < n; ++i) {
       if (reasoning[i] != split.reasoning.value_or("")) std::abort();
-      if (!calls[i] && content[i] != split.content) std::abort();
+      if (!calls[i] && content[i] != echo + split.content) std::abort();
     }
   }
   return 0;

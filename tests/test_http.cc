@@ -228,6 +228,11 @@ TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
   EXPECT_GT(s.chunks, 10);  // streamed, not in one piece
   EXPECT_EQ(s.usage["completion_tokens"], 40);
 
+  // echo: the prompt's text, then the answer's.
+  json echo_req = Completion("Once upon a time", 40, false);
+  echo_req["echo"] = true;
+  EXPECT_EQ(Post(port, "/v1/completions", echo_req).Json()["choices"][0]["text"], "Once upon a time" + grpc_answer.text);
+
   // min_p reaches the sampler in the MLP worker: at 1 it keeps only the
   // most likely token, so a hot sampled request is the greedy answer (and
   // the same request without it is not).

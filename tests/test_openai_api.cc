@@ -715,4 +715,56 @@ TEST(OpenAiApi, ThinkingIsReturnedAsReasoningContent) {
   }
 }
 
+// echo (completions): every choice's text starts with the prompt's (ids
+// decoded), streamed or not; a non-boolean echo, and echo with logprobs
+// (which would need the prompt's), are refused.
+TEST(OpenAiApi, EchoPutsThePromptBeforeEachChoice) {
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
+  ASSERT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_FALSE(ParseOpenAiRequest(R"({"prompt": "x", "echo": "yes"})", false, "m").ok());
+  const absl::StatusOr<OpenAiRequest> with_logprobs =
+      ParseOpenAiRequest(R"({"prompt": "x", "echo": true, "logprobs": 1})", false, "m");
+  EXPECT_NE(with_logprobs.status().message().find("'echo' with logprobs"), std::string::npos) << with_logprobs.status();
+  const std::vector<int32_t> ids = (*tok)->Encode("Once upon a time", true, {});
+  const std::string decoded = (*tok)->Decode(ids);
+  ASSERT_EQ(decoded, "Once upon a time") << "the premise";
+  for (const std::string& prompt : {std::string(R"("The cat")"), absl::StrCat("[", absl::StrJoin(ids, ","), "]")}) {
+    const std::string expected = prompt[0] == '"' ? "The cat" : decoded;
+    absl::StatusOr<OpenAiRequest> request =
+        ParseOpenAiRequest(absl::StrCat(R"({"prompt": )", prompt, R"(, "echo": true, "n": 2})"), false, "m");
+    ASSERT_TRUE(request.ok()) << request.status();
+    ASSERT_TRUE(request->echo);
+    for (bool streaming : {false, true}) {
+      OpenAiRequest r = *request;
+      r.stream = streaming;
+      OpenAiResponder responder(r, "cmpl-1", "m", 0, **tok, 1);
+      std::vector<std::string> text(2);
+      for (const char* part : {" sat", " down"}) {
+        for (int c = 0; c < 2; ++c) {
+          StreamEvent e{.text = absl::StrCat(part, c)};
+          e.finished = std::string(part) == " down";
+          if (!streaming) {
+            responder.Add(e, c);
+            continue;
+          }
+          const std::string sse = responder.SseFor(e, c);
+          for (size_t at = sse.find("data: {"); at != std::string::npos; at = sse.find("data: {", at + 1)) {
+            const nlohmann::json j = nlohmann::json::parse(sse.substr(at + 6, sse.find("\n\n", at) - at - 6));
+            text[j["choices"][0]["index"].get<int>()] += j["choices"][0]["text"].get<std::string>();
+          }
+        }
+      }
+      if (!streaming) {
+        const nlohmann::json j = nlohmann::json::parse(responder.Final());
+        for (int c = 0; c < 2; ++c) text[c] = j["choices"][c]["text"];
+      }
+      for (int c = 0; c < 2; ++c) {
+        EXPECT_EQ(text[c], absl::StrCat(expected, " sat", c, " down", c)) << prompt << " streaming " << streaming;
+      }
+    }
+  }
+}
+
 }  // namespace ellm::coord
