@@ -295,10 +295,13 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
         ASSIGN_OR_RETURN(std::string content, TextOf(m["content"], field + ".content", true));
         out->set_content(content);
       }
-      // An assistant's thinking as this API returns it (vLLM's field).
-      if (m.contains("reasoning_content") && !m["reasoning_content"].is_null()) {
-        if (!m["reasoning_content"].is_string()) return Bad(field + ".reasoning_content", "must be a string");
-        out->set_reasoning_content(m["reasoning_content"].get<std::string>());
+      // An assistant's thinking as this API returns it: "reasoning_content"
+      // (vLLM until 0.11), or "reasoning" (later vLLM); the first one given.
+      for (const char* name : {"reasoning_content", "reasoning"}) {
+        if (!m.contains(name) || m[name].is_null()) continue;
+        if (!m[name].is_string()) return Bad(absl::StrCat(field, ".", name), "must be a string");
+        out->set_reasoning_content(m[name].get<std::string>());
+        break;
       }
       // An assistant's calls: [{"id", "type": "function", "function":
       // {"name", "arguments": a JSON object's text}}]; the id is not part
@@ -825,7 +828,8 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
     json choice = {{"index", index}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
     if (request_.chat) {
       choice["delta"] = json::object();
-      if (!reasoning.empty()) choice["delta"]["reasoning_content"] = reasoning;
+      // Under both of vLLM's names (its clients read one or the other).
+      if (!reasoning.empty()) choice["delta"]["reasoning"] = choice["delta"]["reasoning_content"] = reasoning;
       if (!text.empty()) choice["delta"]["content"] = text;
     } else {
       choice["text"] = text;
@@ -836,7 +840,6 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
     if (calls) {
       // The calls in one chunk of their own, then the finish.
       json with_calls = choice;
-      with_calls["delta"].erase("reasoning_content");
       with_calls["delta"]["tool_calls"] = ToolCallsJson(*calls, index, /*streaming=*/true);
       emit(Chunk(with_calls));
       choice = {{"index", index}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", "tool_calls"}};
@@ -891,7 +894,7 @@ std::string OpenAiResponder::Final() {
     } else {
       choice["text"] = echo_ + c.text;
     }
-    if (answer.reasoning) choice["message"]["reasoning_content"] = *answer.reasoning;
+    if (answer.reasoning) choice["message"]["reasoning"] = choice["message"]["reasoning_content"] = *answer.reasoning;
     if (request_.logprobs) choice["logprobs"] = LogprobsOf(c, c.ids, c.logprobs, c.top);
     choices.push_back(std::move(choice));
   }

@@ -152,6 +152,9 @@ absl::StatusOr<std::vector<int32_t>> EllmService::GivenTokens(const ellm::v1::Ge
 absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRequest& r) const {
   GenerateOptions o;
   const absl::Time start = absl::Now();
+  if (r.has_enable_thinking() && r.messages().empty()) {
+    return absl::InvalidArgumentError("enable_thinking applies to chat messages");
+  }
   if (r.prompt_token_ids().empty()) {
     ASSIGN_OR_RETURN(o.prompt, PromptTokens(r.prompt(), r.messages(), r.tools(),
                                             r.has_add_bos() ? std::optional<bool>(r.add_bos())
@@ -318,6 +321,9 @@ grpc::Status EllmService::Tokenize(grpc::ServerContext* context, const ellm::v1:
   }
   if (request->messages().empty() && !request->tools().empty()) {
     return ToGrpcStatus(absl::InvalidArgumentError("tools are given but no chat messages"));
+  }
+  if (request->messages().empty() && request->has_enable_thinking()) {
+    return ToGrpcStatus(absl::InvalidArgumentError("enable_thinking applies to chat messages"));
   }
   absl::StatusOr<std::vector<int32_t>> ids =
       request->messages().empty()

@@ -558,6 +558,12 @@ TEST(Http, ChatCompletionsWithTheModelsTemplate) {
     thinking["chat_template_kwargs"]["enable_thinking"] = true;
     const int thinking_on = Post(port, "/v1/chat/completions", thinking).Json()["usage"]["prompt_tokens"];
     EXPECT_GE(with_both, without_reasoning + 3) << "the reasoning is in the prompt";
+    // (gRPC: enable_thinking with a text is refused, not ignored.)
+    ellm::v1::TokenizeRequest text;
+    text.set_text("Hi");
+    text.set_enable_thinking(false);
+    grpc::ClientContext ctx3;
+    EXPECT_EQ(system.stub()->Tokenize(&ctx3, text, &ids).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_GT(without_reasoning, thinking_on) << "the empty thinking block is in the prompt";
   }
   with_tools["tool_choice"] = "required";

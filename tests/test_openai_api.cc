@@ -646,6 +646,11 @@ TEST(OpenAiApi, ThinkingIsReturnedAsReasoningContent) {
   EXPECT_FALSE(request->generate.enable_thinking());
   EXPECT_EQ(request->generate.messages(1).reasoning_content(), "r");
   EXPECT_FALSE(request->generate.messages(0).has_reasoning_content());
+  // Later vLLM's name for it.
+  const absl::StatusOr<OpenAiRequest> later = ParseOpenAiRequest(
+      R"({"messages": [{"role": "assistant", "content": "a", "reasoning": "r2"}]})", true, "m");
+  ASSERT_TRUE(later.ok()) << later.status();
+  EXPECT_EQ(later->generate.messages(0).reasoning_content(), "r2");
   for (const char* bad : {R"("chat_template_kwargs": {"enable_thinking": "no"})", R"("chat_template_kwargs": 1)",
                           R"("messages": [{"role": "assistant", "content": "a", "reasoning_content": 5}])"}) {
     const absl::StatusOr<OpenAiRequest> r = ParseOpenAiRequest(
@@ -668,6 +673,8 @@ TEST(OpenAiApi, ThinkingIsReturnedAsReasoningContent) {
       {{"<think>\nstill ", "thinking </th"}, "\nstill thinking </th", "<null>", false},
       {{"<th"}, std::nullopt, "<th", false},
       {{"", "<", "think>", "a</think>b"}, "a", "b", false},
+      // The end of the thinking and the calls in the last event.
+      {{"<think>a", "b</think><tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call>"}, "ab", "<null>", true},
   };
   for (bool streaming : {false, true}) {
     for (const Case& k : cases) {
@@ -686,6 +693,8 @@ TEST(OpenAiApi, ThinkingIsReturnedAsReasoningContent) {
         const nlohmann::json j = nlohmann::json::parse(responder.Final());
         const nlohmann::json& m = j["choices"][0]["message"];
         if (m.contains("reasoning_content")) reasoning = m["reasoning_content"].get<std::string>();
+        EXPECT_EQ(m.contains("reasoning"), m.contains("reasoning_content"));
+        if (m.contains("reasoning")) EXPECT_EQ(m["reasoning"], m["reasoning_content"]);
         content = m["content"].is_null() ? "<null>" : m["content"].get<std::string>();
         call = m.contains("tool_calls");
       } else {
@@ -694,6 +703,7 @@ TEST(OpenAiApi, ThinkingIsReturnedAsReasoningContent) {
           for (size_t at = sse.find("data: {"); at != std::string::npos; at = sse.find("data: {", at + 1)) {
             const nlohmann::json j = nlohmann::json::parse(sse.substr(at + 6, sse.find("\n\n", at) - at - 6));
             const nlohmann::json& d = j["choices"][0]["delta"];
+            EXPECT_EQ(d.contains("reasoning"), d.contains("reasoning_content"));
             if (d.contains("reasoning_content")) {
               EXPECT_TRUE(content.empty()) << "reasoning after content";
               reasoning = reasoning.value_or("") + d["reasoning_content"].get<std::string>();
