@@ -51,10 +51,14 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Submit(GenerateOptions
 absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> Scheduler::SubmitChoices(GenerateOptions options,
                                                                                     int n) {
   const std::string source = options.source;
-  absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> streams =
-      absl::InvalidArgumentError(absl::StrCat("n = ", n, " choices are more than the wait queue holds (--max-queue ",
-                                              options_.max_queue, ")"));
-  if (n == 1 || (n > 1 && n <= options_.max_queue)) {
+  absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> streams;
+  if (n < 1) {
+    streams = absl::InvalidArgumentError(absl::StrCat("n = ", n, ": a request has at least one choice"));
+  } else if (n > 1 && n > options_.max_queue) {
+    // It could never be queued: not a 429, which a client would retry.
+    streams = absl::InvalidArgumentError(absl::StrCat("n = ", n, " choices are more than the wait queue holds (--max-queue ",
+                                                      options_.max_queue, ")"));
+  } else {
     std::vector<std::unique_ptr<Sequence>> seqs;
     for (int i = 0; i < n; ++i) {
       GenerateOptions o = options;
