@@ -100,7 +100,7 @@ bool IsNoTool(const nlohmann::json& v) { return v.is_null() || v == "none" || v 
 constexpr UnsupportedField kUnsupported[] = {
     {"logit_bias", IsEmptyOrNull},      {"response_format", IsTextFormat},
     {"functions", IsEmptyOrNull},       {"function_call", IsNoTool},
-    {"best_of", IsOneOrNull},           {"repetition_penalty", IsOneOrNull}, {"min_tokens", IsZeroOrNull},
+    {"best_of", IsOneOrNull},           {"min_tokens", IsZeroOrNull},
     {"ignore_eos", IsFalseOrNull},      {"guided_json", IsNull},           {"guided_regex", IsNull},
     {"guided_choice", IsNull},          {"guided_grammar", IsNull},
 };
@@ -112,8 +112,8 @@ constexpr UnsupportedField kUnsupported[] = {
 constexpr std::string_view kReadFields[] = {
     "model", "messages", "prompt", "echo", "suffix", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options", "n", "presence_penalty",
-    "frequency_penalty", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-    "chat_template_kwargs"};
+    "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls", "chat_template_kwargs"};
 
 constexpr bool IsReadField(std::string_view name) {
   for (std::string_view f : kReadFields) {
@@ -489,6 +489,10 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
     // best_of (only 1 is taken) counts the candidates n is chosen from.
     if (r.n > 1 && fields.Get("best_of") != nullptr) return Bad("best_of", "must not be less than n");
   }
+  // vLLM's repetition_penalty (Hugging Face's): over the prompt's tokens
+  // and the generated ones.
+  ASSIGN_OR_RETURN(std::optional<double> repetition, number("repetition_penalty", 0, 10, /*above_lo=*/true));
+  if (repetition) g.mutable_sampling()->set_repetition_penalty(static_cast<float>(*repetition));
   ASSIGN_OR_RETURN(std::optional<double> presence, number("presence_penalty", -2, 2));
   if (presence) g.mutable_sampling()->set_presence_penalty(static_cast<float>(*presence));
   ASSIGN_OR_RETURN(std::optional<double> frequency, number("frequency_penalty", -2, 2));

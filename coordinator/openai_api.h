@@ -6,7 +6,8 @@
 // Supported: POST /v1/completions (prompt: a string or a one-string array)
 // and /v1/chat/completions (messages with string or text-part content) with
 // model, max_tokens / max_completion_tokens, temperature, top_p, top_k,
-// min_p, presence_penalty, frequency_penalty, seed, stop
+// min_p, presence_penalty, frequency_penalty, repetition_penalty (vLLM's),
+// seed, stop
 // (string or list), stream, stream_options.include_usage, logprobs (chat:
 // true, with top_logprobs 0..20 alternatives per token; completions: an
 // integer 0..20, the number of alternatives, the chosen token always
@@ -22,7 +23,7 @@
 // the field: n out of range, echo with logprobs, suffix, any field that would constrain or bias the output
 // (logit_bias, response_format other than text, tool_choice required or
 // named, functions, function_call other than none/auto, best_of > 1, and
-// vLLM's repetition_penalty, min_tokens, ignore_eos, guided_*), and any
+// vLLM's min_tokens, ignore_eos, guided_*), and any
 // field of the wrong type. Other fields (user, metadata,
 // ...) are ignored. A body nested deeper than kMaxJsonDepth is refused
 // before it is parsed. Log-probabilities are of the model's raw distribution

@@ -124,6 +124,11 @@ absl::StatusOr<std::unique_ptr<Scheduler::Sequence>> Scheduler::MakeSequence(Gen
   seq->base = seq->fed = seq->options.synthetic_context;
   seq->needs_fill = seq->base > 0;
   seq->submitted = absl::Now();
+  // The repetition penalty covers the prompt's tokens too (count 0: never
+  // generated).
+  if (seq->options.sampling.repetition_penalty != 1) {
+    for (int32_t t : seq->options.prompt) seq->counts.emplace(t, 0);
+  }
   return seq;
 }
 

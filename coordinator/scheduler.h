@@ -190,7 +190,9 @@ class Scheduler {
     // Choices 1..n-1 of a request (SubmitChoices): the id of its choice 0,
     // whose first token they wait for while it is in leading_ (0: none).
     uint64_t leader = 0;
-    std::map<int32_t, int32_t> counts;  // of generated, when it has penalties (by token id: the frame's order)
+    // Its tokens' counts when it has penalties (by token id: the frame's order):
+    // generated ones, and with a repetition penalty the prompt's (count 0).
+    std::map<int32_t, int32_t> counts;
     // Its tokens so far: the prompt, then the generated ones. Positions
     // [base, fed) hold the first fed - base of them.
     std::vector<int32_t> Tokens() const {

@@ -191,12 +191,27 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
   o.sampling.top_logprobs = r.top_logprobs();
   o.sampling.presence_penalty = s.presence_penalty();
   o.sampling.frequency_penalty = s.frequency_penalty();
+  o.sampling.repetition_penalty = s.has_repetition_penalty() ? s.repetition_penalty() : 1.0f;
   RETURN_IF_ERROR(ValidateSamplingParams(o.sampling, config_.vocab_size));
   // A penalised sequence's token counts go with each of its steps, in frames
-  // sized for kMaxPenaltyTokens distinct tokens.
-  if (o.sampling.penalised() && o.max_tokens > kMaxPenaltyTokens && config_.vocab_size > kMaxPenaltyTokens) {
-    return absl::InvalidArgumentError(absl::StrCat("with presence_penalty or frequency_penalty, max_tokens may be at "
-                                                   "most ", kMaxPenaltyTokens, ", got ", o.max_tokens));
+  // sized for kMaxPenaltyTokens distinct tokens: its generated ones, and with
+  // a repetition penalty its prompt's.
+  if (o.sampling.penalised() && config_.vocab_size > kMaxPenaltyTokens) {
+    int64_t prompt_tokens = 0;
+    if (o.sampling.repetition_penalty != 1) {
+      std::vector<int32_t> distinct = o.prompt;
+      std::sort(distinct.begin(), distinct.end());
+      prompt_tokens = std::unique(distinct.begin(), distinct.end()) - distinct.begin();
+    }
+    if (prompt_tokens + o.max_tokens > kMaxPenaltyTokens) {
+      return absl::InvalidArgumentError(
+          prompt_tokens == 0
+              ? absl::StrCat("with presence_penalty or frequency_penalty, max_tokens may be at most ",
+                             kMaxPenaltyTokens, ", got ", o.max_tokens)
+              : absl::StrCat("with repetition_penalty, the prompt's distinct tokens (", prompt_tokens,
+                             ") and max_tokens (", o.max_tokens, ") may be at most ", kMaxPenaltyTokens,
+                             " together"));
+    }
   }
   if (s.has_seed()) {
     o.seed = s.seed();

@@ -28,6 +28,10 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int vocab_size) {
       return absl::InvalidArgumentError(absl::StrCat(name, " must be in [-2, 2], got ", v));
     }
   }
+  if (!std::isfinite(p.repetition_penalty) || p.repetition_penalty <= 0 || p.repetition_penalty > 10) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("repetition_penalty must be in (0, 10], got ", p.repetition_penalty));
+  }
   const int max_top = std::min(kMaxTopLogprobs, vocab_size);
   if (p.top_logprobs < 0 || p.top_logprobs > max_top) {
     return absl::InvalidArgumentError(
@@ -85,8 +89,13 @@ SampledToken Sample(const float* raw, int n, const SamplingParams& params, float
   if (params.penalised() && n_counts > 0) {
     penalised.assign(raw, raw + n);
     for (int i = 0; i < n_counts; ++i) {
-      penalised[counts[i].token] -=
-          params.presence_penalty + params.frequency_penalty * static_cast<float>(counts[i].count);
+      // As vLLM: the repetition penalty first, then the other two on the
+      // generated tokens only.
+      float& l = penalised[counts[i].token];
+      if (params.repetition_penalty != 1) l = l > 0 ? l / params.repetition_penalty : l * params.repetition_penalty;
+      if (counts[i].count > 0) {
+        l -= params.presence_penalty + params.frequency_penalty * static_cast<float>(counts[i].count);
+      }
     }
     logits = penalised.data();
   }

@@ -1,4 +1,4 @@
-// Next-token sampling: presence and frequency penalties, greedy,
+// Next-token sampling: repetition, presence and frequency penalties, greedy,
 // temperature, top-k, min-p, top-p. Stateless: the
 // random draw `u` of a sequence's k-th sampled token is SampleUniform(seed, k)
 // (drawn by the coordinator), so the same seed gives the same tokens wherever
@@ -14,9 +14,9 @@ namespace ellm {
 
 // The most alternatives a sampled token can report (OpenAI's top_logprobs limit).
 constexpr int kMaxTopLogprobs = 20;
-// The most distinct generated tokens a penalised sequence may have (its
-// counts travel with every step): requests with penalties take at most this
-// many max_tokens.
+// The most distinct tokens a penalised sequence's counts may hold (they
+// travel with every step): its generated tokens, and with a repetition
+// penalty its prompt's too; requests with penalties are held under it.
 constexpr int kMaxPenaltyTokens = 16384;
 
 struct SamplingParams {
@@ -32,10 +32,16 @@ struct SamplingParams {
   // frequency_penalty for each time it has, before anything else. 0: off.
   float presence_penalty = 0.0f;
   float frequency_penalty = 0.0f;
-  bool penalised() const { return presence_penalty != 0 || frequency_penalty != 0; }
+  // The repetition penalty of Hugging Face and vLLM (CTRL's), on the tokens
+  // of the prompt and those generated so far: a positive logit is divided
+  // by it, a negative one multiplied, before the other penalties. 1: off.
+  float repetition_penalty = 1.0f;
+  bool penalised() const { return presence_penalty != 0 || frequency_penalty != 0 || repetition_penalty != 1; }
 };
 
-// How often a token was generated so far (count >= 1).
+// A token of the sequence and how often it was generated so far: at least
+// once, or 0 for a token only of the prompt (sent for the repetition
+// penalty alone).
 struct TokenCount {
   int32_t token = 0;
   int32_t count = 0;
@@ -44,8 +50,8 @@ struct TokenCount {
 // InvalidArgument naming the parameter: temperature in [0, 100], top_k >= 0
 // (0 or the vocabulary's size or more: off), top_p in (0, 1], min_p in
 // [0, 1], all finite,
-// top_logprobs in [0, min(kMaxTopLogprobs, vocab_size)], the penalties in
-// [-2, 2].
+// top_logprobs in [0, min(kMaxTopLogprobs, vocab_size)], the presence and
+// frequency penalties in [-2, 2], the repetition penalty in (0, 10].
 absl::Status ValidateSamplingParams(const SamplingParams& params, int vocab_size);
 
 // A token and log p(token) under the model's raw distribution (temperature 1,
@@ -70,8 +76,8 @@ struct SampledToken {
 // Picks a token from logits [n]. `u` is uniform in [0, 1). Greedy ignores u;
 // ties go to the lowest id. A -inf logit is a token of probability 0, never
 // picked; logits without a finite log-sum-exp give `finite` false. `counts`
-// (n_counts of them, distinct tokens < n) are the generated tokens the
-// penalties apply to; the logprobs stay those of the raw logits.
+// (n_counts of them, distinct tokens < n) are the tokens the penalties apply
+// to (TokenCount); the logprobs stay those of the raw logits.
 SampledToken Sample(const float* logits, int n, const SamplingParams& params, float u,
                     const TokenCount* counts = nullptr, int n_counts = 0);
 

@@ -119,6 +119,8 @@ int Main(int argc, char** argv) {
   args.Flag("min-p", "0", "keep the tokens at least this fraction as likely as the most likely one, [0, 1]; 0 = off");
   args.Flag("presence-penalty", "0", "subtract this from the logit of every token generated so far, [-2, 2]");
   args.Flag("frequency-penalty", "0", "subtract this from a token's logit for each time it was generated, [-2, 2]");
+  args.Flag("repetition-penalty", "1", "divide the positive logits (multiply the negative ones) of the prompt's and "
+            "the generated tokens by this, (0, 10]; 1: off");
   args.Flag("seed", "", "random seed: same seed, same output");
   args.Flag("stop", "", "stop when this string appears (not printed); give it again for more strings (up to 16)");
   args.Flag("no-bos", "", "do not prepend the BOS token", true);
@@ -186,6 +188,9 @@ int Main(int argc, char** argv) {
     absl::StatusOr<double> frequency = args.GetDouble("frequency-penalty");
     if (!frequency.ok()) return Fail(std::string(frequency.status().message()));
     req.mutable_sampling()->set_frequency_penalty(static_cast<float>(*frequency));
+    absl::StatusOr<double> repetition = args.GetDouble("repetition-penalty");
+    if (!repetition.ok()) return Fail(std::string(repetition.status().message()));
+    if (*repetition != 1) req.mutable_sampling()->set_repetition_penalty(static_cast<float>(*repetition));
     if (args.IsSet("seed")) {
       absl::StatusOr<uint64_t> v = args.GetUint64("seed");
       if (!v.ok()) return Fail(std::string(v.status().message()));

@@ -88,12 +88,13 @@ void SetSampling(const SamplingParams& params, PlanSeq* p) {
   p->top_logprobs = params.top_logprobs;
   p->presence_penalty = params.presence_penalty;
   p->frequency_penalty = params.frequency_penalty;
+  p->repetition_penalty = params.repetition_penalty;
 }
 
 SamplingParams SamplingOf(const PlanSeq& p) {
   return {.temperature = p.temperature, .top_k = p.top_k, .top_p = p.top_p, .min_p = p.min_p,
           .top_logprobs = p.top_logprobs, .presence_penalty = p.presence_penalty,
-          .frequency_penalty = p.frequency_penalty};
+          .frequency_penalty = p.frequency_penalty, .repetition_penalty = p.repetition_penalty};
 }
 
 uint64_t StepPlanCountsCapacity(int max_seqs) { return uint64_t(std::min(max_seqs, 16)) * kMaxPenaltyTokens; }
@@ -156,14 +157,16 @@ absl::StatusOr<StepPlan> DecodeStepPlan(const FrameHeader& header, const uint8_t
     }
   }
   // Each sequence's counts: distinct tokens of the vocabulary, in order, each
-  // seen at least once (a token twice would be penalised twice).
+  // generated at least once (a token twice would be penalised twice), or
+  // (count 0) a token of the prompt, for a repetition penalty only.
   const TokenCount* c = plan.counts.data();
   for (const PlanSeq& s : plan.seqs) {
+    const int32_t least = s.repetition_penalty != 1 ? 0 : 1;
     for (uint32_t i = 0; i < s.n_counts; ++i, ++c) {
-      if (c->token < 0 || c->token >= vocab_size || c->count < 1 || (i > 0 && c->token <= c[-1].token)) {
+      if (c->token < 0 || c->token >= vocab_size || c->count < least || (i > 0 && c->token <= c[-1].token)) {
         return absl::DataLossError(absl::StrCat("step plan of sequence ", s.slice.seq_id, " has a bad token count (",
                                                 c->token, " x ", c->count, "): ids must be distinct, in order and ",
-                                                "in the vocabulary of ", vocab_size, ", counts at least 1"));
+                                                "in the vocabulary of ", vocab_size, ", counts at least ", least));
       }
     }
   }

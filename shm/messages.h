@@ -46,11 +46,14 @@ struct PlanSeq {
   float min_p = 0;
   float presence_penalty = 0;
   float frequency_penalty = 0;
-  // Its generated tokens' counts in the frame, by increasing token id (the
+  float repetition_penalty = 1;
+  // Its tokens' counts in the frame (TokenCount: generated ones, and with a
+  // repetition penalty the prompt's), by increasing token id (the
   // penalties' input; 0 without penalties), at most kMaxPenaltyTokens.
   uint32_t n_counts = 0;
+  uint32_t reserved = 0;
 };
-static_assert(sizeof(PlanSeq) == 56);
+static_assert(sizeof(PlanSeq) == 64);
 
 // A sequence's sampling parameters in a PlanSeq and back: the one place
 // that maps the fields (the scheduler writes them, the decoder checks them,

@@ -624,6 +624,8 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", -1}}), 400, "'max_tokens'");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"temperature", -1}}), 400, "'temperature'");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"top_p", 2}}), 400, "'top_p'");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"repetition_penalty", 0}}), 400,
+         "'repetition_penalty' must be in (0, 10]");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stop", 3}}), 400, "'stop'");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stop", std::string(257, 'a')}}), 400, "at most 256");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"n", 17}}), 400, "'n'");
@@ -647,7 +649,6 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
            {"response_format", {{"type", "json_object"}}},
            {"functions", {{{"name", "f"}}}},
            {"best_of", 3},
-           {"repetition_penalty", 1.2},
            {"min_tokens", 4},
            {"ignore_eos", true},
            {"guided_json", json::object()}}) {

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -82,6 +83,55 @@ TEST(Integration, GreedyMatchesReferenceWithTwoAttentionWorkers) {
     all.insert(all.end(), a.tokens.begin(), a.tokens.end());
     EXPECT_EQ(prompt + a.text, (*tokenizer)->Decode(all)) << prompt;
   }
+  ExpectCleanShutdown(system);
+}
+
+// The repetition penalty, end to end: greedy tokens equal the reference
+// forward's argmax of its logits with Hugging Face's rule applied to the
+// prompt's and the generated tokens (f32 KV: bit-exact logits).
+TEST(Integration, RepetitionPenaltyFollowsHuggingFacesRule) {
+  auto file = GgufFile::Open(kStories);
+  ASSERT_TRUE(file.ok());
+  auto config = ModelConfig::FromGguf(**file);
+  auto tokenizer = Tokenizer::FromGguf(**file);
+  const std::vector<int32_t> prompt = (*tokenizer)->Encode("Once upon a time there was a little girl", true);
+  auto reference = [&](float penalty, int n) {
+    auto weights = LoadWeights(**file, *config);
+    EXPECT_TRUE(weights.ok());
+    auto model = ReferenceModel::Create(*std::move(weights));
+    std::vector<int32_t> seen = prompt, out;
+    for (size_t i = 0; i + 1 < prompt.size(); ++i) (*model)->Feed(prompt[i], static_cast<int>(i));
+    int32_t token = prompt.back();
+    for (int pos = static_cast<int>(prompt.size()) - 1; static_cast<int>(out.size()) < n; ++pos) {
+      std::vector<float> logits = (*model)->Forward(token, pos);
+      std::sort(seen.begin(), seen.end());
+      seen.erase(std::unique(seen.begin(), seen.end()), seen.end());
+      for (int32_t t : seen) logits[t] = logits[t] > 0 ? logits[t] / penalty : logits[t] * penalty;
+      token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      out.push_back(token);
+      seen.push_back(token);
+    }
+    return out;
+  };
+  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl", "--kv-dtype=f32"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const Generated plain = Generate(system.stub(), Greedy("Once upon a time there was a little girl", 40));
+  ASSERT_TRUE(plain.status.ok());
+  for (float penalty : {1.3f, 0.8f}) {
+    ellm::v1::GenerateRequest req = Greedy("Once upon a time there was a little girl", 40);
+    req.mutable_sampling()->set_repetition_penalty(penalty);
+    const Generated g = Generate(system.stub(), req);
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+    EXPECT_EQ(g.tokens, reference(penalty, 40)) << "penalty " << penalty;
+    EXPECT_NE(g.tokens, plain.tokens) << "the premise: penalty " << penalty << " changes the answer";
+  }
+  // Out of range: refused, naming why.
+  ellm::v1::GenerateRequest big = Greedy("Once upon a time", 40);
+  big.mutable_sampling()->set_repetition_penalty(11);
+  const Generated refused = Generate(system.stub(), big);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.status.error_message().find("repetition_penalty must be in (0, 10]"), std::string::npos)
+      << refused.status.error_message();
   ExpectCleanShutdown(system);
 }
 

@@ -114,15 +114,21 @@ TEST(StepPlan, RoundTrips) {
 }
 
 // A sequence's token counts must be distinct ids of the vocabulary, in
-// order, each at least 1, and no more than kMaxPenaltyTokens: a bad one would
-// penalise a token twice or read outside the logits.
+// order, each at least 1 (0 with a repetition penalty: a prompt token), and
+// no more than kMaxPenaltyTokens: a bad one would penalise a token twice or
+// read outside the logits.
 TEST(StepPlan, BadTokenCountsAreAnError) {
   const std::vector<std::pair<std::function<void(StepPlan*)>, std::string>> cases = {
       {[](StepPlan* p) { p->counts[2].token = 2; }, "distinct"},       // 2 twice
       {[](StepPlan* p) { p->counts[2].token = 1; }, "in order"},       // 2, 1, 511
       {[](StepPlan* p) { p->counts[3].token = kVocab; }, "vocabulary"},
       {[](StepPlan* p) { p->counts[1].token = -1; }, "vocabulary"},
-      {[](StepPlan* p) { p->counts[0].count = 0; }, "at least 1"},
+      {[](StepPlan* p) { p->counts[0].count = 0; }, "at least 1"},  // (0: a prompt token, with a repetition penalty)
+      {[](StepPlan* p) {
+         p->seqs[0].repetition_penalty = 1.2f;
+         p->counts[0].count = -1;
+       },
+       "at least 0"},
       {[](StepPlan* p) { p->seqs[2].n_counts = kMaxPenaltyTokens + 1; }, "more than"},
   };
   for (const auto& [edit, what] : cases) {
@@ -130,6 +136,13 @@ TEST(StepPlan, BadTokenCountsAreAnError) {
     edit(&plan);
     ExpectDataLoss(RoundTrip(plan).status(), what);
   }
+  // With a repetition penalty, a prompt token's count 0 is taken.
+  StepPlan prompt_token = ThreeSeqPlan();
+  prompt_token.seqs[0].repetition_penalty = 1.2f;
+  prompt_token.counts[0].count = 0;
+  absl::StatusOr<StepPlan> taken = RoundTrip(prompt_token);
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_EQ(taken->seqs[0].repetition_penalty, 1.2f);
   // n_counts that disagree with the bytes: the payload's size is wrong.
   StepPlan plan = ThreeSeqPlan();
   plan.seqs[1].n_counts = 2;

@@ -694,7 +694,9 @@ TEST(OpenAiApi, ThinkingIsReturnedAsReasoningContent) {
         const nlohmann::json& m = j["choices"][0]["message"];
         if (m.contains("reasoning_content")) reasoning = m["reasoning_content"].get<std::string>();
         EXPECT_EQ(m.contains("reasoning"), m.contains("reasoning_content"));
-        if (m.contains("reasoning")) EXPECT_EQ(m["reasoning"], m["reasoning_content"]);
+        if (m.contains("reasoning")) {
+          EXPECT_EQ(m["reasoning"], m["reasoning_content"]);
+        }
         content = m["content"].is_null() ? "<null>" : m["content"].get<std::string>();
         call = m.contains("tool_calls");
       } else {

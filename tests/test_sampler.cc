@@ -14,6 +14,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -489,6 +490,51 @@ TEST(SamplerPenalties, ThePickFollowsThePenalisedLogitsTheLogprobsTheRawOnes) {
               Sample(logits.data(), n, {.temperature = 1.0f}, u).token);
     EXPECT_EQ(Sample(logits.data(), n, {.temperature = 1.0f}, u, counts.data(), 3).token,
               Sample(logits.data(), n, {.temperature = 1.0f}, u).token);
+  }
+}
+
+// The repetition penalty (Hugging Face's and vLLM's): every listed token's
+// logit, the prompt's (count 0) and the generated ones, is divided by it
+// when positive and multiplied when negative, before presence and
+// frequency, which touch the generated tokens only; the logprobs stay raw.
+TEST(SamplerPenalties, RepetitionPenaltyScalesPromptAndGeneratedTokensFirst) {
+  const int n = 50;
+  const std::vector<float> logits = RandomLogits(n, 72, 2.0f);
+  const std::vector<int> sorted = SortedIds(logits);
+  // The two most likely were only in the prompt; the third and the least
+  // likely (a negative logit) were generated.
+  std::vector<TokenCount> counts = {{sorted[0], 0}, {sorted[1], 0}, {sorted[2], 2}, {sorted[n - 1], 1}};
+  std::sort(counts.begin(), counts.end(), [](TokenCount a, TokenCount b) { return a.token < b.token; });
+  ASSERT_GT(logits[sorted[0]], 0.0f) << "the premise: positive and negative logits among the listed";
+  ASSERT_LT(logits[sorted[n - 1]], 0.0f);
+  for (const auto& [repetition, presence, frequency] :
+       {std::tuple{1.3f, 0.0f, 0.0f}, std::tuple{2.5f, 0.0f, 0.0f}, std::tuple{0.7f, 0.0f, 0.0f},
+        std::tuple{1.5f, 0.4f, 0.3f}}) {
+    SCOPED_TRACE(testing::Message() << "repetition " << repetition << ", presence " << presence << ", frequency "
+                                    << frequency);
+    std::vector<float> penalised = logits;
+    for (const TokenCount& c : counts) {
+      float& l = penalised[c.token];
+      l = l > 0 ? l / repetition : l * repetition;
+      if (c.count > 0) l -= presence + frequency * static_cast<float>(c.count);
+    }
+    const int argmax = static_cast<int>(std::max_element(penalised.begin(), penalised.end()) - penalised.begin());
+    const SamplingParams params{.temperature = 0, .top_logprobs = 3, .presence_penalty = presence,
+                                .frequency_penalty = frequency, .repetition_penalty = repetition};
+    ASSERT_TRUE(params.penalised());
+    const SampledToken g = Sample(logits.data(), n, params, 0.5f, counts.data(), static_cast<int>(counts.size()));
+    EXPECT_EQ(g.token, argmax);
+    EXPECT_NEAR(g.logprob, LogSoftmax(logits, g.token), 1e-5);
+    for (int j = 0; j < 3; ++j) EXPECT_EQ(g.top[j].token, sorted[j]) << "the alternatives are the raw ones";
+    const double t = 0.8;
+    ExpectFrequencies(logits, {.temperature = static_cast<float>(t), .presence_penalty = presence,
+                               .frequency_penalty = frequency, .repetition_penalty = repetition},
+                      TemperedSoftmax(penalised, t), 100000, 900 + static_cast<uint64_t>(100 * repetition), counts);
+  }
+  EXPECT_TRUE(ValidateSamplingParams({.repetition_penalty = 10}, 100).ok());
+  for (float bad : {0.0f, -1.0f, 10.5f, std::numeric_limits<float>::quiet_NaN()}) {
+    const absl::Status st = ValidateSamplingParams({.repetition_penalty = bad}, 100);
+    EXPECT_NE(st.message().find("repetition_penalty must be in (0, 10]"), std::string::npos) << bad << ": " << st;
   }
 }
 

@@ -646,52 +646,67 @@ TEST_F(SchedulerTest, ConcurrentRequestsShareSteps) {
              {{ida, {Prompt(300, 5), oa.tokens}}, {idb, {Prompt(301, 4), ob.tokens}}});
 }
 
-// A request with penalties sends, with each step that samples for it, the
-// counts of the tokens it generated so far (by token id); one without sends
-// none. Its tokens repeat here, so the counts grow past 1.
-TEST_F(SchedulerTest, PenalisedRequestsSendTheirGeneratedTokensCounts) {
+// Penalised requests' token counts go with each step that samples, by
+// token id: the generated tokens' counts, and with a repetition penalty the
+// prompt's distinct tokens too (count 0 until generated); a request without
+// penalties sends none. The generated tokens repeat, so counts grow past 1.
+TEST_F(SchedulerTest, PenalisedRequestsSendTheirTokensCounts) {
   exec_.SetTokenFn([](uint64_t, uint32_t, int nth) { return kFirstPiece + (nth * nth) % 5; });
   Start();
-  GenerateOptions o;
-  o.prompt = Prompt(300, 20);
-  o.max_tokens = 12;
-  o.sampling = {.temperature = 0.7f, .presence_penalty = 0.5f, .frequency_penalty = 0.25f};
-  absl::StatusOr<std::shared_ptr<RequestStream>> penalised = scheduler_->Submit(o);
-  ASSERT_TRUE(penalised.ok()) << penalised.status();
-  const Outcome out = Collect(**penalised);
-  ASSERT_TRUE(out.error.ok()) << out.error;
-  ASSERT_EQ(out.tokens.size(), 12u);
-  const Outcome plain = Collect(*Submit(Prompt(301, 20), 5));
-  ASSERT_TRUE(plain.error.ok()) << plain.error;
-  const std::vector<shm::StepPlan> plans = exec_.plans();
-  const uint64_t id = SeqIdOf(plans, 300).value(), plain_id = SeqIdOf(plans, 301).value();
-  int sampled = 0;
-  for (const shm::StepPlan& plan : plans) {
-    size_t at = 0;
-    for (const shm::PlanSeq& p : plan.seqs) {
-      std::vector<TokenCount> counts(plan.counts.begin() + at, plan.counts.begin() + at + p.n_counts);
-      at += p.n_counts;
-      if (p.slice.seq_id == plain_id) {
-        EXPECT_EQ(p.n_counts, 0u);
-      }
-      if (p.slice.seq_id != id || !p.sample) continue;
-      EXPECT_EQ(p.presence_penalty, 0.5f);
-      EXPECT_EQ(p.frequency_penalty, 0.25f);
-      std::map<int32_t, int32_t> expected;
-      for (int i = 0; i < sampled; ++i) ++expected[out.tokens[i]];
-      std::map<int32_t, int32_t> got;
-      for (size_t i = 0; i < counts.size(); ++i) {
-        got[counts[i].token] = counts[i].count;
-        if (i > 0) {
-          EXPECT_LT(counts[i - 1].token, counts[i].token) << "by token id";
+  struct Case {
+    int32_t first;
+    SamplingParams sampling;
+    bool prompt_too;
+  };
+  for (const Case& k : {Case{300, {.temperature = 0.7f, .presence_penalty = 0.5f, .frequency_penalty = 0.25f}, false},
+                        Case{310, {.temperature = 0.7f, .repetition_penalty = 1.3f}, true}}) {
+    SCOPED_TRACE(k.first);
+    GenerateOptions o;
+    o.prompt = Prompt(k.first, 20);
+    o.prompt.push_back(o.prompt[3]);  // a token twice in the prompt
+    o.max_tokens = 12;
+    o.sampling = k.sampling;
+    absl::StatusOr<std::shared_ptr<RequestStream>> penalised = scheduler_->Submit(o);
+    ASSERT_TRUE(penalised.ok()) << penalised.status();
+    const Outcome out = Collect(**penalised);
+    ASSERT_TRUE(out.error.ok()) << out.error;
+    ASSERT_EQ(out.tokens.size(), 12u);
+    const Outcome plain = Collect(*Submit(Prompt(k.first + 1, 20), 5));
+    ASSERT_TRUE(plain.error.ok()) << plain.error;
+    const std::vector<shm::StepPlan> plans = exec_.plans();
+    const uint64_t id = SeqIdOf(plans, k.first).value(), plain_id = SeqIdOf(plans, k.first + 1).value();
+    int sampled = 0;
+    for (const shm::StepPlan& plan : plans) {
+      size_t at = 0;
+      for (const shm::PlanSeq& p : plan.seqs) {
+        std::vector<TokenCount> counts(plan.counts.begin() + at, plan.counts.begin() + at + p.n_counts);
+        at += p.n_counts;
+        if (p.slice.seq_id == plain_id) {
+          EXPECT_EQ(p.n_counts, 0u);
         }
+        if (p.slice.seq_id != id || !p.sample) continue;
+        EXPECT_EQ(p.presence_penalty, k.sampling.presence_penalty);
+        EXPECT_EQ(p.frequency_penalty, k.sampling.frequency_penalty);
+        EXPECT_EQ(p.repetition_penalty, k.sampling.repetition_penalty);
+        std::map<int32_t, int32_t> expected;
+        if (k.prompt_too) {
+          for (int32_t t : o.prompt) expected[t] = 0;
+        }
+        for (int i = 0; i < sampled; ++i) ++expected[out.tokens[i]];
+        std::map<int32_t, int32_t> got;
+        for (size_t i = 0; i < counts.size(); ++i) {
+          got[counts[i].token] = counts[i].count;
+          if (i > 0) {
+            EXPECT_LT(counts[i - 1].token, counts[i].token) << "by token id";
+          }
+        }
+        EXPECT_EQ(got, expected) << "before token " << sampled;
+        ++sampled;
       }
-      EXPECT_EQ(got, expected) << "before token " << sampled;
-      ++sampled;
+      EXPECT_EQ(at, plan.counts.size());
     }
-    EXPECT_EQ(at, plan.counts.size());
+    EXPECT_EQ(sampled, 12);
   }
-  EXPECT_EQ(sampled, 12);
 }
 
 TEST_F(SchedulerTest, EndOfSequenceTokenStops) {
