@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -98,7 +99,7 @@ bool IsTextFormat(const nlohmann::json& v) {
 }
 bool IsNoTool(const nlohmann::json& v) { return v.is_null() || v == "none" || v == "auto"; }
 constexpr UnsupportedField kUnsupported[] = {
-    {"logit_bias", IsEmptyOrNull},      {"response_format", IsTextFormat},
+    {"response_format", IsTextFormat},
     {"functions", IsEmptyOrNull},       {"function_call", IsNoTool},
     {"best_of", IsOneOrNull},           {"min_tokens", IsZeroOrNull},
     {"ignore_eos", IsFalseOrNull},      {"guided_json", IsNull},           {"guided_regex", IsNull},
@@ -113,7 +114,7 @@ constexpr std::string_view kReadFields[] = {
     "model", "messages", "prompt", "echo", "suffix", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options", "n", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "tools", "tool_choice",
-    "parallel_tool_calls", "chat_template_kwargs"};
+    "parallel_tool_calls", "chat_template_kwargs", "logit_bias"};
 
 constexpr bool IsReadField(std::string_view name) {
   for (std::string_view f : kReadFields) {
@@ -493,6 +494,26 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
   // and the generated ones.
   ASSIGN_OR_RETURN(std::optional<double> repetition, number("repetition_penalty", 0, 10, /*above_lo=*/true));
   if (repetition) g.mutable_sampling()->set_repetition_penalty(static_cast<float>(*repetition));
+  // {"token id": bias}: the ids as decimal strings (JSON keys), the vocabulary
+  // checked by Validate.
+  if (const json* bias = fields.Get("logit_bias")) {
+    if (!bias->is_object()) return Bad("logit_bias", "must be an object of token ids and biases");
+    if (bias->size() > static_cast<size_t>(kMaxLogitBias)) {
+      return Bad("logit_bias", absl::StrCat("lists ", bias->size(), " tokens; at most ", kMaxLogitBias));
+    }
+    for (const auto& [key, value] : bias->items()) {
+      int32_t id = 0;
+      const bool digits = !key.empty() && key.size() <= 10 &&
+                          std::all_of(key.begin(), key.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+      if (!digits || !absl::SimpleAtoi(key, &id)) {
+        return Bad("logit_bias", absl::StrCat("has a key that is not a token id: \"", key.substr(0, 32), "\""));
+      }
+      if (!value.is_number() || !(value.get<double>() >= -100 && value.get<double>() <= 100)) {
+        return Bad("logit_bias", absl::StrCat("the bias of token ", id, " must be a number in [-100, 100]"));
+      }
+      (*g.mutable_logit_bias())[id] = static_cast<float>(value.get<double>());
+    }
+  }
   ASSIGN_OR_RETURN(std::optional<double> presence, number("presence_penalty", -2, 2));
   if (presence) g.mutable_sampling()->set_presence_penalty(static_cast<float>(*presence));
   ASSIGN_OR_RETURN(std::optional<double> frequency, number("frequency_penalty", -2, 2));

@@ -335,6 +335,7 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
   // that would overflow the frame waits for a later step (only a batch of
   // more than 16 long penalised sequences comes near).
   uint64_t counts_budget = shm::StepPlanCountsCapacity(options_.max_batch);
+  uint64_t biases_budget = shm::StepPlanBiasesCapacity(options_.max_batch);  // likewise
   // Decoding sequences first (one token each), then prefill chunks: a
   // request's prompt, or after a worker failure its prompt and the tokens it
   // had generated. A chunk that reaches the last token samples the next.
@@ -348,6 +349,8 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
       const bool sample = done + n == total;
       const bool sends_counts = sample && s->options.sampling.penalised();
       if (sends_counts && s->counts.size() > counts_budget) continue;
+      const std::vector<TokenBias>& bias = s->options.logit_bias;
+      if (sample && bias.size() > biases_budget) continue;
       shm::PlanSeq p;
       p.slice.seq_id = s->id;
       p.slice.start_pos = static_cast<uint32_t>(s->fed);
@@ -360,6 +363,11 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
         p.n_counts = static_cast<uint32_t>(s->counts.size());
         counts_budget -= p.n_counts;
         for (const auto& [token, count] : s->counts) plan.counts.push_back({token, count});
+      }
+      if (sample && !bias.empty()) {
+        p.n_biases = static_cast<uint32_t>(bias.size());
+        biases_budget -= p.n_biases;
+        plan.biases.insert(plan.biases.end(), bias.begin(), bias.end());
       }
       // The draw of token number generated.size(): a step that fails and is
       // run again after a recovery draws the same.

@@ -92,6 +92,7 @@ struct GenerateOptions {
   std::vector<int32_t> prompt;
   int max_tokens = 0;
   SamplingParams sampling;
+  std::vector<TokenBias> logit_bias;  // by increasing token id, at most kMaxLogitBias
   uint64_t seed = 0;
   std::vector<std::string> stop;
   int synthetic_context = 0;  // benchmarks: random K/V positions before the prompt

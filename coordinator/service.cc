@@ -1,6 +1,7 @@
 #include "coordinator/service.h"
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 
 #include "absl/cleanup/cleanup.h"
@@ -193,6 +194,23 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
   o.sampling.frequency_penalty = s.frequency_penalty();
   o.sampling.repetition_penalty = s.has_repetition_penalty() ? s.repetition_penalty() : 1.0f;
   RETURN_IF_ERROR(ValidateSamplingParams(o.sampling, config_.vocab_size));
+  if (r.logit_bias_size() > kMaxLogitBias) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("logit_bias lists ", r.logit_bias_size(), " tokens; at most ", kMaxLogitBias));
+  }
+  for (const auto& [token, bias] : r.logit_bias()) {
+    if (token < 0 || token >= config_.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("logit_bias: token ", token, " is outside the vocabulary of ",
+                                                     config_.vocab_size, " tokens"));
+    }
+    if (!std::isfinite(bias) || bias < -100 || bias > 100) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("logit_bias: the bias of token ", token, " must be in [-100, 100], got ", bias));
+    }
+    o.logit_bias.push_back({token, bias});
+  }
+  std::sort(o.logit_bias.begin(), o.logit_bias.end(),
+            [](const TokenBias& a, const TokenBias& b) { return a.token < b.token; });
   // A penalised sequence's token counts go with each of its steps, in frames
   // sized for kMaxPenaltyTokens distinct tokens: its generated ones, and with
   // a repetition penalty its prompt's.

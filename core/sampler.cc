@@ -73,7 +73,7 @@ void TopLogprobs(const float* logits, int n, int k, double lse, SampledToken* ou
 }  // namespace
 
 SampledToken Sample(const float* raw, int n, const SamplingParams& params, float u, const TokenCount* counts,
-                    int n_counts) {
+                    int n_counts, const TokenBias* biases, int n_biases) {
   SampledToken out;
   // NaN and +inf (inf - inf) make it NaN, and so do all -inf: checking it
   // costs nothing, and the sorting below needs ordered keys.
@@ -83,11 +83,16 @@ SampledToken Sample(const float* raw, int n, const SamplingParams& params, float
     return out;
   }
   if (params.top_logprobs > 0) TopLogprobs(raw, n, params.top_logprobs, lse, &out);
-  // The penalties change what is picked, not the logprobs reported.
+  // The bias and the penalties change what is picked, not the logprobs
+  // reported.
   std::vector<float> penalised;
   const float* logits = raw;
-  if (params.penalised() && n_counts > 0) {
+  if (n_biases > 0 || (params.penalised() && n_counts > 0)) {
     penalised.assign(raw, raw + n);
+    logits = penalised.data();
+  }
+  for (int i = 0; i < n_biases; ++i) penalised[biases[i].token] += biases[i].bias;
+  if (params.penalised() && n_counts > 0) {
     for (int i = 0; i < n_counts; ++i) {
       // As vLLM: the repetition penalty first, then the other two on the
       // generated tokens only.
@@ -97,7 +102,6 @@ SampledToken Sample(const float* raw, int n, const SamplingParams& params, float
         l -= params.presence_penalty + params.frequency_penalty * static_cast<float>(counts[i].count);
       }
     }
-    logits = penalised.data();
   }
   if (params.temperature == 0) {
     int best = 0;

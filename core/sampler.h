@@ -1,4 +1,5 @@
-// Next-token sampling: repetition, presence and frequency penalties, greedy,
+// Next-token sampling: logit bias, repetition, presence and frequency
+// penalties, greedy,
 // temperature, top-k, min-p, top-p. Stateless: the
 // random draw `u` of a sequence's k-th sampled token is SampleUniform(seed, k)
 // (drawn by the coordinator), so the same seed gives the same tokens wherever
@@ -18,6 +19,8 @@ constexpr int kMaxTopLogprobs = 20;
 // travel with every step): its generated tokens, and with a repetition
 // penalty its prompt's too; requests with penalties are held under it.
 constexpr int kMaxPenaltyTokens = 16384;
+// The most tokens a request's logit bias may list.
+constexpr int kMaxLogitBias = 1024;
 
 struct SamplingParams {
   float temperature = 1.0f;  // 0: greedy (argmax)
@@ -45,6 +48,13 @@ struct SamplingParams {
 struct TokenCount {
   int32_t token = 0;
   int32_t count = 0;
+};
+
+// OpenAI's logit_bias: added to a token's logit before the penalties and
+// every sampling rule, in [-100, 100] (-100 bans the token in practice).
+struct TokenBias {
+  int32_t token = 0;
+  float bias = 0;
 };
 
 // InvalidArgument naming the parameter: temperature in [0, 100], top_k >= 0
@@ -77,9 +87,11 @@ struct SampledToken {
 // ties go to the lowest id. A -inf logit is a token of probability 0, never
 // picked; logits without a finite log-sum-exp give `finite` false. `counts`
 // (n_counts of them, distinct tokens < n) are the tokens the penalties apply
-// to (TokenCount); the logprobs stay those of the raw logits.
+// to (TokenCount), `biases` (n_biases, distinct tokens < n) the logit bias,
+// added first; the logprobs stay those of the raw logits.
 SampledToken Sample(const float* logits, int n, const SamplingParams& params, float u,
-                    const TokenCount* counts = nullptr, int n_counts = 0);
+                    const TokenCount* counts = nullptr, int n_counts = 0, const TokenBias* biases = nullptr,
+                    int n_biases = 0);
 
 // The draw u for the index-th token (0: the first) sampled with `seed`: the
 // index-th output of SplitMix64 started at the seed's SplitMix64 mix (so

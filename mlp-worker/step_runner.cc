@@ -219,12 +219,16 @@ absl::StatusOr<std::vector<shm::SampledSeq>> StepRunner::RunStep(uint64_t step,
                                           logits_.data()));
   size_t i = 0;
   const TokenCount* counts = plan.counts.data();
+  const TokenBias* biases = plan.biases.data();
   for (const shm::PlanSeq& s : plan.seqs) {
     const TokenCount* seq_counts = counts;
+    const TokenBias* seq_biases = biases;
     counts += s.n_counts;
+    biases += s.n_biases;
     if (!s.sample) continue;
     const SampledToken tok = Sample(logits_.data() + i * c_.vocab_size, c_.vocab_size, shm::SamplingOf(s), s.u,
-                                    seq_counts, static_cast<int>(s.n_counts));
+                                    seq_counts, static_cast<int>(s.n_counts), seq_biases,
+                                    static_cast<int>(s.n_biases));
     shm::SampledSeq& r = out.emplace_back();
     r.seq_id = s.slice.seq_id;
     r.status = tok.finite ? shm::kSampled : shm::kLogitsNotFinite;

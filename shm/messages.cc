@@ -1,6 +1,7 @@
 #include "shm/messages.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <cstring>
 
@@ -75,7 +76,7 @@ absl::Status CheckBytes(const FrameHeader& header, uint64_t expected, const char
 
 uint64_t StepPlanBytes(const StepPlan& plan) {
   return plan.seqs.size() * sizeof(PlanSeq) + plan.tokens.size() * sizeof(int32_t) +
-         plan.counts.size() * sizeof(TokenCount);
+         plan.counts.size() * sizeof(TokenCount) + plan.biases.size() * sizeof(TokenBias);
 }
 
 }  // namespace
@@ -98,10 +99,11 @@ SamplingParams SamplingOf(const PlanSeq& p) {
 }
 
 uint64_t StepPlanCountsCapacity(int max_seqs) { return uint64_t(std::min(max_seqs, 16)) * kMaxPenaltyTokens; }
+uint64_t StepPlanBiasesCapacity(int max_seqs) { return uint64_t(std::min(max_seqs, 16)) * kMaxLogitBias; }
 
 uint64_t StepPlanCapacity(int max_seqs, int max_tokens) {
   return sizeof(FrameHeader) + uint64_t(max_seqs) * sizeof(PlanSeq) + uint64_t(max_tokens) * sizeof(int32_t) +
-         StepPlanCountsCapacity(max_seqs) * sizeof(TokenCount);
+         StepPlanCountsCapacity(max_seqs) * sizeof(TokenCount) + StepPlanBiasesCapacity(max_seqs) * sizeof(TokenBias);
 }
 
 std::string EncodeStepPlan(const StepPlan& plan) {
@@ -112,6 +114,8 @@ std::string EncodeStepPlan(const StepPlan& plan) {
   CopyBytes(at, plan.tokens.data(), plan.tokens.size() * sizeof(int32_t));
   at += plan.tokens.size() * sizeof(int32_t);
   CopyBytes(at, plan.counts.data(), plan.counts.size() * sizeof(TokenCount));
+  at += plan.counts.size() * sizeof(TokenCount);
+  CopyBytes(at, plan.biases.data(), plan.biases.size() * sizeof(TokenBias));
   return out;
 }
 
@@ -134,19 +138,28 @@ absl::StatusOr<StepPlan> DecodeStepPlan(const FrameHeader& header, const uint8_t
   StepPlan plan;
   plan.seqs.resize(header.n_seqs);
   CopyBytes(plan.seqs.data(), payload, plan.seqs.size() * sizeof(PlanSeq));
-  uint64_t n_counts = 0;
+  uint64_t n_counts = 0, n_biases = 0;
   for (const PlanSeq& s : plan.seqs) {
     if (s.n_counts > kMaxPenaltyTokens) {
       return absl::DataLossError(absl::StrCat("step plan of sequence ", s.slice.seq_id, " has ", s.n_counts,
                                               " token counts, more than ", kMaxPenaltyTokens));
     }
+    if (s.n_biases > kMaxLogitBias) {
+      return absl::DataLossError(absl::StrCat("step plan of sequence ", s.slice.seq_id, " has ", s.n_biases,
+                                              " logit biases, more than ", kMaxLogitBias));
+    }
     n_counts += s.n_counts;
+    n_biases += s.n_biases;
   }
-  RETURN_IF_ERROR(CheckBytes(header, fixed + n_counts * sizeof(TokenCount), "step plan"));
+  RETURN_IF_ERROR(
+      CheckBytes(header, fixed + n_counts * sizeof(TokenCount) + n_biases * sizeof(TokenBias), "step plan"));
   plan.tokens.resize(header.n_tokens);
   plan.counts.resize(n_counts);
+  plan.biases.resize(n_biases);
   CopyBytes(plan.tokens.data(), payload + plan.seqs.size() * sizeof(PlanSeq), plan.tokens.size() * sizeof(int32_t));
   CopyBytes(plan.counts.data(), payload + fixed, plan.counts.size() * sizeof(TokenCount));
+  CopyBytes(plan.biases.data(), payload + fixed + plan.counts.size() * sizeof(TokenCount),
+            plan.biases.size() * sizeof(TokenBias));
   std::vector<SeqSlice> slices;
   for (const PlanSeq& s : plan.seqs) slices.push_back(s.slice);
   RETURN_IF_ERROR(ValidateSlices(slices.data(), header.n_seqs, header.n_tokens, max_positions));
@@ -167,6 +180,19 @@ absl::StatusOr<StepPlan> DecodeStepPlan(const FrameHeader& header, const uint8_t
         return absl::DataLossError(absl::StrCat("step plan of sequence ", s.slice.seq_id, " has a bad token count (",
                                                 c->token, " x ", c->count, "): ids must be distinct, in order and ",
                                                 "in the vocabulary of ", vocab_size, ", counts at least ", least));
+      }
+    }
+  }
+  // Each sequence's logit bias: distinct tokens of the vocabulary, in order,
+  // each bias in [-100, 100].
+  const TokenBias* b = plan.biases.data();
+  for (const PlanSeq& s : plan.seqs) {
+    for (uint32_t i = 0; i < s.n_biases; ++i, ++b) {
+      if (b->token < 0 || b->token >= vocab_size || (i > 0 && b->token <= b[-1].token) || !std::isfinite(b->bias) ||
+          b->bias < -100 || b->bias > 100) {
+        return absl::DataLossError(absl::StrCat("step plan of sequence ", s.slice.seq_id, " has a bad logit bias (",
+                                                b->token, ": ", b->bias, "): ids must be distinct, in order and in ",
+                                                "the vocabulary of ", vocab_size, ", biases in [-100, 100]"));
       }
     }
   }

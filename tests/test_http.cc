@@ -228,6 +228,39 @@ TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
   EXPECT_GT(s.chunks, 10);  // streamed, not in one piece
   EXPECT_EQ(s.usage["completion_tokens"], 40);
 
+  // logit_bias: -100 on the greedy answer's first token makes the first
+  // token the runner-up of its raw top 2 (the logprobs stay raw); +100 on a
+  // token makes every token that one.
+  {
+    json top_req = Completion("Once upon a time", 1, false);
+    top_req["logprobs"] = 2;
+    const json greedy = Post(port, "/v1/completions", top_req).Json()["choices"][0]["logprobs"];
+    const json top = greedy["top_logprobs"][0];
+    ASSERT_EQ(top.size(), 2u) << top;
+    json banned = Completion("Once upon a time", 1, false);
+    banned["logit_bias"] = {{std::to_string(grpc_answer.tokens[0]), -100}};
+    banned["logprobs"] = 2;
+    const json b = Post(port, "/v1/completions", banned).Json()["choices"][0];
+    const std::string first = b["logprobs"]["tokens"][0];
+    EXPECT_TRUE(top.contains(first) && first != greedy["tokens"][0]) << b << " " << top;
+    EXPECT_FLOAT_EQ(b["logprobs"]["token_logprobs"][0].get<float>(), top[first].get<float>()) << "raw logprob";
+    json forced = Completion("Once upon a time", 6, false);
+    forced["logit_bias"] = {{"400", 100}};
+    forced["logprobs"] = 0;
+    const json f = Post(port, "/v1/completions", forced).Json()["choices"][0]["logprobs"]["tokens"];
+    ASSERT_EQ(f.size(), 6u);
+    for (const json& t : f) EXPECT_EQ(t, f[0]) << f;
+    for (const auto& [bias, status] : std::vector<std::pair<json, int>>{{{{"512", 1}}, 400}, {{{"-1", 1}}, 400},
+                                                                       {{{"x", 1}}, 400}, {{{"5", 101}}, 400},
+                                                                       {{{"5", "1"}}, 400}, {json::array(), 400}}) {
+      json bad = Completion("Once", 2, false);
+      bad["logit_bias"] = bias;
+      const HttpResult r = Post(port, "/v1/completions", bad);
+      EXPECT_EQ(r.status, status) << bias << " " << r.body;
+      EXPECT_NE(r.body.find("logit_bias"), std::string::npos) << r.body;
+    }
+  }
+
   // echo: the prompt's text, then the answer's.
   json echo_req = Completion("Once upon a time", 40, false);
   echo_req["echo"] = true;
@@ -645,7 +678,6 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   // missing chat template, past the fields' check).
   const json chat = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
   for (const auto& [field, value] : std::vector<std::pair<std::string, json>>{
-           {"logit_bias", {{"17", 100}}},
            {"response_format", {{"type", "json_object"}}},
            {"functions", {{{"name", "f"}}}},
            {"best_of", 3},
@@ -657,7 +689,8 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
     expect(Post(port, "/v1/chat/completions", body), 400, "'" + field + "' is not supported");
   }
   for (const auto& [field, value] : std::vector<std::pair<std::string, json>>{
-           {"logit_bias", json::object()},
+           {"logit_bias", {{"17", 100}}},
+           {"repetition_penalty", 1.2},
            {"response_format", {{"type", "text"}}},
            {"tool_choice", "none"},
            {"tools", {{{"type", "function"}, {"function", {{"name", "f"}}}}}},

@@ -3,6 +3,7 @@
 // give a DataLoss error whose message says what is wrong.
 #include "shm/messages.h"
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -52,7 +53,8 @@ PlanSeq MakePlanSeq(uint64_t id, uint32_t start, uint32_t n, uint32_t sample = 1
 }
 
 // Three sequences: a prefill chunk, a decode, and a chunk not yet sampled;
-// the first two with the counts of their generated tokens.
+// the first two with the counts of their generated tokens, the second with a
+// logit bias.
 StepPlan ThreeSeqPlan() {
   StepPlan plan;
   plan.seqs = {MakePlanSeq(7, 0, 5), MakePlanSeq(42, 99, 1), MakePlanSeq(3, 16, 3, 0)};
@@ -60,6 +62,8 @@ StepPlan ThreeSeqPlan() {
   plan.seqs[0].n_counts = 1;
   plan.seqs[1].n_counts = 3;
   plan.counts = {{5, 2}, {2, 1}, {17, 4}, {511, 2}};
+  plan.seqs[1].n_biases = 2;
+  plan.biases = {{3, -100.0f}, {9, 2.5f}};
   return plan;
 }
 
@@ -84,7 +88,8 @@ TEST(StepPlan, RoundTrips) {
   EXPECT_EQ(header.step, 9u);
   EXPECT_EQ(header.n_seqs, 3u);
   EXPECT_EQ(header.n_tokens, 9u);
-  EXPECT_EQ(header.payload_bytes, 3 * sizeof(PlanSeq) + 9 * sizeof(int32_t) + 4 * sizeof(TokenCount));
+  EXPECT_EQ(header.payload_bytes,
+            3 * sizeof(PlanSeq) + 9 * sizeof(int32_t) + 4 * sizeof(TokenCount) + 2 * sizeof(TokenBias));
   EXPECT_TRUE(ValidateFrameHeader(header, header.payload_bytes).ok());
   EXPECT_FALSE(ValidateFrameHeader(header, header.payload_bytes - 1).ok());  // it does check the size
   ASSERT_EQ(decoded->seqs.size(), plan.seqs.size());
@@ -104,6 +109,13 @@ TEST(StepPlan, RoundTrips) {
     EXPECT_EQ(b.presence_penalty, a.presence_penalty);
     EXPECT_EQ(b.frequency_penalty, a.frequency_penalty);
     EXPECT_EQ(b.n_counts, a.n_counts);
+    EXPECT_EQ(b.repetition_penalty, a.repetition_penalty);
+    EXPECT_EQ(b.n_biases, a.n_biases);
+  }
+  ASSERT_EQ(decoded->biases.size(), plan.biases.size());
+  for (size_t i = 0; i < plan.biases.size(); ++i) {
+    EXPECT_EQ(decoded->biases[i].token, plan.biases[i].token);
+    EXPECT_EQ(decoded->biases[i].bias, plan.biases[i].bias);
   }
   EXPECT_EQ(decoded->tokens, plan.tokens);
   ASSERT_EQ(decoded->counts.size(), plan.counts.size());
@@ -130,6 +142,11 @@ TEST(StepPlan, BadTokenCountsAreAnError) {
        },
        "at least 0"},
       {[](StepPlan* p) { p->seqs[2].n_counts = kMaxPenaltyTokens + 1; }, "more than"},
+      {[](StepPlan* p) { p->biases[1].token = 3; }, "bad logit bias"},
+      {[](StepPlan* p) { p->biases[1].token = kVocab; }, "bad logit bias"},
+      {[](StepPlan* p) { p->biases[0].bias = 100.5f; }, "bad logit bias"},
+      {[](StepPlan* p) { p->biases[0].bias = std::nanf(""); }, "bad logit bias"},
+      {[](StepPlan* p) { p->seqs[0].n_biases = kMaxLogitBias + 1; }, "more than"},
   };
   for (const auto& [edit, what] : cases) {
     StepPlan plan = ThreeSeqPlan();

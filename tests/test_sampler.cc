@@ -71,13 +71,13 @@ std::vector<int> SortedIds(const std::vector<float>& logits) {
 // df + 7 sqrt(2 df) + 10, more than the exact quantile for df <= 64).
 void ExpectFrequencies(const std::vector<float>& logits, const SamplingParams& params,
                        const std::vector<double>& expected, int draws, uint64_t seed,
-                       const std::vector<TokenCount>& generated = {}) {
+                       const std::vector<TokenCount>& generated = {}, const std::vector<TokenBias>& biases = {}) {
   const int n = static_cast<int>(logits.size());
   std::vector<int> counts(n, 0);
   SequenceRng rng(seed);
   for (int i = 0; i < draws; ++i) {
-    const SampledToken t =
-        Sample(logits.data(), n, params, rng.NextUniform(), generated.data(), static_cast<int>(generated.size()));
+    const SampledToken t = Sample(logits.data(), n, params, rng.NextUniform(), generated.data(),
+                                  static_cast<int>(generated.size()), biases.data(), static_cast<int>(biases.size()));
     ASSERT_GE(t.token, 0);
     ASSERT_LT(t.token, n);
     ++counts[t.token];
@@ -536,6 +536,32 @@ TEST(SamplerPenalties, RepetitionPenaltyScalesPromptAndGeneratedTokensFirst) {
     const absl::Status st = ValidateSamplingParams({.repetition_penalty = bad}, 100);
     EXPECT_NE(st.message().find("repetition_penalty must be in (0, 10]"), std::string::npos) << bad << ": " << st;
   }
+}
+
+// The logit bias is added before the penalties and every rule: -100 bans
+// the most likely token, a bias moves a token's odds by its exp; the
+// logprobs stay the raw ones.
+TEST(SamplerPenalties, LogitBiasIsAddedFirst) {
+  const int n = 40;
+  const std::vector<float> logits = RandomLogits(n, 73, 2.0f);
+  const std::vector<int> sorted = SortedIds(logits);
+  std::vector<TokenBias> biases = {{sorted[0], -100.0f}, {sorted[5], 1.5f}, {sorted[n - 1], 3.0f}};
+  std::sort(biases.begin(), biases.end(), [](TokenBias a, TokenBias b) { return a.token < b.token; });
+  std::vector<float> biased = logits;
+  for (const TokenBias& b : biases) biased[b.token] += b.bias;
+  const SampledToken g = Sample(logits.data(), n, {.temperature = 0, .top_logprobs = 2}, 0.5f, nullptr, 0,
+                                biases.data(), static_cast<int>(biases.size()));
+  EXPECT_EQ(g.token, static_cast<int>(std::max_element(biased.begin(), biased.end()) - biased.begin()));
+  EXPECT_NE(g.token, sorted[0]) << "banned";
+  EXPECT_NEAR(g.logprob, LogSoftmax(logits, g.token), 1e-5);
+  EXPECT_EQ(g.top[0].token, sorted[0]) << "the alternatives are the raw ones";
+  ExpectFrequencies(logits, {.temperature = 0.9f}, TemperedSoftmax(biased, 0.9), 100000, 77, {}, biases);
+  // Before the repetition penalty: the biased logit is what it scales.
+  const std::vector<TokenCount> counts = {{sorted[1], 0}};
+  std::vector<float> both = biased;
+  both[sorted[1]] = both[sorted[1]] > 0 ? both[sorted[1]] / 2.0f : both[sorted[1]] * 2.0f;
+  ExpectFrequencies(logits, {.temperature = 0.9f, .repetition_penalty = 2.0f}, TemperedSoftmax(both, 0.9), 100000, 78,
+                    counts, biases);
 }
 
 TEST(ValidateSamplingParams, AcceptsTheEdgesOfEachRange) {

@@ -709,6 +709,45 @@ TEST_F(SchedulerTest, PenalisedRequestsSendTheirTokensCounts) {
   }
 }
 
+// A logit bias goes with each chunk that samples, by token id, and with
+// nothing else.
+TEST_F(SchedulerTest, LogitBiasGoesWithEveryChunkThatSamples) {
+  options_.max_step_tokens = 8;  // the prompt takes several chunks
+  Start();
+  GenerateOptions o;
+  o.prompt = Prompt(320, 20);
+  o.max_tokens = 5;
+  o.logit_bias = {{3, -100.0f}, {kFirstPiece + 1, 4.0f}};
+  absl::StatusOr<std::shared_ptr<RequestStream>> s = scheduler_->Submit(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  ASSERT_TRUE(Collect(**s).error.ok());
+  const std::vector<shm::StepPlan> plans = exec_.plans();
+  const uint64_t id = SeqIdOf(plans, 320).value();
+  int sampled = 0, chunks = 0;
+  for (const shm::StepPlan& plan : plans) {
+    size_t at = 0;
+    for (const shm::PlanSeq& p : plan.seqs) {
+      std::vector<TokenBias> biases(plan.biases.begin() + at, plan.biases.begin() + at + p.n_biases);
+      at += p.n_biases;
+      if (p.slice.seq_id != id) continue;
+      ++chunks;
+      if (!p.sample) {
+        EXPECT_EQ(p.n_biases, 0u);
+        continue;
+      }
+      ASSERT_EQ(biases.size(), 2u);
+      EXPECT_EQ(biases[0].token, 3);
+      EXPECT_EQ(biases[0].bias, -100.0f);
+      EXPECT_EQ(biases[1].token, kFirstPiece + 1);
+      EXPECT_EQ(biases[1].bias, 4.0f);
+      ++sampled;
+    }
+    EXPECT_EQ(at, plan.biases.size());
+  }
+  EXPECT_EQ(sampled, 5);
+  EXPECT_GT(chunks, sampled) << "the premise: chunks that do not sample";
+}
+
 TEST_F(SchedulerTest, EndOfSequenceTokenStops) {
   exec_.SetTokenFn([](uint64_t seq, uint32_t pos, int nth) {
     return nth == 2 ? kEos : DefaultToken(seq, pos, nth);
