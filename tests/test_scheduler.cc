@@ -1433,8 +1433,11 @@ TEST_F(PrefixCacheTest, ChoicesWaitForTheFirstsPrefillAndShareIt) {
     absl::StatusOr<std::shared_ptr<RequestStream>> s = scheduler_->Submit(alone);
     ASSERT_TRUE(s.ok());
     ASSERT_TRUE(Collect(**s).error.ok());
+    // (The traces held in a variable: a range-for over a member of a
+    // temporary would read it after it is destroyed.)
+    const std::map<uint64_t, SeqTrace> now = Traces(exec_.plans());
     std::vector<float> u;
-    for (const shm::PlanSeq& p : Traces(exec_.plans()).rbegin()->second.slices) {
+    for (const shm::PlanSeq& p : now.rbegin()->second.slices) {
       if (p.sample) u.push_back(p.u);
     }
     EXPECT_EQ(u, draws[i]) << "choice " << i;
