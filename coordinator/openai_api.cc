@@ -492,7 +492,7 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
   }
   // vLLM's repetition_penalty (Hugging Face's): over the prompt's tokens
   // and the generated ones.
-  ASSIGN_OR_RETURN(std::optional<double> repetition, number("repetition_penalty", 0, 10, /*above_lo=*/true));
+  ASSIGN_OR_RETURN(std::optional<double> repetition, number("repetition_penalty", kMinRepetitionPenalty, 10));
   if (repetition) g.mutable_sampling()->set_repetition_penalty(static_cast<float>(*repetition));
   // {"token id": bias}: the ids as decimal strings (JSON keys), the vocabulary
   // checked by Validate.
@@ -503,7 +503,8 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
     }
     for (const auto& [key, value] : bias->items()) {
       int32_t id = 0;
-      const bool digits = !key.empty() && key.size() <= 10 &&
+      // Decimal digits without leading zeros: "0432" would name 432 again.
+      const bool digits = !key.empty() && key.size() <= 10 && (key == "0" || key[0] != '0') &&
                           std::all_of(key.begin(), key.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
       if (!digits || !absl::SimpleAtoi(key, &id)) {
         return Bad("logit_bias", absl::StrCat("has a key that is not a token id: \"", key.substr(0, 32), "\""));

@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace ellm {
 
@@ -28,9 +29,11 @@ absl::Status ValidateSamplingParams(const SamplingParams& p, int vocab_size) {
       return absl::InvalidArgumentError(absl::StrCat(name, " must be in [-2, 2], got ", v));
     }
   }
-  if (!std::isfinite(p.repetition_penalty) || p.repetition_penalty <= 0 || p.repetition_penalty > 10) {
+  // (Below 0.01, dividing a logit by it could overflow to infinity.)
+  if (!std::isfinite(p.repetition_penalty) || p.repetition_penalty < kMinRepetitionPenalty ||
+      p.repetition_penalty > 10) {
     return absl::InvalidArgumentError(
-        absl::StrCat("repetition_penalty must be in (0, 10], got ", p.repetition_penalty));
+        absl::StrFormat("repetition_penalty must be in [0.01, 10], got %.9g", p.repetition_penalty));
   }
   const int max_top = std::min(kMaxTopLogprobs, vocab_size);
   if (p.top_logprobs < 0 || p.top_logprobs > max_top) {

@@ -21,6 +21,8 @@ constexpr int kMaxTopLogprobs = 20;
 constexpr int kMaxPenaltyTokens = 16384;
 // The most tokens a request's logit bias may list.
 constexpr int kMaxLogitBias = 1024;
+// The smallest repetition penalty: a logit divided by less could overflow.
+constexpr float kMinRepetitionPenalty = 0.01f;
 
 struct SamplingParams {
   float temperature = 1.0f;  // 0: greedy (argmax)
@@ -61,7 +63,7 @@ struct TokenBias {
 // (0 or the vocabulary's size or more: off), top_p in (0, 1], min_p in
 // [0, 1], all finite,
 // top_logprobs in [0, min(kMaxTopLogprobs, vocab_size)], the presence and
-// frequency penalties in [-2, 2], the repetition penalty in (0, 10].
+// frequency penalties in [-2, 2], the repetition penalty in [0.01, 10].
 absl::Status ValidateSamplingParams(const SamplingParams& params, int vocab_size);
 
 // A token and log p(token) under the model's raw distribution (temperature 1,

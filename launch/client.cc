@@ -120,7 +120,7 @@ int Main(int argc, char** argv) {
   args.Flag("presence-penalty", "0", "subtract this from the logit of every token generated so far, [-2, 2]");
   args.Flag("frequency-penalty", "0", "subtract this from a token's logit for each time it was generated, [-2, 2]");
   args.Flag("repetition-penalty", "1", "divide the positive logits (multiply the negative ones) of the prompt's and "
-            "the generated tokens by this, (0, 10]; 1: off");
+            "the generated tokens by this, [0.01, 10]; 1: off");
   args.Flag("seed", "", "random seed: same seed, same output");
   args.Flag("stop", "", "stop when this string appears (not printed); give it again for more strings (up to 16)");
   args.Flag("no-bos", "", "do not prepend the BOS token", true);

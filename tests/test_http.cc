@@ -252,6 +252,7 @@ TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
     for (const json& t : f) EXPECT_EQ(t, f[0]) << f;
     for (const auto& [bias, status] : std::vector<std::pair<json, int>>{{{{"512", 1}}, 400}, {{{"-1", 1}}, 400},
                                                                        {{{"x", 1}}, 400}, {{{"5", 101}}, 400},
+                                                                       {{{"05", 1}}, 400},
                                                                        {{{"5", "1"}}, 400}, {json::array(), 400}}) {
       json bad = Completion("Once", 2, false);
       bad["logit_bias"] = bias;
@@ -658,7 +659,7 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"temperature", -1}}), 400, "'temperature'");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"top_p", 2}}), 400, "'top_p'");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"repetition_penalty", 0}}), 400,
-         "'repetition_penalty' must be in (0, 10]");
+         "'repetition_penalty' must be in [0.01, 10]");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stop", 3}}), 400, "'stop'");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stop", std::string(257, 'a')}}), 400, "at most 256");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"n", 17}}), 400, "'n'");

@@ -130,7 +130,7 @@ TEST(Integration, RepetitionPenaltyFollowsHuggingFacesRule) {
   big.mutable_sampling()->set_repetition_penalty(11);
   const Generated refused = Generate(system.stub(), big);
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_NE(refused.status.error_message().find("repetition_penalty must be in (0, 10]"), std::string::npos)
+  EXPECT_NE(refused.status.error_message().find("repetition_penalty must be in [0.01, 10]"), std::string::npos)
       << refused.status.error_message();
   ExpectCleanShutdown(system);
 }

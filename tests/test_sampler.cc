@@ -532,9 +532,11 @@ TEST(SamplerPenalties, RepetitionPenaltyScalesPromptAndGeneratedTokensFirst) {
                       TemperedSoftmax(penalised, t), 100000, 900 + static_cast<uint64_t>(100 * repetition), counts);
   }
   EXPECT_TRUE(ValidateSamplingParams({.repetition_penalty = 10}, 100).ok());
-  for (float bad : {0.0f, -1.0f, 10.5f, std::numeric_limits<float>::quiet_NaN()}) {
+  EXPECT_TRUE(ValidateSamplingParams({.repetition_penalty = kMinRepetitionPenalty}, 100).ok());
+  // (Dividing by less could overflow a logit to infinity: 1e-38 did.)
+  for (float bad : {0.0f, -1.0f, 0.0099f, 1e-38f, 10.5f, std::numeric_limits<float>::quiet_NaN()}) {
     const absl::Status st = ValidateSamplingParams({.repetition_penalty = bad}, 100);
-    EXPECT_NE(st.message().find("repetition_penalty must be in (0, 10]"), std::string::npos) << bad << ": " << st;
+    EXPECT_NE(st.message().find("repetition_penalty must be in [0.01, 10]"), std::string::npos) << bad << ": " << st;
   }
 }
 
