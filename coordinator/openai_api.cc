@@ -959,7 +959,16 @@ std::string OpenAiErrorBody(const absl::Status& status) {
                      : http == 429          ? "rate_limit_error"
                      : http == 503          ? "service_unavailable"
                                             : "server_error";
-  return Dump({{"error", {{"message", std::string(status.message())}, {"type", type}, {"param", nullptr},
+  // The request field a refusal names first ("'max_tokens' must be ...",
+  // as Bad writes it), for OpenAI's "param".
+  json param = nullptr;
+  const std::string_view message(status.message().data(), status.message().size());
+  if (http == 400 && message.size() > 2 && message[0] == '\'') {
+    const size_t end = message.find('\'', 1);
+    const std::string_view name = message.substr(1, end == std::string_view::npos ? 0 : end - 1);
+    if (!name.empty() && name.size() <= 200 && name.find(' ') == std::string_view::npos) param = std::string(name);
+  }
+  return Dump({{"error", {{"message", std::string(message)}, {"type", type}, {"param", param},
                           {"code", absl::StatusCodeToString(status.code())}}}});
 }
 

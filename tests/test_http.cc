@@ -651,6 +651,12 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
     ASSERT_TRUE(j.contains("error")) << r.body;
     EXPECT_TRUE(j["error"]["message"].is_string());
     EXPECT_NE(j["error"]["message"].get<std::string>().find(needle), std::string::npos) << r.body;
+    // A refused field is the error's param too.
+    if (needle.size() > 2 && needle.front() == '\'' && needle.back() == '\'') {
+      EXPECT_EQ(j["error"]["param"], needle.substr(1, needle.size() - 2)) << r.body;
+    } else if (status != 400) {
+      EXPECT_TRUE(j["error"]["param"].is_null()) << r.body;
+    }
   };
   expect(Call(port, http::verb::post, "/v1/completions", "{not json"), 400, "not valid JSON");
   expect(Post(port, "/v1/completions", {{"prompt", 5}}), 400, "'prompt'");
