@@ -1387,7 +1387,11 @@ TEST_F(PrefixCacheTest, ChoicesWaitForTheFirstsPrefillAndShareIt) {
   options_.max_step_tokens = 16;  // the prompt takes choice 0 several steps
   Start();
   const std::vector<int32_t> prompt = Prompt(360, 52);  // 3 whole blocks + 4
+  // The choices and a request behind them are all queued before the step
+  // that admits them: the steps wait while a first request's step runs.
   exec_.Hold();
+  std::shared_ptr<RequestStream> first = Submit(Prompt(359, 4), 1);
+  ASSERT_TRUE(exec_.WaitForRuns(1));
   GenerateOptions o;
   o.prompt = prompt;
   o.max_tokens = 6;
@@ -1398,14 +1402,32 @@ TEST_F(PrefixCacheTest, ChoicesWaitForTheFirstsPrefillAndShareIt) {
   ASSERT_TRUE(choices.ok()) << choices.status();
   ASSERT_EQ(choices->size(), 3u);
   std::shared_ptr<RequestStream> other = Submit(Prompt(361, 8), 3);
-  ASSERT_TRUE(exec_.WaitForRuns(1));
-  // Choice 0 and the request behind the held choices run; choices 1, 2 wait.
-  ASSERT_TRUE(WaitForStats([](const SchedulerStats& s) { return s.running == 2 && s.waiting == 2; }));
+  ASSERT_TRUE(WaitForStats([](const SchedulerStats& s) { return s.waiting == 4; }));
   exec_.Release();
   std::vector<Outcome> out;
   for (const auto& c : *choices) out.push_back(Collect(*c));
   EXPECT_TRUE(Collect(*other).error.ok());
+  EXPECT_TRUE(Collect(*first).error.ok());
   for (const Outcome& x : out) ASSERT_TRUE(x.error.ok()) << x.error;
+  // From the plans: the request behind the held choices ran by the step in
+  // which choice 0 sampled (the steps' token budget went to choice 0's
+  // prompt first), and choices 1, 2 only after it.
+  {
+    const std::map<uint64_t, SeqTrace> t = Traces(exec_.plans());
+    const uint64_t c0 = SeqIdOf(exec_.plans(), 360).value(), behind = SeqIdOf(exec_.plans(), 361).value();
+    size_t sampled_at = 0;
+    for (size_t i = 0; i < t.at(c0).slices.size(); ++i) {
+      if (t.at(c0).slices[i].sample) {
+        sampled_at = t.at(c0).plan_index[i];
+        break;
+      }
+    }
+    EXPECT_LE(t.at(behind).plan_index.front(), sampled_at) << "the request behind the choices waited for them";
+    for (uint64_t c : {c0 + 1, c0 + 2}) {
+      ASSERT_TRUE(t.contains(c)) << "choice ids follow choice 0's";
+      EXPECT_GT(t.at(c).plan_index.front(), sampled_at) << "a choice ran before choice 0 sampled";
+    }
+  }
   EXPECT_EQ(out[0].finish.cached_tokens, 0);
   EXPECT_GE(out[1].finish.cached_tokens, 48) << "choice 1 prefilled the prompt again";
   EXPECT_GE(out[2].finish.cached_tokens, 48) << "choice 2 prefilled the prompt again";
