@@ -651,7 +651,7 @@ int64_t CodePoints(std::string_view whole_utf8) {
 
 json OpenAiResponder::Usage() const {
   // The prompt once, as the first choice found it (the others find it
-  // cached: coordinator/http_server.cc submits them after its prefill).
+  // cached: Scheduler::SubmitChoices holds them until its prefill is in).
   const FinishInfo& first = choices_.front().finish;
   int completion = 0;
   for (const Choice& c : choices_) completion += c.finish.completion_tokens;
