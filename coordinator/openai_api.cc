@@ -91,9 +91,7 @@ struct UnsupportedField {
 };
 bool IsNull(const nlohmann::json& v) { return v.is_null(); }
 bool IsEmptyOrNull(const nlohmann::json& v) { return v.is_null() || (v.is_structured() && v.empty()); }
-bool IsFalseOrNull(const nlohmann::json& v) { return v.is_null() || v == false; }
 bool IsOneOrNull(const nlohmann::json& v) { return v.is_null() || v == 1; }
-bool IsZeroOrNull(const nlohmann::json& v) { return v.is_null() || v == 0; }
 bool IsTextFormat(const nlohmann::json& v) {
   return v.is_null() || (v.is_object() && v.contains("type") && v["type"] == "text");
 }
@@ -101,8 +99,7 @@ bool IsNoTool(const nlohmann::json& v) { return v.is_null() || v == "none" || v 
 constexpr UnsupportedField kUnsupported[] = {
     {"response_format", IsTextFormat},
     {"functions", IsEmptyOrNull},       {"function_call", IsNoTool},
-    {"best_of", IsOneOrNull},           {"min_tokens", IsZeroOrNull},
-    {"ignore_eos", IsFalseOrNull},      {"guided_json", IsNull},           {"guided_regex", IsNull},
+    {"best_of", IsOneOrNull},           {"guided_json", IsNull},           {"guided_regex", IsNull},
     {"guided_choice", IsNull},          {"guided_grammar", IsNull},
 };
 
@@ -114,7 +111,7 @@ constexpr std::string_view kReadFields[] = {
     "model", "messages", "prompt", "echo", "suffix", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options", "n", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "tools", "tool_choice",
-    "parallel_tool_calls", "chat_template_kwargs", "logit_bias"};
+    "parallel_tool_calls", "chat_template_kwargs", "logit_bias", "min_tokens", "ignore_eos", "stop_token_ids"};
 
 constexpr bool IsReadField(std::string_view name) {
   for (std::string_view f : kReadFields) {
@@ -444,6 +441,32 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
       return Bad(field.name(), absl::StrCat("is ", v, " but max_tokens is ", g.max_tokens(), " (send one of them)"));
     }
     g.set_max_tokens(static_cast<int32_t>(v));
+  }
+  // vLLM's: min_tokens (at most max_tokens, checked by Validate, which
+  // knows the default), ignore_eos, stop_token_ids (the vocabulary checked
+  // by Validate).
+  if (const json* v = fields.Get("min_tokens")) {
+    if (!v->is_number_integer() || v->get<int64_t>() < 0 || v->get<int64_t>() > INT32_MAX) {
+      return Bad("min_tokens", "must be an integer, at least 0");
+    }
+    if (g.has_max_tokens() && v->get<int64_t>() > g.max_tokens()) {
+      return Bad("min_tokens", absl::StrCat("is ", v->get<int64_t>(), ", more than max_tokens (", g.max_tokens(), ")"));
+    }
+    g.set_min_tokens(static_cast<int32_t>(v->get<int64_t>()));
+  }
+  ASSIGN_OR_RETURN(const bool ignore_eos, boolean("ignore_eos"));
+  g.set_ignore_eos(ignore_eos);
+  if (const json* v = fields.Get("stop_token_ids")) {
+    if (!v->is_array()) return Bad("stop_token_ids", "must be a list of token ids");
+    if (v->size() > static_cast<size_t>(kMaxStopTokenIds)) {
+      return Bad("stop_token_ids", absl::StrCat("lists ", v->size(), " tokens; at most ", kMaxStopTokenIds));
+    }
+    for (const json& id : *v) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX) {
+        return Bad("stop_token_ids", "must be a list of token ids (integers, at least 0)");
+      }
+      g.add_stop_token_ids(static_cast<int32_t>(id.get<int64_t>()));
+    }
   }
   ASSIGN_OR_RETURN(std::optional<double> temperature, number("temperature", 0, 100));
   if (temperature) g.mutable_sampling()->set_temperature(static_cast<float>(*temperature));

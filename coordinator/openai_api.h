@@ -8,7 +8,7 @@
 // model, max_tokens / max_completion_tokens, temperature, top_p, top_k,
 // min_p, presence_penalty, frequency_penalty, repetition_penalty (vLLM's),
 // logit_bias, seed, stop
-// (string or list), stream, stream_options.include_usage, logprobs (chat:
+// (string or list), vLLM's min_tokens, ignore_eos and stop_token_ids, stream, stream_options.include_usage, logprobs (chat:
 // true, with top_logprobs 0..20 alternatives per token; completions: an
 // integer 0..20, the number of alternatives, the chosen token always
 // included), n (1..kMaxChoices choices, each sampled as its own request
@@ -23,8 +23,7 @@
 // the field: n out of range, echo with logprobs, suffix, any field that
 // would constrain the output or change its length (response_format other
 // than text, tool_choice required or named, functions, function_call other
-// than none/auto, best_of > 1, and vLLM's min_tokens, ignore_eos,
-// guided_*), and any field of the wrong type. Other fields (user, metadata,
+// than none/auto, best_of > 1, and vLLM's guided_*), and any field of the wrong type. Other fields (user, metadata,
 // ...) are ignored. A body nested deeper than kMaxJsonDepth is refused
 // before it is parsed. Log-probabilities are of the model's raw distribution
 // (temperature 1, before penalties, top-k, min-p and top-p).

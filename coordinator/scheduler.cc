@@ -1,6 +1,8 @@
 #include "coordinator/scheduler.h"
 
 #include <algorithm>
+#include <limits>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
@@ -128,6 +130,21 @@ absl::StatusOr<std::unique_ptr<Scheduler::Sequence>> Scheduler::MakeSequence(Gen
   // generated).
   if (seq->options.sampling.repetition_penalty != 1) {
     for (int32_t t : seq->options.prompt) seq->counts.emplace(t, 0);
+  }
+  // min_tokens: its logit bias, and the tokens that would stop it banned.
+  if (seq->options.min_tokens > 0) {
+    std::map<int32_t, float> bias;
+    for (const TokenBias& b : seq->options.logit_bias) bias[b.token] = b.bias;
+    if (!seq->options.ignore_eos) {
+      for (int32_t t : tokenizer_.eog_ids()) bias[t] = -std::numeric_limits<float>::infinity();
+    }
+    for (int32_t t : seq->options.stop_token_ids) bias[t] = -std::numeric_limits<float>::infinity();
+    if (bias.size() > static_cast<size_t>(kMaxSeqBiases)) {
+      return absl::InvalidArgumentError(absl::StrCat("with min_tokens, the logit bias, the stop token ids and the ",
+                                                     "model's end-of-generation tokens are ", bias.size(),
+                                                     " tokens; at most ", kMaxSeqBiases));
+    }
+    for (const auto& [token, b] : bias) seq->early_bias.push_back({token, b});
   }
   return seq;
 }
@@ -349,7 +366,7 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
       const bool sample = done + n == total;
       const bool sends_counts = sample && s->options.sampling.penalised();
       if (sends_counts && s->counts.size() > counts_budget) continue;
-      const std::vector<TokenBias>& bias = s->options.logit_bias;
+      const std::vector<TokenBias>& bias = s->Bias();
       if (sample && bias.size() > biases_budget) continue;
       shm::PlanSeq p;
       p.slice.seq_id = s->id;
@@ -619,14 +636,22 @@ void Scheduler::Deliver(const shm::SampledSeq& r, absl::Time now) {
     e.top_logprobs.emplace_back(r.top, r.top + std::min<uint32_t>(r.n_top, kMaxTopLogprobs));
   }
   FinishReason reason = FinishReason::kNone;
-  if (tokenizer_.IsEndOfGeneration(r.token)) {
+  const int generated = static_cast<int>(s->generated.size());
+  // Before min_tokens the tokens that stop are banned (early_bias) and stop
+  // strings are not looked for; vLLM's order after it: the model's end of
+  // generation (with no text), a stop string, a stop token id.
+  const bool may_stop = generated > s->options.min_tokens;
+  if (!s->options.ignore_eos && tokenizer_.IsEndOfGeneration(r.token)) {
     reason = FinishReason::kStopToken;
   } else {
     bool stopped = false;
-    e.text = s->text->Push(r.token, &stopped);
-    if (stopped) reason = FinishReason::kStopString;
+    e.text = s->text->Push(r.token, may_stop, &stopped);
+    if (stopped) {
+      reason = FinishReason::kStopString;
+    } else if (std::binary_search(s->options.stop_token_ids.begin(), s->options.stop_token_ids.end(), r.token)) {
+      reason = FinishReason::kStopToken;
+    }
   }
-  const int generated = static_cast<int>(s->generated.size());
   // The context first: a request without max_tokens is given the room the
   // context leaves (EllmService::Validate), and ends there with "context full".
   if (reason == FinishReason::kNone &&

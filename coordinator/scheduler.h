@@ -95,6 +95,12 @@ struct GenerateOptions {
   std::vector<TokenBias> logit_bias;  // by increasing token id, at most kMaxLogitBias
   uint64_t seed = 0;
   std::vector<std::string> stop;
+  // vLLM's: tokens to generate before one that would stop it (end of
+  // generation, a stop token id) may be sampled and before stop strings are
+  // looked for; at most max_tokens.
+  int min_tokens = 0;
+  bool ignore_eos = false;               // the model's end-of-generation tokens do not stop it
+  std::vector<int32_t> stop_token_ids;   // more tokens that stop it, sorted, distinct
   int synthetic_context = 0;  // benchmarks: random K/V positions before the prompt
   double tokenize_ms = 0;     // time the service took to tokenize the prompt (for the log)
   // Who asked, for the log lines of the request: "HTTP cmpl-…" (the id its
@@ -194,6 +200,12 @@ class Scheduler {
     // Its tokens' counts when it has penalties (by token id: the frame's order):
     // generated ones, and with a repetition penalty the prompt's (count 0).
     std::map<int32_t, int32_t> counts;
+    // While it has fewer than min_tokens generated: its logit bias with the
+    // tokens that would stop it banned (-inf), by token id.
+    std::vector<TokenBias> early_bias;
+    const std::vector<TokenBias>& Bias() const {
+      return static_cast<int>(generated.size()) < options.min_tokens ? early_bias : options.logit_bias;
+    }
     // Its tokens so far: the prompt, then the generated ones. Positions
     // [base, fed) hold the first fed - base of them.
     std::vector<int32_t> Tokens() const {

@@ -285,6 +285,27 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
     }
     o.stop.push_back(stop);
   }
+  if (r.stop_token_ids_size() > kMaxStopTokenIds) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stop_token_ids lists ", r.stop_token_ids_size(), " tokens; at most ", kMaxStopTokenIds));
+  }
+  for (int32_t id : r.stop_token_ids()) {
+    if (id < 0 || id >= config_.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("stop_token_ids: token ", id, " is outside the vocabulary of ", config_.vocab_size, " tokens"));
+    }
+    o.stop_token_ids.push_back(id);
+  }
+  std::sort(o.stop_token_ids.begin(), o.stop_token_ids.end());
+  o.stop_token_ids.erase(std::unique(o.stop_token_ids.begin(), o.stop_token_ids.end()), o.stop_token_ids.end());
+  o.ignore_eos = r.ignore_eos();
+  if (r.min_tokens() < 0 || r.min_tokens() > o.max_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("min_tokens must be in [0, max_tokens = ", o.max_tokens,
+                     r.has_max_tokens() ? "" : " (not given: --default-max-tokens or the room left)", "], got ",
+                     r.min_tokens()));
+  }
+  o.min_tokens = r.min_tokens();
   return o;
 }
 

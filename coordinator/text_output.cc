@@ -9,18 +9,21 @@ TextOutput::TextOutput(const Tokenizer& tokenizer, std::vector<std::string> stop
   stop_.erase(std::remove(stop_.begin(), stop_.end(), std::string()), stop_.end());
 }
 
-std::string TextOutput::Push(int32_t token, bool* stopped) {
+std::string TextOutput::Push(int32_t token, bool look, bool* stopped) {
   *stopped = false;
+  const size_t before = text_.size();
   text_ += decoder_.Push(token);
-  // A stop string that completed: it can start no earlier than the longest
-  // stop string before the unsent text.
-  size_t longest = 0;
-  for (const std::string& s : stop_) longest = std::max(longest, s.size());
-  const size_t search_from = emitted_ >= longest ? emitted_ - longest + 1 : 0;
+  // A stop string that completed: in the unsent text, ending in the new.
+  // (Looking each time, one that ends earlier was found then.)
   size_t first = std::string::npos;
   for (const std::string& s : stop_) {
-    const size_t at = text_.find(s, search_from);
-    if (at != std::string::npos && at >= emitted_) first = std::min(first, at);
+    if (!look) break;
+    for (size_t at = text_.find(s, emitted_); at != std::string::npos; at = text_.find(s, at + 1)) {
+      if (at + s.size() > before) {
+        first = std::min(first, at);
+        break;
+      }
+    }
   }
   if (first != std::string::npos) {
     *stopped = true;

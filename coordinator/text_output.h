@@ -16,8 +16,12 @@ class TextOutput {
   // its continuation (e.g. SPM keeps its leading space).
   TextOutput(const Tokenizer& tokenizer, std::vector<std::string> stop, int32_t prev = -1);
   // Adds a token's text; returns the text now safe to send. Sets *stopped
-  // when a stop string appeared (the returned text ends just before it).
-  std::string Push(int32_t token, bool* stopped);
+  // when a stop string appeared (the returned text ends just before it):
+  // with `look` only, and then only one that ends in this token's text
+  // (min_tokens: stop strings of the tokens before it are not looked for,
+  // as vLLM does). Without `look`, a tail that could begin a stop string is
+  // still held back.
+  std::string Push(int32_t token, bool look, bool* stopped);
   // Text held back at the end of the request (no stop string completed).
   std::string Flush();
 

@@ -160,6 +160,9 @@ SampledToken Sample(const float* raw, int n, const SamplingParams& params, float
     sum = 0;
     for (int i = 0; i < keep; ++i) sum += probs[i];
   }
+  // Candidates of weight 0 (banned, -inf) come last: a draw that rounding
+  // carries past the others' sum takes the last one of weight.
+  while (keep > 1 && probs[keep - 1] == 0) --keep;
   const double target = static_cast<double>(u) * sum;
   double cum = 0;
   int pick = ids[keep - 1];

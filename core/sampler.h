@@ -21,6 +21,13 @@ constexpr int kMaxTopLogprobs = 20;
 constexpr int kMaxPenaltyTokens = 16384;
 // The most tokens a request's logit bias may list.
 constexpr int kMaxLogitBias = 1024;
+// The most stop token ids a request may list (vLLM's stop_token_ids).
+constexpr int kMaxStopTokenIds = 256;
+// The most biases one sequence's sampling may carry: its logit bias, and
+// while it has generated fewer than its min_tokens the tokens that would
+// stop it (its stop token ids and the model's end-of-generation ids, at
+// most kMaxStopTokenIds more), banned.
+constexpr int kMaxSeqBiases = kMaxLogitBias + 2 * kMaxStopTokenIds;
 // The smallest repetition penalty: a logit divided by less could overflow.
 constexpr float kMinRepetitionPenalty = 0.01f;
 
@@ -53,7 +60,9 @@ struct TokenCount {
 };
 
 // OpenAI's logit_bias: added to a token's logit before the penalties and
-// every sampling rule, in [-100, 100] (-100 bans the token in practice).
+// every sampling rule, in [-100, 100] (-100 bans the token in practice);
+// or -infinity: the token is never picked (min_tokens' ban on the tokens
+// that would stop a sequence).
 struct TokenBias {
   int32_t token = 0;
   float bias = 0;

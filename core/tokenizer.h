@@ -81,6 +81,8 @@ class Tokenizer {
   // names, and control or user-defined tokens with a well-known end-of-turn
   // text (<|im_end|>, <|endoftext|>, <|eot_id|>, <|end|>, <end_of_turn>, ...).
   bool IsEndOfGeneration(int32_t id) const;
+  // Those ids, in the order found.
+  const std::vector<int32_t>& eog_ids() const { return eog_ids_; }
 
  protected:
   // A piece of the text to encode: raw text (id -1) or a special token's id.

@@ -123,6 +123,9 @@ int Main(int argc, char** argv) {
             "the generated tokens by this, [0.01, 10]; 1: off");
   args.Flag("seed", "", "random seed: same seed, same output");
   args.Flag("stop", "", "stop when this string appears (not printed); give it again for more strings (up to 16)");
+  args.Flag("min-tokens", "0", "generate at least this many tokens before one that ends the text may be sampled "
+            "and before stop strings count");
+  args.Flag("ignore-eos", "", "do not stop at the model's end-of-text tokens (run to --max-tokens)", true);
   args.Flag("no-bos", "", "do not prepend the BOS token", true);
   args.Flag("stats", "", "print token counts and timings to stderr at the end", true);
   args.Flag("system", "", "chat: the system message");
@@ -197,6 +200,10 @@ int Main(int argc, char** argv) {
       req.mutable_sampling()->set_seed(*v);
     }
     for (const std::string& stop : args.GetAll("stop")) req.add_stop(stop);
+    absl::StatusOr<int> min_tokens = args.GetInt("min-tokens");
+    if (!min_tokens.ok()) return Fail(std::string(min_tokens.status().message()));
+    req.set_min_tokens(*min_tokens);
+    req.set_ignore_eos(args.GetBool("ignore-eos"));
     if (args.GetBool("no-bos")) req.set_add_bos(false);
     if (command == "chat") return Chat(stub.get(), req, args.Get("system"), server, authorize);
     grpc::ClientContext ctx;

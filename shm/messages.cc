@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
@@ -99,7 +100,7 @@ SamplingParams SamplingOf(const PlanSeq& p) {
 }
 
 uint64_t StepPlanCountsCapacity(int max_seqs) { return uint64_t(std::min(max_seqs, 16)) * kMaxPenaltyTokens; }
-uint64_t StepPlanBiasesCapacity(int max_seqs) { return uint64_t(std::min(max_seqs, 16)) * kMaxLogitBias; }
+uint64_t StepPlanBiasesCapacity(int max_seqs) { return uint64_t(std::min(max_seqs, 16)) * kMaxSeqBiases; }
 
 uint64_t StepPlanCapacity(int max_seqs, int max_tokens) {
   return sizeof(FrameHeader) + uint64_t(max_seqs) * sizeof(PlanSeq) + uint64_t(max_tokens) * sizeof(int32_t) +
@@ -144,9 +145,9 @@ absl::StatusOr<StepPlan> DecodeStepPlan(const FrameHeader& header, const uint8_t
       return absl::DataLossError(absl::StrCat("step plan of sequence ", s.slice.seq_id, " has ", s.n_counts,
                                               " token counts, more than ", kMaxPenaltyTokens));
     }
-    if (s.n_biases > kMaxLogitBias) {
+    if (s.n_biases > kMaxSeqBiases) {
       return absl::DataLossError(absl::StrCat("step plan of sequence ", s.slice.seq_id, " has ", s.n_biases,
-                                              " logit biases, more than ", kMaxLogitBias));
+                                              " logit biases, more than ", kMaxSeqBiases));
     }
     n_counts += s.n_counts;
     n_biases += s.n_biases;
@@ -184,15 +185,16 @@ absl::StatusOr<StepPlan> DecodeStepPlan(const FrameHeader& header, const uint8_t
     }
   }
   // Each sequence's logit bias: distinct tokens of the vocabulary, in order,
-  // each bias in [-100, 100].
+  // each bias in [-100, 100] or -inf (a ban).
   const TokenBias* b = plan.biases.data();
   for (const PlanSeq& s : plan.seqs) {
     for (uint32_t i = 0; i < s.n_biases; ++i, ++b) {
-      if (b->token < 0 || b->token >= vocab_size || (i > 0 && b->token <= b[-1].token) || !std::isfinite(b->bias) ||
-          b->bias < -100 || b->bias > 100) {
+      const bool banned = b->bias == -std::numeric_limits<float>::infinity();
+      if (b->token < 0 || b->token >= vocab_size || (i > 0 && b->token <= b[-1].token) ||
+          (!banned && (!std::isfinite(b->bias) || b->bias < -100 || b->bias > 100))) {
         return absl::DataLossError(absl::StrCat("step plan of sequence ", s.slice.seq_id, " has a bad logit bias (",
                                                 b->token, ": ", b->bias, "): ids must be distinct, in order and in ",
-                                                "the vocabulary of ", vocab_size, ", biases in [-100, 100]"));
+                                                "the vocabulary of ", vocab_size, ", biases in [-100, 100] or -inf"));
       }
     }
   }

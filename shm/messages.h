@@ -51,8 +51,9 @@ struct PlanSeq {
   // repetition penalty the prompt's), by increasing token id (the
   // penalties' input; 0 without penalties), at most kMaxPenaltyTokens.
   uint32_t n_counts = 0;
-  // Its logit bias in the frame (after all counts), at most kMaxLogitBias
-  // entries by increasing token id; only with a chunk that samples.
+  // Its logit bias in the frame (after all counts), at most kMaxSeqBiases
+  // entries by increasing token id, each in [-100, 100] or -inf (banned:
+  // min_tokens); only with a chunk that samples.
   uint32_t n_biases = 0;
 };
 static_assert(sizeof(PlanSeq) == 64);
@@ -89,7 +90,8 @@ struct StepPlan {
 // large --max-batch does not reserve shared memory for counts no real batch
 // sends. (The scheduler keeps a step under it.)
 uint64_t StepPlanCountsCapacity(int max_seqs);
-// Likewise the logit biases one step plan may carry: 16 sequences' worth.
+// Likewise the logit biases one step plan may carry: 16 sequences' worth
+// (kMaxSeqBiases each).
 uint64_t StepPlanBiasesCapacity(int max_seqs);
 // The largest step plan frame (header included) of up to max_seqs sequences
 // and max_tokens tokens: what the coordinator's ring slots must hold.

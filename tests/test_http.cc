@@ -262,6 +262,49 @@ TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
     }
   }
 
+  // vLLM's stop_token_ids, ignore_eos and min_tokens. The greedy answer's
+  // 6th token as a stop token id ends it there (its text kept, streamed or
+  // not); with min_tokens 6 it is banned until token 7, so the 6th token
+  // differs from the greedy one. With EOS biased, ignore_eos runs on.
+  {
+    json six_req = Completion("Once upon a time", 6, false);
+    six_req["logprobs"] = 0;
+    const json six = Post(port, "/v1/completions", six_req).Json()["choices"][0];
+    ASSERT_EQ(six["logprobs"]["tokens"].size(), 6u) << six;
+    for (const bool stream : {false, true}) {
+      json stop_id = Completion("Once upon a time", 40, stream);
+      stop_id["stop_token_ids"] = {grpc_answer.tokens[5]};
+      const HttpResult sr = Post(port, "/v1/completions", stop_id);
+      ASSERT_EQ(sr.status, 200) << sr.body;
+      if (stream) {
+        const Streamed st = Collect(sr, false);
+        EXPECT_EQ(st.finish_reason, "stop");
+        EXPECT_EQ(st.text, six["text"]);
+      } else {
+        EXPECT_EQ(sr.Json()["choices"][0]["finish_reason"], "stop");
+        EXPECT_EQ(sr.Json()["choices"][0]["text"], six["text"]);
+        EXPECT_EQ(sr.Json()["usage"]["completion_tokens"], 6);
+      }
+    }
+    json late = Completion("Once upon a time", 8, false);
+    late["stop_token_ids"] = {grpc_answer.tokens[5]};
+    late["min_tokens"] = 6;
+    late["logprobs"] = 0;
+    const json l = Post(port, "/v1/completions", late).Json()["choices"][0];
+    ASSERT_EQ(l["logprobs"]["tokens"].size(), 8u) << l;
+    EXPECT_EQ(l["finish_reason"], "length") << l;
+    for (int i = 0; i < 5; ++i) EXPECT_EQ(l["logprobs"]["tokens"][i], six["logprobs"]["tokens"][i]) << l;
+    EXPECT_NE(l["logprobs"]["tokens"][5], six["logprobs"]["tokens"][5]) << l;
+    json on = Completion("Once upon a time", 30, false);
+    on["logit_bias"] = {{"2", 30}};
+    on["ignore_eos"] = true;
+    const json o = Post(port, "/v1/completions", on).Json();
+    EXPECT_EQ(o["choices"][0]["finish_reason"], "length") << o;
+    EXPECT_EQ(o["usage"]["completion_tokens"], 30);
+    on.erase("ignore_eos");
+    EXPECT_EQ(Post(port, "/v1/completions", on).Json()["choices"][0]["finish_reason"], "stop");
+  }
+
   // echo: the prompt's text, then the answer's.
   json echo_req = Completion("Once upon a time", 40, false);
   echo_req["echo"] = true;
@@ -678,6 +721,17 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   expect(Post(port, "/v1/completions", {{"prompt", {json::array()}}}), 400, "empty list of token ids");
   expect(Post(port, "/v1/completions", {{"prompt", {1, 512}}}), 400, "outside the vocabulary");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 5000}}), 400, "exceeds");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 5}, {"min_tokens", 6}}), 400,
+         "'min_tokens' is 6, more than max_tokens (5)");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"min_tokens", 5000}}), 400, "min_tokens must be in [0, ");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"min_tokens", -1}}), 400, "'min_tokens'");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"ignore_eos", 1}}), 400, "'ignore_eos'");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stop_token_ids", 2}}), 400, "'stop_token_ids'");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stop_token_ids", {2, -1}}}), 400, "'stop_token_ids'");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stop_token_ids", {2, 512}}}), 400,
+         "outside the vocabulary");
+  expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stop_token_ids", std::vector<int>(257, 2)}}), 400,
+         "at most 256");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stream", "yes"}}), 400, "'stream'");
   expect(Post(port, "/v1/chat/completions", {{"messages", json::array()}}), 400, "'messages'");
   // Fields that would constrain or bias the output are refused, never
@@ -688,8 +742,6 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
            {"response_format", {{"type", "json_object"}}},
            {"functions", {{{"name", "f"}}}},
            {"best_of", 3},
-           {"min_tokens", 4},
-           {"ignore_eos", true},
            {"guided_json", json::object()}}) {
     json body = chat;
     body[field] = value;
@@ -702,7 +754,9 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
            {"tool_choice", "none"},
            {"tools", {{{"type", "function"}, {"function", {{"name", "f"}}}}}},
            {"best_of", 1},
-           {"ignore_eos", false},
+           {"ignore_eos", true},
+           {"min_tokens", 4},
+           {"stop_token_ids", {5, 2}},
            {"user", "u-1"}}) {
     json body = chat;
     body[field] = value;

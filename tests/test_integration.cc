@@ -17,6 +17,7 @@
 #include <fstream>
 #include <future>
 #include <iterator>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -131,6 +132,88 @@ TEST(Integration, RepetitionPenaltyFollowsHuggingFacesRule) {
   const Generated refused = Generate(system.stub(), big);
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(refused.status.error_message().find("repetition_penalty must be in [0.01, 10]"), std::string::npos)
+      << refused.status.error_message();
+  ExpectCleanShutdown(system);
+}
+
+// vLLM's ignore_eos and min_tokens, end to end against the reference
+// forward (f32 KV: bit-exact logits). stories260K's greedy stories never
+// end (its end of text is BOS), so a logit bias on EOS makes this one end
+// at its 12th token or so: with ignore_eos the answer runs past it, and
+// with min_tokens the end of generation is banned, overriding the bias,
+// until min_tokens + 1 tokens.
+TEST(Integration, IgnoreEosAndMinTokensFollowTheReference) {
+  auto file = GgufFile::Open(kStories);
+  ASSERT_TRUE(file.ok());
+  auto config = ModelConfig::FromGguf(**file);
+  auto tokenizer = Tokenizer::FromGguf(**file);
+  const std::string text = "Once upon a time there was a little girl";
+  const std::vector<int32_t> prompt = (*tokenizer)->Encode(text, true);
+  const int32_t eos = (*tokenizer)->eos_id();
+  constexpr float kEosBias = 20;
+  // Greedy up to n tokens with EOS biased, the end-of-generation ids banned
+  // for the first `banned` tokens; stops after one unless `ignore_eos`.
+  auto reference = [&](int n, int banned, bool ignore_eos) {
+    auto weights = LoadWeights(**file, *config);
+    EXPECT_TRUE(weights.ok());
+    auto model = ReferenceModel::Create(*std::move(weights));
+    std::vector<int32_t> out;
+    for (size_t i = 0; i + 1 < prompt.size(); ++i) (*model)->Feed(prompt[i], static_cast<int>(i));
+    int32_t token = prompt.back();
+    for (int pos = static_cast<int>(prompt.size()) - 1; static_cast<int>(out.size()) < n; ++pos) {
+      std::vector<float> logits = (*model)->Forward(token, pos);
+      logits[eos] += kEosBias;
+      if (static_cast<int>(out.size()) < banned) {
+        for (int32_t t : (*tokenizer)->eog_ids()) logits[t] = -std::numeric_limits<float>::infinity();
+      }
+      token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      out.push_back(token);
+      if (!ignore_eos && (*tokenizer)->IsEndOfGeneration(token)) break;
+    }
+    return out;
+  };
+  auto request = [&](int max_tokens) {
+    ellm::v1::GenerateRequest r = Greedy(text, max_tokens);
+    (*r.mutable_logit_bias())[eos] = kEosBias;
+    return r;
+  };
+  EllmSystem system({"--model=" + kStories, "--attn-workers=1", "--no-numactl", "--kv-dtype=f32"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const Generated plain = Generate(system.stub(), request(100));
+  ASSERT_TRUE(plain.status.ok()) << plain.status.error_message();
+  ASSERT_EQ(plain.finish.reason(), ellm::v1::FINISH_REASON_STOP_TOKEN) << "the premise: the story ends";
+  const int k = static_cast<int>(plain.tokens.size());
+  ASSERT_GT(k, 4) << "the premise: it ends after a few tokens";
+  EXPECT_EQ(plain.tokens, reference(100, 0, false));
+  ellm::v1::GenerateRequest past = request(k + 12);
+  past.set_ignore_eos(true);
+  const Generated g = Generate(system.stub(), past);
+  ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+  EXPECT_EQ(g.finish.reason(), ellm::v1::FINISH_REASON_MAX_TOKENS);
+  EXPECT_EQ(g.tokens, reference(k + 12, 0, true));
+  ASSERT_EQ(g.tokens.size(), static_cast<size_t>(k + 12));
+  EXPECT_EQ(g.tokens[k - 1], eos);
+  EXPECT_EQ(g.text.substr(0, plain.text.size()), plain.text) << "the end of generation adds no text";
+  for (const bool ignore_eos : {false, true}) {
+    ellm::v1::GenerateRequest longer = request(k + 40);
+    longer.set_min_tokens(k + 4);
+    longer.set_ignore_eos(ignore_eos);
+    const Generated m = Generate(system.stub(), longer);
+    ASSERT_TRUE(m.status.ok()) << m.status.error_message();
+    EXPECT_EQ(m.tokens, reference(k + 40, ignore_eos ? 0 : k + 4, ignore_eos)) << "ignore_eos " << ignore_eos;
+    ASSERT_GE(m.tokens.size(), static_cast<size_t>(k + 4));
+    EXPECT_EQ(m.tokens[k - 1] == eos, ignore_eos) << "banned unless ignore_eos";
+    if (!ignore_eos) {
+      EXPECT_EQ(m.finish.reason(), ellm::v1::FINISH_REASON_STOP_TOKEN) << "the premise: it ends after min_tokens";
+      EXPECT_GT(m.tokens.size(), static_cast<size_t>(k + 4));
+    }
+  }
+  // min_tokens over max_tokens: refused, naming why.
+  ellm::v1::GenerateRequest bad = Greedy(text, 10);
+  bad.set_min_tokens(11);
+  const Generated refused = Generate(system.stub(), bad);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.status.error_message().find("min_tokens must be in [0, max_tokens = 10]"), std::string::npos)
       << refused.status.error_message();
   ExpectCleanShutdown(system);
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -63,7 +64,7 @@ StepPlan ThreeSeqPlan() {
   plan.seqs[1].n_counts = 3;
   plan.counts = {{5, 2}, {2, 1}, {17, 4}, {511, 2}};
   plan.seqs[1].n_biases = 2;
-  plan.biases = {{3, -100.0f}, {9, 2.5f}};
+  plan.biases = {{3, -100.0f}, {9, -std::numeric_limits<float>::infinity()}};  // 9: banned (min_tokens)
   return plan;
 }
 
@@ -146,7 +147,9 @@ TEST(StepPlan, BadTokenCountsAreAnError) {
       {[](StepPlan* p) { p->biases[1].token = kVocab; }, "bad logit bias"},
       {[](StepPlan* p) { p->biases[0].bias = 100.5f; }, "bad logit bias"},
       {[](StepPlan* p) { p->biases[0].bias = std::nanf(""); }, "bad logit bias"},
-      {[](StepPlan* p) { p->seqs[0].n_biases = kMaxLogitBias + 1; }, "more than"},
+      {[](StepPlan* p) { p->biases[1].bias = std::numeric_limits<float>::infinity(); }, "bad logit bias"},
+      {[](StepPlan* p) { p->biases[1].bias = -std::numeric_limits<float>::max(); }, "bad logit bias"},
+      {[](StepPlan* p) { p->seqs[0].n_biases = kMaxSeqBiases + 1; }, "more than"},
   };
   for (const auto& [edit, what] : cases) {
     StepPlan plan = ThreeSeqPlan();

@@ -566,6 +566,45 @@ TEST(SamplerPenalties, LogitBiasIsAddedFirst) {
                     counts, biases);
 }
 
+// min_tokens' ban: a bias of -inf. The banned tokens (the three most
+// likely, so that every rule meets them) are never picked, under every rule
+// and at the draws' edges; the others keep their ratios; logprobs stay raw.
+TEST(SamplerPenalties, BannedTokensAreNeverPicked) {
+  const int n = 40;
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> logits = RandomLogits(n, 91, 2.0f);
+  const std::vector<int> sorted = SortedIds(logits);
+  std::vector<TokenBias> biases = {{sorted[0], -inf}, {sorted[1], -inf}, {sorted[2], -inf}, {sorted[3], 0.5f}};
+  std::sort(biases.begin(), biases.end(), [](TokenBias a, TokenBias b) { return a.token < b.token; });
+  std::vector<float> biased = logits;
+  for (const TokenBias& b : biases) biased[b.token] += b.bias;
+  const SampledToken g = Sample(logits.data(), n, {.temperature = 0, .top_logprobs = 1}, 0.5f, nullptr, 0,
+                                biases.data(), static_cast<int>(biases.size()));
+  EXPECT_EQ(g.token, static_cast<int>(std::max_element(biased.begin(), biased.end()) - biased.begin()));
+  EXPECT_NEAR(g.logprob, LogSoftmax(logits, g.token), 1e-5);
+  EXPECT_EQ(g.top[0].token, sorted[0]) << "the alternatives are the raw ones";
+  ExpectFrequencies(logits, {.temperature = 0.9f}, TemperedSoftmax(biased, 0.9), 100000, 93, {}, biases);
+  // With penalties too (a banned token's -inf stays -inf).
+  const std::vector<TokenCount> counts = {{sorted[0], 2}, {sorted[4], 1}};
+  std::vector<float> both = biased;
+  both[sorted[4]] -= 0.5f + 0.25f;
+  ExpectFrequencies(logits, {.temperature = 0.9f, .presence_penalty = 0.5f, .frequency_penalty = 0.25f},
+                    TemperedSoftmax(both, 0.9), 100000, 94, counts, biases);
+  const std::vector<SamplingParams> rules = {
+      {.temperature = 100},  {.temperature = 1, .top_k = n}, {.temperature = 1, .top_k = 5},
+      {.temperature = 100, .top_p = 0.999999f}, {.temperature = 100, .min_p = 1e-30f},
+      {.temperature = 1, .presence_penalty = -2, .repetition_penalty = 0.01f}};
+  const std::vector<TokenCount> rewarded = {{sorted[0], 3}, {sorted[1], 1}};
+  for (const SamplingParams& p : rules) {
+    for (float u : {0.0f, 0.5f, 0.999f, std::nextafter(1.0f, 0.0f)}) {
+      const SampledToken t = Sample(logits.data(), n, p, u, rewarded.data(), static_cast<int>(rewarded.size()),
+                                    biases.data(), static_cast<int>(biases.size()));
+      const bool banned = t.token == sorted[0] || t.token == sorted[1] || t.token == sorted[2];
+      EXPECT_FALSE(banned) << "picked banned token " << t.token << " at u = " << u << ", temperature " << p.temperature;
+    }
+  }
+}
+
 TEST(ValidateSamplingParams, AcceptsTheEdgesOfEachRange) {
   EXPECT_TRUE(ValidateSamplingParams({}, 100).ok());
   EXPECT_TRUE(ValidateSamplingParams({.temperature = 0}, 100).ok());

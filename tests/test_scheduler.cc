@@ -13,6 +13,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -766,6 +767,94 @@ TEST_F(SchedulerTest, EndOfSequenceTokenStops) {
   EXPECT_TRUE(exec_.WaitForFree(id));
 }
 
+// vLLM's ignore_eos: the model's end of generation is kept as a token (no
+// text) and generation goes on; stop_token_ids stop it, their text kept.
+TEST_F(SchedulerTest, IgnoreEosGoesOnAndStopTokenIdsStop) {
+  constexpr int32_t kStop = kFirstPiece + 5;
+  exec_.SetTokenFn([](uint64_t seq, uint32_t pos, int nth) {
+    return nth == 1 ? kEos : nth == 3 ? kStop : DefaultToken(seq, pos, nth);
+  });
+  Start();
+  struct Case {
+    bool ignore_eos;
+    std::vector<int32_t> stop_token_ids;
+    FinishReason reason;
+    size_t tokens;
+  };
+  for (const Case& c : {Case{true, {}, FinishReason::kMaxTokens, 6}, Case{true, {kStop}, FinishReason::kStopToken, 4},
+                        Case{false, {kStop}, FinishReason::kStopToken, 2}}) {
+    GenerateOptions o;
+    o.prompt = Prompt(300, 4);
+    o.max_tokens = 6;
+    o.ignore_eos = c.ignore_eos;
+    o.stop_token_ids = c.stop_token_ids;
+    absl::StatusOr<std::shared_ptr<RequestStream>> s = scheduler_->Submit(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    const Outcome out = Collect(**s);
+    ASSERT_TRUE(out.error.ok()) << out.error;
+    EXPECT_EQ(out.finish.reason, c.reason) << c.ignore_eos << " " << c.stop_token_ids.size();
+    ASSERT_EQ(out.tokens.size(), c.tokens);
+    EXPECT_EQ(out.tokens[1], kEos);
+    if (c.tokens > 3) {
+      EXPECT_EQ(out.tokens[3], kStop);
+    }
+    EXPECT_EQ(out.finish.completion_tokens, static_cast<int>(c.tokens));
+    // The end of generation adds no text; a stop token id's text is kept.
+    EXPECT_EQ(out.text, Answer(o.prompt, out.tokens));
+  }
+}
+
+// vLLM's min_tokens: while fewer are generated, every chunk that samples
+// bans (-inf) the tokens that would stop the sequence (the model's end of
+// generation unless ignore_eos, the stop token ids), overriding the logit
+// bias; from then on it sends the logit bias alone.
+TEST_F(SchedulerTest, MinTokensBansTheStoppingTokensUntilReached) {
+  options_.max_step_tokens = 8;  // the prompt takes several chunks
+  Start();
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  constexpr int32_t kStop = 100;  // a byte token: never the fake's answer
+  ASSERT_FALSE(Tok().eog_ids().empty());
+  for (const bool ignore_eos : {false, true}) {
+    GenerateOptions o;
+    o.prompt = Prompt(ignore_eos ? 330 : 320, 20);
+    o.max_tokens = 6;
+    o.min_tokens = 3;
+    o.ignore_eos = ignore_eos;
+    o.stop_token_ids = {kStop};
+    o.logit_bias = {{kEos, 5.0f}, {kFirstPiece + 1, 4.0f}};
+    absl::StatusOr<std::shared_ptr<RequestStream>> s = scheduler_->Submit(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    ASSERT_TRUE(Collect(**s).error.ok());
+    std::map<int32_t, float> early = {{kEos, 5.0f}, {kFirstPiece + 1, 4.0f}, {kStop, -kInf}};
+    if (!ignore_eos) {
+      for (int32_t t : Tok().eog_ids()) early[t] = -kInf;
+    }
+    const std::vector<shm::StepPlan> plans = exec_.plans();
+    const uint64_t id = SeqIdOf(plans, o.prompt[0]).value();
+    int sampled = 0;
+    for (const shm::StepPlan& plan : plans) {
+      size_t at = 0;
+      for (const shm::PlanSeq& p : plan.seqs) {
+        const std::vector<TokenBias> biases(plan.biases.begin() + at, plan.biases.begin() + at + p.n_biases);
+        at += p.n_biases;
+        if (p.slice.seq_id != id || !p.sample) continue;
+        std::map<int32_t, float> sent;
+        for (const TokenBias& b : biases) sent[b.token] = b.bias;
+        EXPECT_EQ(sent.size(), biases.size()) << "distinct ids";
+        // Token number `sampled` + 1 is drawn with `sampled` generated.
+        if (sampled < o.min_tokens) {
+          EXPECT_EQ(sent, early) << "token " << sampled + 1 << ", ignore_eos " << ignore_eos;
+        } else {
+          EXPECT_EQ(sent, (std::map<int32_t, float>{{kEos, 5.0f}, {kFirstPiece + 1, 4.0f}}))
+              << "token " << sampled + 1;
+        }
+        ++sampled;
+      }
+    }
+    EXPECT_EQ(sampled, 6);
+  }
+}
+
 class SchedulerStopStrings : public SchedulerTest {
  protected:
   // Runs a request whose tokens are `script` (then EOS) with `stop` strings.
@@ -839,6 +928,55 @@ TEST_F(SchedulerStopStrings, HeldBackPrefixIsFlushedWhenNoStopCompletes) {
   while (first < out.texts.size() && out.texts[first].find("mat") == std::string::npos) ++first;
   ASSERT_LT(first, out.texts.size());
   EXPECT_NE(out.texts[first].find("mat and the"), std::string::npos) << out.texts[first];
+}
+
+// min_tokens: stop strings are looked for from token min_tokens + 1 on,
+// and only those that end in its text or later (vLLM's rule); one that
+// began in the earlier tokens' text still counts.
+TEST_F(SchedulerStopStrings, MinTokensDelaysStopStrings) {
+  const std::vector<int32_t> prompt = Prompt(300, 3);
+  const std::vector<std::string> stop = {"the", "big cat"};
+  ASSERT_EQ(ExpectedStop(prompt, script_, stop).second, 1u) << "the premise: \"the\" ends the first token";
+  const int min_tokens = 2;
+  // The reference: the first token after min_tokens whose text completes a
+  // stop string, cut at the earliest such string's start.
+  std::string text;
+  size_t count = 0;
+  for (size_t k = min_tokens + 1; k <= script_.size() && count == 0; ++k) {
+    const std::string before = Answer(prompt, {script_.begin(), script_.begin() + k - 1});
+    const std::string now = Answer(prompt, {script_.begin(), script_.begin() + k});
+    size_t cut = std::string::npos;
+    for (const std::string& s : stop) {
+      for (size_t at = now.find(s); at != std::string::npos; at = now.find(s, at + 1)) {
+        if (at + s.size() > before.size()) {
+          cut = std::min(cut, at);
+          break;
+        }
+      }
+    }
+    if (cut != std::string::npos) {
+      text = now.substr(0, cut);
+      count = k;
+    }
+  }
+  ASSERT_GT(count, static_cast<size_t>(min_tokens));
+  exec_.SetTokenFn([this](uint64_t, uint32_t, int nth) {
+    return nth < static_cast<int>(script_.size()) ? script_[nth] : kEos;
+  });
+  Start();
+  GenerateOptions o;
+  o.prompt = prompt;
+  o.max_tokens = 40;
+  o.min_tokens = min_tokens;
+  o.stop = stop;
+  absl::StatusOr<std::shared_ptr<RequestStream>> s = scheduler_->Submit(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const Outcome out = Collect(**s);
+  ASSERT_TRUE(out.error.ok()) << out.error;
+  EXPECT_EQ(out.finish.reason, FinishReason::kStopString);
+  EXPECT_EQ(out.text, text);
+  EXPECT_EQ(out.tokens.size(), count);
+  EXPECT_THAT(out.text, HasSubstr("the")) << "the first \"the\" did not stop it";
 }
 
 TEST_F(SchedulerTest, RequestLargerThanTheKvCacheIsRefusedAtSubmit) {
