@@ -325,6 +325,8 @@ class Session : public std::enable_shared_from_this<Session> {
         absl::StrFormat("%s-%016x", chat ? "chatcmpl" : "cmpl", server_->id_base ^ (n * 0x9E3779B97F4A7C15ULL));
     prepared.options.source = absl::StrCat("HTTP ", id);
     const int32_t last_prompt_token = prepared.options.prompt.empty() ? -1 : prepared.options.prompt.back();
+    std::vector<int32_t> scored_prompt;  // echo with logprobs lists the prompt's tokens
+    if (prepared.options.prompt_logprobs) scored_prompt = prepared.options.prompt;
     // n choices: n sequences of the prompt, queued together (Scheduler::SubmitChoices).
     absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> choices =
         server_->scheduler->SubmitChoices(std::move(prepared.options), parsed.n);
@@ -334,7 +336,7 @@ class Session : public std::enable_shared_from_this<Session> {
     responder_ = std::make_unique<OpenAiResponder>(
         parsed, id,
         server_->options.model_id, static_cast<int64_t>(std::time(nullptr)), *server_->tokenizer,
-        last_prompt_token);
+        last_prompt_token, std::move(scored_prompt));
     stream_.expires_never();
     for (const std::shared_ptr<RequestStream>& r : requests_) Notify(*r);
     streaming_ = parsed.stream;

@@ -111,7 +111,8 @@ constexpr std::string_view kReadFields[] = {
     "model", "messages", "prompt", "echo", "suffix", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options", "n", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "tools", "tool_choice",
-    "parallel_tool_calls", "chat_template_kwargs", "logit_bias", "min_tokens", "ignore_eos", "stop_token_ids"};
+    "parallel_tool_calls", "chat_template_kwargs", "logit_bias", "min_tokens", "ignore_eos", "stop_token_ids",
+    "include_stop_str_in_output"};
 
 constexpr bool IsReadField(std::string_view name) {
   for (std::string_view f : kReadFields) {
@@ -443,8 +444,8 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
     g.set_max_tokens(static_cast<int32_t>(v));
   }
   // vLLM's: min_tokens (at most max_tokens, checked by Validate, which
-  // knows the default), ignore_eos, stop_token_ids (the vocabulary checked
-  // by Validate).
+  // knows the default), ignore_eos, include_stop_str_in_output,
+  // stop_token_ids (the vocabulary checked by Validate).
   if (const json* v = fields.Get("min_tokens")) {
     if (!v->is_number_integer() || v->get<int64_t>() < 0 || v->get<int64_t>() > INT32_MAX) {
       return Bad("min_tokens", "must be an integer, at least 0");
@@ -456,6 +457,8 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
   }
   ASSIGN_OR_RETURN(const bool ignore_eos, boolean("ignore_eos"));
   g.set_ignore_eos(ignore_eos);
+  ASSIGN_OR_RETURN(const bool include_stop, boolean("include_stop_str_in_output"));
+  g.set_include_stop_str_in_output(include_stop);
   if (const json* v = fields.Get("stop_token_ids")) {
     if (!v->is_array()) return Bad("stop_token_ids", "must be a list of token ids");
     if (v->size() > static_cast<size_t>(kMaxStopTokenIds)) {
@@ -556,9 +559,9 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
     if (chat && !r.logprobs && r.top_logprobs > 0) return Bad(top_field.name(), "needs logprobs: true");
     g.set_top_logprobs(r.top_logprobs);
   }
-  if (r.echo && r.logprobs) {
-    return Bad("echo", "with logprobs would need the prompt tokens' log-probabilities, which ellm does not compute");
-  }
+  // echo with logprobs lists the prompt's tokens first, scored (vLLM's;
+  // what lm-evaluation-harness asks for its log-likelihoods).
+  if (r.echo && r.logprobs) g.set_prompt_logprobs(true);
   return r;
 }
 
@@ -639,16 +642,25 @@ std::optional<ToolCallsAnswer> ParseToolCalls(std::string_view text, ToolCallSyn
   return out;
 }
 
+namespace {
+int64_t CodePoints(std::string_view whole_utf8);
+}  // namespace
+
 OpenAiResponder::OpenAiResponder(const OpenAiRequest& request, std::string id, std::string model_id,
-                                 int64_t created, const Tokenizer& tokenizer, int32_t last_prompt_token)
+                                 int64_t created, const Tokenizer& tokenizer, int32_t last_prompt_token,
+                                 std::vector<int32_t> prompt)
     : request_(request), tokenizer_(tokenizer), id_(std::move(id)), model_id_(std::move(model_id)),
-      created_(created) {
+      created_(created), prompt_(std::move(prompt)) {
   if (request_.echo) {
     const auto& ids = request_.generate.prompt_token_ids();
     echo_ = ids.empty() ? request_.generate.prompt() : tokenizer.Decode(std::vector<int32_t>(ids.begin(), ids.end()));
   }
   choices_.reserve(std::max(1, request_.n));
-  for (int i = 0; i < std::max(1, request_.n); ++i) choices_.emplace_back(tokenizer, last_prompt_token);
+  for (int i = 0; i < std::max(1, request_.n); ++i) {
+    choices_.emplace_back(tokenizer, last_prompt_token);
+    // The answer's offsets count from the start of the echoed prompt.
+    if (request_.echo) choices_.back().text_offset = CodePoints(echo_);
+  }
 }
 
 namespace {
@@ -731,6 +743,51 @@ json OpenAiResponder::LogprobsOf(Choice& c, const std::vector<int32_t>& ids, con
   return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs},
           {"text_offset", text_offset}};
 }
+
+json OpenAiResponder::PromptLogprobsOf(const std::vector<float>& logprobs,
+                                       const std::vector<std::vector<TokenLogprob>>& top) const {
+  json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(),
+       text_offset = json::array();
+  StreamDecoder offsets(tokenizer_, -1);
+  int64_t offset = 0;
+  int32_t prev = -1;
+  for (size_t i = 0; i < prompt_.size(); ++i) {
+    const std::string piece = CompletionTokenText(tokenizer_.TokenBytes(prev, prompt_[i]));
+    tokens.push_back(piece);
+    // The first token has no log-probability (nothing before it), as vLLM gives it.
+    if (i == 0 || i - 1 >= logprobs.size()) {
+      token_logprobs.push_back(nullptr);
+      top_logprobs.push_back(nullptr);
+    } else {
+      token_logprobs.push_back(logprobs[i - 1]);
+      json alt = json::object();
+      if (i - 1 < top.size()) {
+        for (const TokenLogprob& a : top[i - 1]) {
+          alt[CompletionTokenText(tokenizer_.TokenBytes(prev, a.token))] = a.logprob;
+        }
+      }
+      alt[piece] = logprobs[i - 1];
+      top_logprobs.push_back(std::move(alt));
+    }
+    int earlier = 0;
+    const std::string text = offsets.Push(prompt_[i], &earlier);
+    text_offset.push_back(offset + earlier);
+    offset += CodePoints(text);
+    prev = prompt_[i];
+  }
+  return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs},
+          {"text_offset", text_offset}};
+}
+
+namespace {
+// Completions' logprobs of `first` then `then`, list by list.
+json JoinLogprobs(json first, const json& then) {
+  for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"}) {
+    for (const json& v : then[key]) first[key].push_back(v);
+  }
+  return first;
+}
+}  // namespace
 
 json OpenAiResponder::ToolCallsJson(const ToolCallsAnswer& answer, int index, bool streaming) const {
   json calls = json::array();
@@ -860,7 +917,8 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
   std::string reasoning, text = e.text;
   if (request_.read_reasoning) std::tie(reasoning, text) = SplitReasoningDelta(c, e.text, e.finished);
   if (request_.read_tool_calls) text = ShowableText(c, text);
-  if (request_.echo && !c.echoed) {
+  const bool echoes = request_.echo && !c.echoed;
+  if (echoes) {
     c.echoed = true;
     text = echo_ + text;
   }
@@ -885,6 +943,10 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
     }
     if (request_.logprobs && !e.token_ids.empty()) {
       choice["logprobs"] = LogprobsOf(c, e.token_ids, e.logprobs, e.top_logprobs);
+    }
+    if (request_.logprobs && echoes) {
+      choice["logprobs"] = JoinLogprobs(PromptLogprobsOf(e.prompt_logprobs, e.prompt_top_logprobs),
+                                        choice["logprobs"].is_null() ? LogprobsOf(c, {}, {}, {}) : choice["logprobs"]);
     }
     if (calls) {
       // The calls in one chunk of their own, then the finish.
@@ -918,6 +980,10 @@ void OpenAiResponder::Add(const coord::StreamEvent& e, int index) {
   c.ids.insert(c.ids.end(), e.token_ids.begin(), e.token_ids.end());
   c.logprobs.insert(c.logprobs.end(), e.logprobs.begin(), e.logprobs.end());
   c.top.insert(c.top.end(), e.top_logprobs.begin(), e.top_logprobs.end());
+  if (!e.prompt_logprobs.empty()) {
+    c.prompt_logprobs = e.prompt_logprobs;
+    c.prompt_top = e.prompt_top_logprobs;
+  }
   if (e.finished) Finished(c, e.finish);
 }
 
@@ -945,6 +1011,9 @@ std::string OpenAiResponder::Final() {
     }
     if (answer.reasoning) choice["message"]["reasoning"] = choice["message"]["reasoning_content"] = *answer.reasoning;
     if (request_.logprobs) choice["logprobs"] = LogprobsOf(c, c.ids, c.logprobs, c.top);
+    if (request_.logprobs && request_.echo) {
+      choice["logprobs"] = JoinLogprobs(PromptLogprobsOf(c.prompt_logprobs, c.prompt_top), choice["logprobs"]);
+    }
     choices.push_back(std::move(choice));
   }
   json body = {{"id", id_},

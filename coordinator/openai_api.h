@@ -8,19 +8,20 @@
 // model, max_tokens / max_completion_tokens, temperature, top_p, top_k,
 // min_p, presence_penalty, frequency_penalty, repetition_penalty (vLLM's),
 // logit_bias, seed, stop
-// (string or list), vLLM's min_tokens, ignore_eos and stop_token_ids, stream, stream_options.include_usage, logprobs (chat:
+// (string or list), vLLM's min_tokens, ignore_eos, stop_token_ids and
+// include_stop_str_in_output, stream, stream_options.include_usage, logprobs (chat:
 // true, with top_logprobs 0..20 alternatives per token; completions: an
 // integer 0..20, the number of alternatives, the chosen token always
 // included), n (1..kMaxChoices choices, each sampled as its own request
 // with seed + i; see OpenAiResponder); completions: echo (the prompt's
-// text before each choice's; not with logprobs, which would need the
-// prompt's); chat: tools with tool_choice auto or none, messages with an
+// text before each choice's; with logprobs, its tokens are listed first,
+// scored: prompt logprobs); chat: tools with tool_choice auto or none, messages with an
 // assistant's tool_calls and the tool role (rendered by the template,
 // coordinator/chat_template.h), and an answer's <tool_call>s returned as
 // tool_calls (ParseToolCalls); chat_template_kwargs.enable_thinking, a
 // message's reasoning_content, and (Qwen3) an answer's thinking block
 // returned as reasoning_content (SplitReasoning). Refused with 400 naming
-// the field: n out of range, echo with logprobs, suffix, any field that
+// the field: n out of range, suffix, any field that
 // would constrain the output or change its length (response_format other
 // than text, tool_choice required or named, functions, function_call other
 // than none/auto, best_of > 1, and vLLM's guided_*), and any field of the wrong type. Other fields (user, metadata,
@@ -114,8 +115,10 @@ class OpenAiResponder {
  public:
   // `tokenizer` names each token in logprobs; the first generated token reads
   // as it does after `last_prompt_token`.
+  // `prompt`: its tokens, for echo with logprobs (the prompt's tokens listed,
+  // scored by the events' prompt_logprobs).
   OpenAiResponder(const OpenAiRequest& request, std::string id, std::string model_id, int64_t created,
-                  const Tokenizer& tokenizer, int32_t last_prompt_token);
+                  const Tokenizer& tokenizer, int32_t last_prompt_token, std::vector<int32_t> prompt = {});
 
   // Streaming: the SSE bytes ("data: {...}\n\n" ...) for one event of a
   // choice, and after the last event of the last choice to finish the usage
@@ -156,6 +159,8 @@ class OpenAiResponder {
     std::vector<int32_t> ids;
     std::vector<float> logprobs;
     std::vector<std::vector<TokenLogprob>> top;
+    std::vector<float> prompt_logprobs;  // echo with logprobs: the first event's
+    std::vector<std::vector<TokenLogprob>> prompt_top;
     bool finished = false;
     FinishInfo finish;
   };
@@ -177,6 +182,10 @@ class OpenAiResponder {
   // The logprobs object of these tokens (advances c's prev_token and text_offset).
   nlohmann::json LogprobsOf(Choice& c, const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
                             const std::vector<std::vector<TokenLogprob>>& top);
+  // Completions' logprobs of the prompt's tokens (echo): the first one
+  // null, the others' from the scores.
+  nlohmann::json PromptLogprobsOf(const std::vector<float>& logprobs,
+                                  const std::vector<std::vector<TokenLogprob>>& top) const;
   // Folds the end of a choice in (once).
   void Finished(Choice& c, const FinishInfo& finish);
 
@@ -187,6 +196,7 @@ class OpenAiResponder {
   std::vector<Choice> choices_;
   int finished_ = 0;  // choices that have had their last event
   std::string echo_;  // echo: the prompt's text (ids decoded)
+  std::vector<int32_t> prompt_;  // echo with logprobs: the prompt's tokens
 };
 
 // OpenAI's error body: {"error": {"message", "type", "param", "code"}}, and

@@ -38,6 +38,10 @@ struct StreamEvent {
   std::vector<int32_t> token_ids;
   std::vector<float> logprobs;
   std::vector<std::vector<TokenLogprob>> top_logprobs;  // per token, when the request asked
+  // Prompt logprobs (GenerateOptions::prompt_logprobs), in the first event:
+  // of prompt tokens 1.. (token 0 has none), with their alternatives.
+  std::vector<float> prompt_logprobs;
+  std::vector<std::vector<TokenLogprob>> prompt_top_logprobs;
   bool finished = false;            // last event of the request
   FinishInfo finish;
   absl::Status error;               // non-OK: the request failed (last event)

@@ -121,7 +121,8 @@ absl::StatusOr<std::unique_ptr<Scheduler::Sequence>> Scheduler::MakeSequence(Gen
   auto seq = std::make_unique<Sequence>();
   seq->options = std::move(options);
   seq->stream = std::make_shared<RequestStream>();
-  seq->text = std::make_unique<TextOutput>(tokenizer_, seq->options.stop, seq->options.prompt.back());
+  seq->text = std::make_unique<TextOutput>(tokenizer_, seq->options.stop, seq->options.prompt.back(),
+                                           seq->options.include_stop_str_in_output);
   seq->need = blocks;
   seq->base = seq->fed = seq->options.synthetic_context;
   seq->needs_fill = seq->base > 0;
@@ -130,6 +131,10 @@ absl::StatusOr<std::unique_ptr<Scheduler::Sequence>> Scheduler::MakeSequence(Gen
   // generated).
   if (seq->options.sampling.repetition_penalty != 1) {
     for (int32_t t : seq->options.prompt) seq->counts.emplace(t, 0);
+  }
+  if (seq->options.prompt_logprobs) {
+    seq->prompt_logprobs.resize(seq->options.prompt.size() - 1);
+    seq->prompt_top.resize(seq->options.prompt.size() - 1);
   }
   // min_tokens: its logit bias, and the tokens that would stop it banned.
   if (seq->options.min_tokens > 0) {
@@ -221,11 +226,11 @@ void Scheduler::Admit() {
     const std::vector<int32_t> tokens = seq->Tokens();
     const int max_blocks = (static_cast<int>(tokens.size()) - 1) / bt;
     std::vector<uint64_t> keys;
-    if (Cacheable(*seq)) keys = cache_.Lookup(tokens, max_blocks);
+    if (Attachable(*seq)) keys = cache_.Lookup(tokens, max_blocks);
     cache_.Acquire(keys);
     // Stored blocks that continue the match are loaded first (once per
     // request; what fails to load is recomputed).
-    if (Cacheable(*seq) && options_.kv_store && !seq->tried_store) {
+    if (Attachable(*seq) && options_.kv_store && !seq->tried_store) {
       seq->tried_store = true;
       std::vector<PrefixCache::Block> stored = cache_.LookupStored(tokens, keys, max_blocks);
       const int64_t m = static_cast<int64_t>(stored.size());
@@ -247,7 +252,7 @@ void Scheduler::Admit() {
     // FlushKvOps, so no eviction below or by a later admission can drop it
     // before).
     PrefixCache::Partial partial;
-    if (Cacheable(*seq)) {
+    if (Attachable(*seq)) {
       const int start = static_cast<int>(keys.size()) * bt;
       const int n = std::min(bt, static_cast<int>(tokens.size()) - 1 - start);
       if (n > 0) partial = cache_.LongestPartial(keys.empty() ? 0 : keys.back(), tokens.data() + start, n);
@@ -374,6 +379,13 @@ shm::StepPlan Scheduler::PlanStep(std::vector<Sequence*>* in_step) {
       p.slice.n_tokens = static_cast<uint32_t>(n);
       s->AppendTokens(done, n, &plan.tokens);
       p.sample = sample ? 1 : 0;
+      // Prompt logprobs: its first prefill scores every prompt token after
+      // the first (a prefill run again after a worker failure scores what
+      // it had scored, the same; once a token is generated, none).
+      if (s->options.prompt_logprobs && s->generated.empty()) {
+        p.score = 1;
+        if (!sample) p.next_token = s->options.prompt[done + n];
+      }
       budget -= n;
       shm::SetSampling(s->options.sampling, &p);
       if (sends_counts) {
@@ -558,8 +570,16 @@ void Scheduler::Loop() {
     // trusted); the other sequences go on.
     for (size_t i = 0; i < plan.seqs.size(); ++i) {
       Sequence* s = in_step[i];
+      const int start = s->fed - s->base;  // prompt index of the chunk's first token
       s->fed += static_cast<int>(plan.seqs[i].slice.n_tokens);
       s->in_kv = true;
+      absl::Status scores = TakeScores(s, start, plan.seqs[i], *result);
+      if (!scores.ok()) {
+        LogError("step %d: %s ends: %s", step, Named(*s), scores.ToString());
+        Fail(s, scores);
+        Retire(s, /*publish=*/false);
+        continue;
+      }
       if (!plan.seqs[i].sample) continue;
       const absl::Status answer = CheckAnswer(*s, *result);
       if (!answer.ok()) {
@@ -573,13 +593,47 @@ void Scheduler::Loop() {
         Publish(s, s->fed / options_.kv_block_tokens);
       }
     }
-    for (const shm::SampledSeq& r : *result) Deliver(r, now);
+    for (const shm::SampledSeq& r : *result) {
+      if (r.status != shm::kScored) Deliver(r, now);
+    }
   }
 }
 
+absl::Status Scheduler::TakeScores(Sequence* s, int start, const shm::PlanSeq& p,
+                                   const std::vector<shm::SampledSeq>& result) const {
+  const uint32_t want = shm::ScoredTokens(p);
+  uint32_t got = 0;
+  for (const shm::SampledSeq& r : result) {
+    if (r.seq_id != s->id || (r.status != shm::kScored && !(r.status == shm::kLogitsNotFinite && got < want))) {
+      continue;
+    }
+    // Entry `got` scores prompt token start + got + 1.
+    const size_t at = static_cast<size_t>(start) + got + 1;
+    if (got >= want || at >= s->options.prompt.size() || r.token != s->options.prompt[at]) {
+      return absl::InternalError(absl::StrCat("the mlp-worker scored tokens this step did not ask for (",
+                                              got + 1, " of ", want, ": token ", r.token, ")"));
+    }
+    if (r.status == shm::kLogitsNotFinite) {
+      return absl::InternalError(absl::StrCat("the model's logits at position ", start + got,
+                                              " are not finite (NaN or infinity): its weights or activations "
+                                              "overflowed; the prompt token after it has no log-probability"));
+    }
+    s->prompt_logprobs[at - 1] = r.logprob;
+    s->prompt_top[at - 1].assign(r.top, r.top + std::min<uint32_t>(r.n_top, kMaxTopLogprobs));
+    ++got;
+  }
+  if (got != want) {
+    return absl::InternalError(absl::StrCat("the mlp-worker scored ", got, " prompt tokens of the ", want,
+                                            " this step asked for"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Scheduler::CheckAnswer(const Sequence& s, const std::vector<shm::SampledSeq>& result) const {
-  auto it = std::find_if(result.begin(), result.end(),
-                         [&s](const shm::SampledSeq& r) { return r.seq_id == s.id; });
+  // Its sampled token's entry: after its scored ones.
+  auto it = std::find_if(result.begin(), result.end(), [&s](const shm::SampledSeq& r) {
+    return r.seq_id == s.id && r.status != shm::kScored;
+  });
   if (it == result.end()) return absl::InternalError("the mlp-worker returned no token for this request");
   if (it->status == shm::kLogitsNotFinite) {
     return absl::InternalError(absl::StrCat(
@@ -622,14 +676,16 @@ void Scheduler::Deliver(const shm::SampledSeq& r, absl::Time now) {
       m->InterTokenLatency(now - s->last_token);
     }
   }
+  StreamEvent e;
   if (s->generated.empty()) {
     s->first_token = now;
     leading_.erase(s->id);  // its prompt's blocks are published: its other choices may come
+    e.prompt_logprobs = std::move(s->prompt_logprobs);
+    e.prompt_top_logprobs = std::move(s->prompt_top);
   }
   s->last_token = now;
   s->generated.push_back(r.token);
   if (s->options.sampling.penalised()) ++s->counts[r.token];
-  StreamEvent e;
   e.token_ids.push_back(r.token);
   e.logprobs.push_back(r.logprob);
   if (s->options.sampling.top_logprobs > 0) {
@@ -638,17 +694,23 @@ void Scheduler::Deliver(const shm::SampledSeq& r, absl::Time now) {
   FinishReason reason = FinishReason::kNone;
   const int generated = static_cast<int>(s->generated.size());
   // Before min_tokens the tokens that stop are banned (early_bias) and stop
-  // strings are not looked for; vLLM's order after it: the model's end of
-  // generation (with no text), a stop string, a stop token id.
+  // strings are not looked for. As vLLM: a token that stops (the model's end
+  // of generation, a stop token id) adds no text unless
+  // include_stop_str_in_output (the end of generation has none anyway), and
+  // the text it then adds may still hold a stop string.
   const bool may_stop = generated > s->options.min_tokens;
+  const bool stop_id =
+      std::binary_search(s->options.stop_token_ids.begin(), s->options.stop_token_ids.end(), r.token);
   if (!s->options.ignore_eos && tokenizer_.IsEndOfGeneration(r.token)) {
+    reason = FinishReason::kStopToken;
+  } else if (stop_id && !s->options.include_stop_str_in_output) {
     reason = FinishReason::kStopToken;
   } else {
     bool stopped = false;
     e.text = s->text->Push(r.token, may_stop, &stopped);
     if (stopped) {
       reason = FinishReason::kStopString;
-    } else if (std::binary_search(s->options.stop_token_ids.begin(), s->options.stop_token_ids.end(), r.token)) {
+    } else if (stop_id) {
       reason = FinishReason::kStopToken;
     }
   }

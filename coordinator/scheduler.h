@@ -100,7 +100,14 @@ struct GenerateOptions {
   // looked for; at most max_tokens.
   int min_tokens = 0;
   bool ignore_eos = false;               // the model's end-of-generation tokens do not stop it
+  // Score the prompt: the first event carries the log-probability of each
+  // prompt token after the first (with sampling.top_logprobs alternatives).
+  // Such a request prefills its whole prompt: it attaches no cached blocks.
+  bool prompt_logprobs = false;
   std::vector<int32_t> stop_token_ids;   // more tokens that stop it, sorted, distinct
+  // The text ends with the stop string, or the stop token id's text, that
+  // ended it (without: just before).
+  bool include_stop_str_in_output = false;
   int synthetic_context = 0;  // benchmarks: random K/V positions before the prompt
   double tokenize_ms = 0;     // time the service took to tokenize the prompt (for the log)
   // Who asked, for the log lines of the request: "HTTP cmpl-…" (the id its
@@ -200,6 +207,9 @@ class Scheduler {
     // Its tokens' counts when it has penalties (by token id: the frame's order):
     // generated ones, and with a repetition penalty the prompt's (count 0).
     std::map<int32_t, int32_t> counts;
+    // Prompt logprobs: of prompt tokens 1.. (filled as its prefill runs).
+    std::vector<float> prompt_logprobs;
+    std::vector<std::vector<TokenLogprob>> prompt_top;
     // While it has fewer than min_tokens generated: its logit bias with the
     // tokens that would stop it banned (-inf), by token id.
     std::vector<TokenBias> early_bias;
@@ -258,6 +268,14 @@ class Scheduler {
   // whole blocks are all its own published chain. Locked.
   void PublishPartial(Sequence* seq);
   bool Cacheable(const Sequence& seq) const { return options_.prefix_cache && seq.base == 0; }
+  // Whether it may start from cached blocks: not while its prompt is to be scored.
+  bool Attachable(const Sequence& seq) const {
+    return Cacheable(seq) && !(seq.options.prompt_logprobs && seq.generated.empty());
+  }
+  // The prompt scores a step's result has for s (whose chunk began at
+  // prompt token `start`) into s; an error when they are not those asked.
+  absl::Status TakeScores(Sequence* s, int start, const shm::PlanSeq& p,
+                          const std::vector<shm::SampledSeq>& result) const;
   // Sends pending_ to the workers (unlocked call to the executor); a failure
   // breaks the scheduler.
   void FlushKvOps();

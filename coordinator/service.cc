@@ -299,6 +299,7 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
   std::sort(o.stop_token_ids.begin(), o.stop_token_ids.end());
   o.stop_token_ids.erase(std::unique(o.stop_token_ids.begin(), o.stop_token_ids.end()), o.stop_token_ids.end());
   o.ignore_eos = r.ignore_eos();
+  o.include_stop_str_in_output = r.include_stop_str_in_output();
   if (r.min_tokens() < 0 || r.min_tokens() > o.max_tokens) {
     return absl::InvalidArgumentError(
         absl::StrCat("min_tokens must be in [0, max_tokens = ", o.max_tokens,
@@ -306,6 +307,10 @@ absl::StatusOr<GenerateOptions> EllmService::Validate(const ellm::v1::GenerateRe
                      r.min_tokens()));
   }
   o.min_tokens = r.min_tokens();
+  if (r.prompt_logprobs() && o.synthetic_context > 0) {
+    return absl::InvalidArgumentError("prompt_logprobs scores a prompt, not a synthetic context");
+  }
+  o.prompt_logprobs = r.prompt_logprobs();
   return o;
 }
 
@@ -341,6 +346,16 @@ grpc::Status EllmService::Generate(grpc::ServerContext* context,
       for (const TokenLogprob& a : top) {
         t->add_token_ids(a.token);
         t->add_logprobs(a.logprob);
+      }
+    }
+    for (float lp : e->prompt_logprobs) resp.add_prompt_logprobs(lp);
+    if (request->top_logprobs() > 0) {
+      for (const std::vector<TokenLogprob>& top : e->prompt_top_logprobs) {
+        ellm::v1::TopLogprobs* t = resp.add_prompt_top_logprobs();
+        for (const TokenLogprob& a : top) {
+          t->add_token_ids(a.token);
+          t->add_logprobs(a.logprob);
+        }
       }
     }
     if (e->finished) {

@@ -4,8 +4,8 @@
 
 namespace ellm::coord {
 
-TextOutput::TextOutput(const Tokenizer& tokenizer, std::vector<std::string> stop, int32_t prev)
-    : decoder_(tokenizer, prev), stop_(std::move(stop)) {
+TextOutput::TextOutput(const Tokenizer& tokenizer, std::vector<std::string> stop, int32_t prev, bool include_stop)
+    : decoder_(tokenizer, prev), stop_(std::move(stop)), include_stop_(include_stop) {
   stop_.erase(std::remove(stop_.begin(), stop_.end(), std::string()), stop_.end());
 }
 
@@ -15,19 +15,22 @@ std::string TextOutput::Push(int32_t token, bool look, bool* stopped) {
   text_ += decoder_.Push(token);
   // A stop string that completed: in the unsent text, ending in the new.
   // (Looking each time, one that ends earlier was found then.)
-  size_t first = std::string::npos;
+  size_t first = std::string::npos, last = 0;  // the earliest one's start and end
   for (const std::string& s : stop_) {
     if (!look) break;
     for (size_t at = text_.find(s, emitted_); at != std::string::npos; at = text_.find(s, at + 1)) {
       if (at + s.size() > before) {
-        first = std::min(first, at);
+        if (at < first || (at == first && at + s.size() > last)) {
+          first = at;
+          last = at + s.size();
+        }
         break;
       }
     }
   }
   if (first != std::string::npos) {
     *stopped = true;
-    std::string out = text_.substr(emitted_, first - emitted_);
+    std::string out = text_.substr(emitted_, (include_stop_ ? last : first) - emitted_);
     emitted_ = text_.size();
     return out;
   }

@@ -14,9 +14,12 @@ class TextOutput {
  public:
   // `prev` is the prompt's last token: the first answer token is decoded as
   // its continuation (e.g. SPM keeps its leading space).
-  TextOutput(const Tokenizer& tokenizer, std::vector<std::string> stop, int32_t prev = -1);
+  // `include_stop`: the text ends with the stop string that ended it.
+  TextOutput(const Tokenizer& tokenizer, std::vector<std::string> stop, int32_t prev = -1,
+             bool include_stop = false);
   // Adds a token's text; returns the text now safe to send. Sets *stopped
-  // when a stop string appeared (the returned text ends just before it):
+  // when a stop string appeared (the returned text ends just before it, or
+  // with it with include_stop):
   // with `look` only, and then only one that ends in this token's text
   // (min_tokens: stop strings of the tokens before it are not looked for,
   // as vLLM does). Without `look`, a tail that could begin a stop string is
@@ -28,6 +31,7 @@ class TextOutput {
  private:
   StreamDecoder decoder_;
   std::vector<std::string> stop_;
+  bool include_stop_ = false;
   std::string text_;     // all text so far
   size_t emitted_ = 0;   // bytes of text_ already returned
 };

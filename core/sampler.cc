@@ -75,6 +75,19 @@ void TopLogprobs(const float* logits, int n, int k, double lse, SampledToken* ou
 
 }  // namespace
 
+SampledToken Score(const float* logits, int n, int32_t token, int top_logprobs) {
+  SampledToken out;
+  const double lse = LogSumExp(logits, n);
+  if (!std::isfinite(lse)) {
+    out.finite = false;
+    return out;
+  }
+  if (top_logprobs > 0) TopLogprobs(logits, n, top_logprobs, lse, &out);
+  out.token = token;
+  out.logprob = static_cast<float>(logits[token] - lse);
+  return out;
+}
+
 SampledToken Sample(const float* raw, int n, const SamplingParams& params, float u, const TokenCount* counts,
                     int n_counts, const TokenBias* biases, int n_biases) {
   SampledToken out;

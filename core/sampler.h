@@ -104,6 +104,12 @@ SampledToken Sample(const float* logits, int n, const SamplingParams& params, fl
                     const TokenCount* counts = nullptr, int n_counts = 0, const TokenBias* biases = nullptr,
                     int n_biases = 0);
 
+// Scores a given token (prompt logprobs): its log-probability under the raw
+// logits [n] and the top_logprobs most likely tokens, as Sample reports a
+// sampled one (`finite` false, nothing else set, when they have no
+// distribution).
+SampledToken Score(const float* logits, int n, int32_t token, int top_logprobs);
+
 // The draw u for the index-th token (0: the first) sampled with `seed`: the
 // index-th output of SplitMix64 started at the seed's SplitMix64 mix (so
 // that no two seeds' streams are shifts of each other), in [0, 1) with 24 random

@@ -296,8 +296,8 @@ absl::Status Run(const MlpWorkerConfig& config) {
   ASSIGN_OR_RETURN(auto runner, StepRunner::Create(model, backend.get(), links, config.max_step_tokens));
 
   const uint64_t plan_bytes = shm::StepPlanCapacity(config.max_batch, config.max_step_tokens);
-  const uint64_t result_bytes =
-      sizeof(shm::FrameHeader) + std::max<uint64_t>(config.max_batch * sizeof(shm::SampledSeq), 4096);
+  const uint64_t result_bytes = std::max<uint64_t>(shm::StepResultCapacity(config.max_batch, config.max_step_tokens),
+                                                   sizeof(shm::FrameHeader) + 4096);
   ASSIGN_OR_RETURN(auto coord, shm::Channel::Create(config.channel, 4, plan_bytes, result_bytes));
 
   std::atomic<int64_t> steps{0}, busy_ns{0};

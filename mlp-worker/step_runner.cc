@@ -8,6 +8,10 @@
 #include "core/sampler.h"
 
 namespace ellm::mlp {
+namespace {
+// Rows of logits computed at once for scored prompt tokens.
+constexpr uint32_t kScoreRows = 32;
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<StepRunner>> StepRunner::Create(const ModelConfig& config,
                                                                MlpBackend* backend,
@@ -213,6 +217,36 @@ absl::StatusOr<std::vector<shm::SampledSeq>> StepRunner::RunStep(uint64_t step,
     RETURN_IF_ERROR(RunLayer(step, layer, slices, static_cast<uint32_t>(T)));
   }
   std::vector<shm::SampledSeq> out;
+  // Prompt logprobs first: the scored sequences' rows, a batch of rows at a
+  // time (a chunk's logits in one piece would be tokens x vocabulary floats).
+  int row = 0;
+  size_t token_at = 0;
+  for (const shm::PlanSeq& s : plan.seqs) {
+    const uint32_t scored = shm::ScoredTokens(s);
+    for (uint32_t done = 0; done < scored;) {
+      const uint32_t n = std::min<uint32_t>(scored - done, kScoreRows);
+      std::vector<int32_t> rows(n);
+      for (uint32_t j = 0; j < n; ++j) rows[j] = row + static_cast<int32_t>(done + j);
+      logits_.resize(n * static_cast<size_t>(c_.vocab_size));
+      RETURN_IF_ERROR(backend_->ComputeLogits(rows.data(), static_cast<int>(n), logits_.data()));
+      for (uint32_t j = 0; j < n; ++j) {
+        const uint32_t i = done + j;  // scores the token after the chunk's i-th
+        const int32_t next = i + 1 < s.slice.n_tokens ? plan.tokens[token_at + i + 1] : s.next_token;
+        const SampledToken tok =
+            Score(logits_.data() + j * static_cast<size_t>(c_.vocab_size), c_.vocab_size, next, s.top_logprobs);
+        shm::SampledSeq& r = out.emplace_back();
+        r.seq_id = s.slice.seq_id;
+        r.status = tok.finite ? shm::kScored : shm::kLogitsNotFinite;
+        r.token = next;
+        r.logprob = tok.logprob;
+        r.n_top = static_cast<uint32_t>(tok.n_top);
+        std::copy(tok.top, tok.top + tok.n_top, r.top);
+      }
+      done += n;
+    }
+    row += static_cast<int>(s.slice.n_tokens);
+    token_at += s.slice.n_tokens;
+  }
   if (sample_rows.empty()) return out;
   logits_.resize(sample_rows.size() * static_cast<size_t>(c_.vocab_size));
   RETURN_IF_ERROR(backend_->ComputeLogits(sample_rows.data(), static_cast<int>(sample_rows.size()),
@@ -220,16 +254,23 @@ absl::StatusOr<std::vector<shm::SampledSeq>> StepRunner::RunStep(uint64_t step,
   size_t i = 0;
   const TokenCount* counts = plan.counts.data();
   const TokenBias* biases = plan.biases.data();
+  // Each sequence's sampled token after its scored ones.
+  std::vector<shm::SampledSeq> ordered;
+  ordered.reserve(out.size() + sample_rows.size());
+  size_t scored_at = 0;
   for (const shm::PlanSeq& s : plan.seqs) {
     const TokenCount* seq_counts = counts;
     const TokenBias* seq_biases = biases;
     counts += s.n_counts;
     biases += s.n_biases;
+    const uint32_t scored = shm::ScoredTokens(s);
+    ordered.insert(ordered.end(), out.begin() + scored_at, out.begin() + scored_at + scored);
+    scored_at += scored;
     if (!s.sample) continue;
     const SampledToken tok = Sample(logits_.data() + i * c_.vocab_size, c_.vocab_size, shm::SamplingOf(s), s.u,
                                     seq_counts, static_cast<int>(s.n_counts), seq_biases,
                                     static_cast<int>(s.n_biases));
-    shm::SampledSeq& r = out.emplace_back();
+    shm::SampledSeq& r = ordered.emplace_back();
     r.seq_id = s.slice.seq_id;
     r.status = tok.finite ? shm::kSampled : shm::kLogitsNotFinite;
     r.token = tok.token;
@@ -238,7 +279,7 @@ absl::StatusOr<std::vector<shm::SampledSeq>> StepRunner::RunStep(uint64_t step,
     std::copy(tok.top, tok.top + tok.n_top, r.top);
     ++i;
   }
-  return out;
+  return ordered;
 }
 
 }  // namespace ellm::mlp

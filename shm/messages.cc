@@ -102,6 +102,14 @@ SamplingParams SamplingOf(const PlanSeq& p) {
 uint64_t StepPlanCountsCapacity(int max_seqs) { return uint64_t(std::min(max_seqs, 16)) * kMaxPenaltyTokens; }
 uint64_t StepPlanBiasesCapacity(int max_seqs) { return uint64_t(std::min(max_seqs, 16)) * kMaxSeqBiases; }
 
+uint32_t ScoredTokens(const PlanSeq& p) {
+  return p.score == 0 ? 0 : p.slice.n_tokens - (p.sample != 0 ? 1 : 0);
+}
+
+uint64_t StepResultCapacity(int max_seqs, int max_tokens) {
+  return sizeof(FrameHeader) + (uint64_t(max_seqs) + uint64_t(max_tokens)) * sizeof(SampledSeq);
+}
+
 uint64_t StepPlanCapacity(int max_seqs, int max_tokens) {
   return sizeof(FrameHeader) + uint64_t(max_seqs) * sizeof(PlanSeq) + uint64_t(max_tokens) * sizeof(int32_t) +
          StepPlanCountsCapacity(max_seqs) * sizeof(TokenCount) + StepPlanBiasesCapacity(max_seqs) * sizeof(TokenBias);
@@ -170,6 +178,17 @@ absl::StatusOr<StepPlan> DecodeStepPlan(const FrameHeader& header, const uint8_t
       return absl::DataLossError(absl::StrCat("step plan of sequence ", s.slice.seq_id, ": ", st.message()));
     }
   }
+  // Scoring: on or off; a next token (of the vocabulary) exactly when a
+  // scored chunk does not sample.
+  for (const PlanSeq& s : plan.seqs) {
+    const bool wants_next = s.score == 1 && s.sample == 0;
+    if (s.score > 1 || (wants_next ? s.next_token < 0 || s.next_token >= vocab_size : s.next_token != -1)) {
+      return absl::DataLossError(absl::StrCat("step plan of sequence ", s.slice.seq_id, " has a bad score (",
+                                              s.score, ") or next token (", s.next_token,
+                                              "): a token of the vocabulary when a scored chunk does not sample, "
+                                              "else -1"));
+    }
+  }
   // Each sequence's counts: distinct tokens of the vocabulary, in order, each
   // generated at least once (a token twice would be penalised twice), or
   // (count 0) a token of the prompt, for a repetition penalty only.
@@ -217,7 +236,7 @@ absl::StatusOr<std::vector<SampledSeq>> DecodeStepResult(const FrameHeader& head
   std::vector<SampledSeq> out(header.n_seqs);
   CopyBytes(out.data(), payload, out.size() * sizeof(SampledSeq));
   for (const SampledSeq& s : out) {
-    if (s.status != kSampled && s.status != kLogitsNotFinite) {
+    if (s.status != kSampled && s.status != kLogitsNotFinite && s.status != kScored) {
       return absl::DataLossError(
           absl::StrCat("step result of sequence ", s.seq_id, " has unknown status ", s.status));
     }

@@ -5,8 +5,9 @@
 // kStepPlan (coordinator -> mlp-worker), header n_seqs = S, n_tokens = T:
 //   PlanSeq[S] | int32 token_ids[T]        (tokens of seq 0, then seq 1, ...)
 //   | TokenCount counts[sum of n_counts]  (seq 0's, then seq 1's, ...)
-// kStepResult (mlp-worker -> coordinator), n_seqs = number of sampled seqs:
-//   SampledSeq[n_seqs]
+// kStepResult (mlp-worker -> coordinator), n_seqs = number of entries:
+//   SampledSeq[n_seqs]  (per sequence of the plan, in its order: a scored
+//   entry for each token its chunk scores, then its sampled token if any)
 // kAttnRequest (mlp-worker -> attn-worker s), n_seqs = S, n_tokens = T, layer:
 //   SeqSlice[S] | f32 q[T][hq_s][hd] | f32 k[T][hkv_s][hd] | f32 v[T][hkv_s][hd]
 //   (hq_s = query heads of the shard's KV heads, hkv_s = its KV heads)
@@ -55,8 +56,18 @@ struct PlanSeq {
   // entries by increasing token id, each in [-100, 100] or -inf (banned:
   // min_tokens); only with a chunk that samples.
   uint32_t n_biases = 0;
+  // 1: score the prompt (prompt logprobs): the result lists, as kScored
+  // entries, the log-probability of the token after each of the chunk's
+  // tokens (with top_logprobs alternatives): the chunk's next tokens, and
+  // after its last one next_token, unless the chunk samples.
+  uint32_t score = 0;
+  int32_t next_token = -1;  // with score on a chunk that does not sample; else -1
 };
-static_assert(sizeof(PlanSeq) == 64);
+static_assert(sizeof(PlanSeq) == 72);
+
+// The entries a plan's sequence gets in the step result: one per token it
+// scores, and one for its sampled token.
+uint32_t ScoredTokens(const PlanSeq& p);
 
 // A sequence's sampling parameters in a PlanSeq and back: the one place
 // that maps the fields (the scheduler writes them, the decoder checks them,
@@ -66,7 +77,9 @@ SamplingParams SamplingOf(const PlanSeq& p);
 
 // SampledSeq::status: the token was sampled, or the sequence's logits were
 // not finite (NaN or infinity: the model overflowed) and nothing was.
-enum SampleStatus : uint32_t { kSampled = 0, kLogitsNotFinite = 1 };
+// kScored: an entry of a scored prompt token (PlanSeq::score): `token` is
+// the token, `logprob` its log-probability, `top` the alternatives.
+enum SampleStatus : uint32_t { kSampled = 0, kLogitsNotFinite = 1, kScored = 2 };
 
 struct SampledSeq {
   uint64_t seq_id = 0;
@@ -109,7 +122,9 @@ FrameHeader StepPlanHeader(uint64_t step, const StepPlan& plan);
 absl::StatusOr<StepPlan> DecodeStepPlan(const FrameHeader& header, const uint8_t* payload,
                                         uint32_t max_positions, int vocab_size);
 
-// Step result.
+// Step result. The largest one of a plan of up to max_seqs sequences and
+// max_tokens tokens (each may be scored), header included.
+uint64_t StepResultCapacity(int max_seqs, int max_tokens);
 absl::StatusOr<std::vector<SampledSeq>> DecodeStepResult(const FrameHeader& header,
                                                          const uint8_t* payload);
 

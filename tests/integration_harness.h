@@ -233,6 +233,8 @@ struct Generated {
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;  // one per token
   std::vector<ellm::v1::TopLogprobs> top_logprobs;  // one per token when asked
+  std::vector<float> prompt_logprobs;                // with prompt_logprobs
+  std::vector<ellm::v1::TopLogprobs> prompt_top_logprobs;
   ellm::v1::Finish finish;
   int messages = 0;
 };
@@ -258,6 +260,9 @@ inline Generated Generate(ellm::v1::Ellm::Stub* stub, const ellm::v1::GenerateRe
     g.tokens.insert(g.tokens.end(), resp.token_ids().begin(), resp.token_ids().end());
     g.logprobs.insert(g.logprobs.end(), resp.logprobs().begin(), resp.logprobs().end());
     g.top_logprobs.insert(g.top_logprobs.end(), resp.top_logprobs().begin(), resp.top_logprobs().end());
+    g.prompt_logprobs.insert(g.prompt_logprobs.end(), resp.prompt_logprobs().begin(), resp.prompt_logprobs().end());
+    g.prompt_top_logprobs.insert(g.prompt_top_logprobs.end(), resp.prompt_top_logprobs().begin(),
+                                 resp.prompt_top_logprobs().end());
     if (resp.has_finish()) g.finish = resp.finish();
     if (on_message) on_message(g);
   }

@@ -263,27 +263,34 @@ TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
   }
 
   // vLLM's stop_token_ids, ignore_eos and min_tokens. The greedy answer's
-  // 6th token as a stop token id ends it there (its text kept, streamed or
-  // not); with min_tokens 6 it is banned until token 7, so the 6th token
-  // differs from the greedy one. With EOS biased, ignore_eos runs on.
+  // 6th token as a stop token id ends it there (its text dropped, or kept
+  // with include_stop_str_in_output; streamed or not); with min_tokens 6 it
+  // is banned until token 7, so the 6th token differs from the greedy one.
+  // With EOS biased, ignore_eos runs on.
   {
     json six_req = Completion("Once upon a time", 6, false);
     six_req["logprobs"] = 0;
     const json six = Post(port, "/v1/completions", six_req).Json()["choices"][0];
     ASSERT_EQ(six["logprobs"]["tokens"].size(), 6u) << six;
+    const json five = Post(port, "/v1/completions", Completion("Once upon a time", 5, false)).Json()["choices"][0];
+    ASSERT_NE(five["text"], six["text"]);
     for (const bool stream : {false, true}) {
-      json stop_id = Completion("Once upon a time", 40, stream);
-      stop_id["stop_token_ids"] = {grpc_answer.tokens[5]};
-      const HttpResult sr = Post(port, "/v1/completions", stop_id);
-      ASSERT_EQ(sr.status, 200) << sr.body;
-      if (stream) {
-        const Streamed st = Collect(sr, false);
-        EXPECT_EQ(st.finish_reason, "stop");
-        EXPECT_EQ(st.text, six["text"]);
-      } else {
-        EXPECT_EQ(sr.Json()["choices"][0]["finish_reason"], "stop");
-        EXPECT_EQ(sr.Json()["choices"][0]["text"], six["text"]);
-        EXPECT_EQ(sr.Json()["usage"]["completion_tokens"], 6);
+      for (const bool include : {false, true}) {
+        json stop_id = Completion("Once upon a time", 40, stream);
+        stop_id["stop_token_ids"] = {grpc_answer.tokens[5]};
+        if (include) stop_id["include_stop_str_in_output"] = true;
+        const HttpResult sr = Post(port, "/v1/completions", stop_id);
+        ASSERT_EQ(sr.status, 200) << sr.body;
+        const json& expected = include ? six["text"] : five["text"];
+        if (stream) {
+          const Streamed st = Collect(sr, false);
+          EXPECT_EQ(st.finish_reason, "stop");
+          EXPECT_EQ(st.text, expected) << include;
+        } else {
+          EXPECT_EQ(sr.Json()["choices"][0]["finish_reason"], "stop");
+          EXPECT_EQ(sr.Json()["choices"][0]["text"], expected) << include;
+          EXPECT_EQ(sr.Json()["usage"]["completion_tokens"], 6);
+        }
       }
     }
     json late = Completion("Once upon a time", 8, false);
@@ -309,6 +316,41 @@ TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
   json echo_req = Completion("Once upon a time", 40, false);
   echo_req["echo"] = true;
   EXPECT_EQ(Post(port, "/v1/completions", echo_req).Json()["choices"][0]["text"], "Once upon a time" + grpc_answer.text);
+  // With logprobs, the prompt's tokens come first, scored as gRPC's
+  // prompt_logprobs scores them (the first null), streamed or not.
+  {
+    ellm::v1::GenerateRequest scored = Greedy("Once upon a time", 3);
+    scored.set_prompt_logprobs(true);
+    const Generated g = Generate(system.stub(), scored);
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+    ASSERT_EQ(g.prompt_logprobs.size(), 4u);
+    for (const bool stream : {false, true}) {
+      json req = Completion("Once upon a time", 3, stream);
+      req["echo"] = true;
+      req["logprobs"] = 1;
+      const HttpResult er = Post(port, "/v1/completions", req);
+      ASSERT_EQ(er.status, 200) << er.body;
+      json lp;
+      if (stream) {
+        lp = {{"tokens", json::array()}, {"token_logprobs", json::array()}, {"text_offset", json::array()}};
+        for (size_t at = er.body.find("data: {"); at != std::string::npos; at = er.body.find("data: {", at + 1)) {
+          const json chunk = json::parse(er.body.substr(at + 6, er.body.find("\n\n", at) - at - 6));
+          if (chunk["choices"].empty() || chunk["choices"][0]["logprobs"].is_null()) continue;
+          for (const char* key : {"tokens", "token_logprobs", "text_offset"}) {
+            for (const json& v : chunk["choices"][0]["logprobs"][key]) lp[key].push_back(v);
+          }
+        }
+      } else {
+        lp = er.Json()["choices"][0]["logprobs"];
+        EXPECT_EQ(er.Json()["choices"][0]["text"].get<std::string>().rfind("Once upon a time", 0), 0u);
+      }
+      ASSERT_EQ(lp["tokens"].size(), 8u) << lp;  // 5 prompt tokens (BOS first), 3 generated
+      EXPECT_TRUE(lp["token_logprobs"][0].is_null()) << lp;
+      for (int i = 1; i < 5; ++i) EXPECT_FLOAT_EQ(lp["token_logprobs"][i].get<float>(), g.prompt_logprobs[i - 1]) << lp;
+      for (int i = 0; i < 3; ++i) EXPECT_FLOAT_EQ(lp["token_logprobs"][5 + i].get<float>(), grpc_answer.logprobs[i]);
+      EXPECT_EQ(lp["text_offset"][1], 0) << lp;
+    }
+  }
 
   // min_p reaches the sampler in the MLP worker: at 1 it keeps only the
   // most likely token, so a hot sampled request is the greedy answer (and

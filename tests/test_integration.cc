@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -215,6 +216,65 @@ TEST(Integration, IgnoreEosAndMinTokensFollowTheReference) {
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(refused.status.error_message().find("min_tokens must be in [0, max_tokens = 10]"), std::string::npos)
       << refused.status.error_message();
+  ExpectCleanShutdown(system);
+}
+
+// Prompt logprobs (GenerateRequest.prompt_logprobs; OpenAI's echo with
+// logprobs): each prompt token's log-probability given those before it is
+// the reference forward's, with its top alternatives, over prefill chunks
+// of 8 tokens (so each chunk scores the next chunk's first token too). A
+// repeat finds the prompt cached but prefills it whole again, giving the
+// same scores; a plain repeat attaches it.
+TEST(Integration, PromptLogprobsAreTheReferenceForwards) {
+  auto file = GgufFile::Open(kStories);
+  ASSERT_TRUE(file.ok());
+  auto config = ModelConfig::FromGguf(**file);
+  auto tokenizer = Tokenizer::FromGguf(**file);
+  const std::string text = "Once upon a time there was a little girl named Lily. She loved to play outside in the sun";
+  const std::vector<int32_t> prompt = (*tokenizer)->Encode(text, true);
+  ASSERT_GT(prompt.size(), 17u);
+  std::vector<double> expected;
+  std::vector<int32_t> best;
+  {
+    auto weights = LoadWeights(**file, *config);
+    ASSERT_TRUE(weights.ok());
+    auto model = ReferenceModel::Create(*std::move(weights));
+    for (size_t i = 0; i + 1 < prompt.size(); ++i) {
+      const std::vector<float> logits = (*model)->Forward(prompt[i], static_cast<int>(i));
+      double max = *std::max_element(logits.begin(), logits.end()), sum = 0;
+      for (float l : logits) sum += std::exp(l - max);
+      expected.push_back(logits[prompt[i + 1]] - max - std::log(sum));
+      best.push_back(static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin()));
+    }
+  }
+  EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--kv-dtype=f32",
+                     "--max-step-tokens=8"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  ellm::v1::GenerateRequest req = Greedy(text, 4);
+  req.set_prompt_logprobs(true);
+  req.set_top_logprobs(2);
+  std::vector<float> first;
+  for (int round = 0; round < 2; ++round) {
+    const Generated g = Generate(system.stub(), req);
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+    ASSERT_EQ(g.prompt_logprobs.size(), prompt.size() - 1);
+    ASSERT_EQ(g.prompt_top_logprobs.size(), prompt.size() - 1);
+    for (size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_NEAR(g.prompt_logprobs[i], expected[i], 1e-3) << "token " << i + 1;
+      ASSERT_EQ(g.prompt_top_logprobs[i].token_ids_size(), 2);
+      EXPECT_EQ(g.prompt_top_logprobs[i].token_ids(0), best[i]) << "token " << i + 1;
+    }
+    EXPECT_EQ(g.finish.cached_tokens(), 0) << "round " << round << ": scored prompts are prefilled whole";
+    if (round == 0) {
+      first = g.prompt_logprobs;
+    } else {
+      EXPECT_EQ(g.prompt_logprobs, first);
+    }
+  }
+  const Generated plain = Generate(system.stub(), Greedy(text, 4));
+  ASSERT_TRUE(plain.status.ok());
+  EXPECT_GT(plain.finish.cached_tokens(), 0) << "the scored prefill published its blocks";
+  EXPECT_TRUE(plain.prompt_logprobs.empty());
   ExpectCleanShutdown(system);
 }
 

@@ -65,6 +65,11 @@ StepPlan ThreeSeqPlan() {
   plan.counts = {{5, 2}, {2, 1}, {17, 4}, {511, 2}};
   plan.seqs[1].n_biases = 2;
   plan.biases = {{3, -100.0f}, {9, -std::numeric_limits<float>::infinity()}};  // 9: banned (min_tokens)
+  // The first and the third score their prompt (the third, which does not
+  // sample, with the token after its chunk).
+  plan.seqs[0].score = 1;
+  plan.seqs[2].score = 1;
+  plan.seqs[2].next_token = 12;
   return plan;
 }
 
@@ -112,6 +117,8 @@ TEST(StepPlan, RoundTrips) {
     EXPECT_EQ(b.n_counts, a.n_counts);
     EXPECT_EQ(b.repetition_penalty, a.repetition_penalty);
     EXPECT_EQ(b.n_biases, a.n_biases);
+    EXPECT_EQ(b.score, a.score);
+    EXPECT_EQ(b.next_token, a.next_token);
   }
   ASSERT_EQ(decoded->biases.size(), plan.biases.size());
   for (size_t i = 0; i < plan.biases.size(); ++i) {
@@ -150,6 +157,11 @@ TEST(StepPlan, BadTokenCountsAreAnError) {
       {[](StepPlan* p) { p->biases[1].bias = std::numeric_limits<float>::infinity(); }, "bad logit bias"},
       {[](StepPlan* p) { p->biases[1].bias = -std::numeric_limits<float>::max(); }, "bad logit bias"},
       {[](StepPlan* p) { p->seqs[0].n_biases = kMaxSeqBiases + 1; }, "more than"},
+      {[](StepPlan* p) { p->seqs[1].score = 2; }, "bad score"},
+      {[](StepPlan* p) { p->seqs[0].next_token = 5; }, "bad score"},     // it samples: no next token
+      {[](StepPlan* p) { p->seqs[1].next_token = 5; }, "bad score"},     // it does not score
+      {[](StepPlan* p) { p->seqs[2].next_token = -1; }, "bad score"},    // it scores and does not sample
+      {[](StepPlan* p) { p->seqs[2].next_token = kVocab; }, "bad score"},
   };
   for (const auto& [edit, what] : cases) {
     StepPlan plan = ThreeSeqPlan();
@@ -278,6 +290,7 @@ TEST(StepResult, RoundTrips) {
   seqs[1].seq_id = ~0ull, seqs[1].token = 0, seqs[1].logprob = -7.5f;
   seqs[2].seq_id = 9, seqs[2].token = 511, seqs[2].logprob = 0.0f;
   seqs[2].status = kLogitsNotFinite;  // a sequence the model overflowed on
+  seqs[0].status = kScored;           // a scored prompt token
   seqs[1].n_top = kMaxTopLogprobs;  // alternatives travel with their token
   for (int j = 0; j < kMaxTopLogprobs; ++j) seqs[1].top[j] = {j * 3, -0.5f * j};
   FrameHeader header;
@@ -307,9 +320,9 @@ TEST(StepResult, RoundTrips) {
   ExpectDataLoss(DecodeStepResult(header, bad_payload.data()).status(), "top logprobs");
   // A status this coordinator does not know.
   bad = seqs;
-  bad[0].status = 2;
+  bad[0].status = 3;
   const Payload bad_status(std::string(reinterpret_cast<const char*>(bad.data()), bad.size() * sizeof(SampledSeq)));
-  ExpectDataLoss(DecodeStepResult(header, bad_status.data()).status(), "unknown status 2");
+  ExpectDataLoss(DecodeStepResult(header, bad_status.data()).status(), "unknown status 3");
   header.payload_bytes -= 1;
   ExpectDataLoss(DecodeStepResult(header, payload.data()).status(), "payload");
   header.payload_bytes += 1;

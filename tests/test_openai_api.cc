@@ -729,8 +729,7 @@ TEST(OpenAiApi, ThinkingIsReturnedAsReasoningContent) {
 }
 
 // echo (completions): every choice's text starts with the prompt's (ids
-// decoded), streamed or not; a non-boolean echo, and echo with logprobs
-// (which would need the prompt's), are refused.
+// decoded), streamed or not; a non-boolean echo is refused.
 TEST(OpenAiApi, EchoPutsThePromptBeforeEachChoice) {
   absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
   ASSERT_TRUE(file.ok()) << file.status();
@@ -739,7 +738,10 @@ TEST(OpenAiApi, EchoPutsThePromptBeforeEachChoice) {
   EXPECT_FALSE(ParseOpenAiRequest(R"({"prompt": "x", "echo": "yes"})", false, "m").ok());
   const absl::StatusOr<OpenAiRequest> with_logprobs =
       ParseOpenAiRequest(R"({"prompt": "x", "echo": true, "logprobs": 1})", false, "m");
-  EXPECT_NE(with_logprobs.status().message().find("'echo' with logprobs"), std::string::npos) << with_logprobs.status();
+  ASSERT_TRUE(with_logprobs.ok()) << with_logprobs.status();
+  EXPECT_TRUE(with_logprobs->generate.prompt_logprobs()) << "echo with logprobs scores the prompt";
+  EXPECT_FALSE(ParseOpenAiRequest(R"({"prompt": "x", "echo": true})", false, "m")->generate.prompt_logprobs());
+  EXPECT_FALSE(ParseOpenAiRequest(R"({"prompt": "x", "logprobs": 1})", false, "m")->generate.prompt_logprobs());
   const std::vector<int32_t> ids = (*tok)->Encode("Once upon a time", true, {});
   const std::string decoded = (*tok)->Decode(ids);
   ASSERT_EQ(decoded, "Once upon a time") << "the premise";
@@ -778,6 +780,90 @@ TEST(OpenAiApi, EchoPutsThePromptBeforeEachChoice) {
       }
     }
   }
+}
+
+// echo with logprobs: the prompt's tokens come first in logprobs, the
+// first with null log-probability, the others with the events' scores and
+// their alternatives; text_offset counts through the prompt's text into the
+// answer's; streamed (in the first chunk) and not, the same lists.
+TEST(OpenAiApi, EchoWithLogprobsListsThePromptScored) {
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
+  ASSERT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const std::vector<int32_t> prompt = (*tok)->Encode("Once upon a time", true, {});
+  ASSERT_GT(prompt.size(), 3u);
+  absl::StatusOr<OpenAiRequest> request =
+      ParseOpenAiRequest(R"({"prompt": "Once upon a time", "echo": true, "logprobs": 1})", false, "m");
+  ASSERT_TRUE(request.ok()) << request.status();
+  SequenceRng rng(5);
+  std::vector<float> scores;
+  std::vector<std::vector<TokenLogprob>> top;
+  for (size_t i = 1; i < prompt.size(); ++i) {
+    scores.push_back(-4.0f * rng.NextUniform());
+    top.push_back({{static_cast<int32_t>(300 + i), -0.5f}});
+  }
+  const std::vector<int32_t> answer = (*tok)->Encode("there was", false, {});
+  std::vector<nlohmann::json> lists;
+  for (bool streaming : {false, true}) {
+    OpenAiRequest r = *request;
+    r.stream = streaming;
+    OpenAiResponder responder(r, "cmpl-1", "m", 0, **tok, prompt.back(), prompt);
+    nlohmann::json got = {{"tokens", nlohmann::json::array()}, {"token_logprobs", nlohmann::json::array()},
+                          {"top_logprobs", nlohmann::json::array()}, {"text_offset", nlohmann::json::array()}};
+    std::string text;
+    for (size_t i = 0; i < answer.size(); ++i) {
+      StreamEvent e{.text = (*tok)->TokenBytes(i == 0 ? prompt.back() : answer[i - 1], answer[i])};
+      e.token_ids = {answer[i]};
+      e.logprobs = {-1.0f - static_cast<float>(i)};
+      e.top_logprobs = {{{answer[i], e.logprobs[0]}}};
+      if (i == 0) {
+        e.prompt_logprobs = scores;
+        e.prompt_top_logprobs = top;
+      }
+      e.finished = i + 1 == answer.size();
+      if (!streaming) {
+        responder.Add(e);
+        continue;
+      }
+      const std::string sse = responder.SseFor(e);
+      for (size_t at = sse.find("data: {"); at != std::string::npos; at = sse.find("data: {", at + 1)) {
+        const nlohmann::json j = nlohmann::json::parse(sse.substr(at + 6, sse.find("\n\n", at) - at - 6));
+        const nlohmann::json& lp = j["choices"][0]["logprobs"];
+        text += j["choices"][0]["text"].get<std::string>();
+        if (lp.is_null()) continue;
+        for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"}) {
+          for (const nlohmann::json& v : lp[key]) got[key].push_back(v);
+        }
+      }
+    }
+    if (!streaming) {
+      const nlohmann::json j = nlohmann::json::parse(responder.Final());
+      got = j["choices"][0]["logprobs"];
+      text = j["choices"][0]["text"];
+    }
+    EXPECT_EQ(text, "Once upon a time there was") << streaming;
+    const size_t n = prompt.size() + answer.size();
+    ASSERT_EQ(got["tokens"].size(), n) << got;
+    ASSERT_EQ(got["text_offset"].size(), n) << got;
+    EXPECT_TRUE(got["token_logprobs"][0].is_null());
+    EXPECT_TRUE(got["top_logprobs"][0].is_null());
+    for (size_t i = 1; i < prompt.size(); ++i) {
+      EXPECT_FLOAT_EQ(got["token_logprobs"][i].get<float>(), scores[i - 1]) << i;
+      EXPECT_EQ(got["top_logprobs"][i].size(), 2u) << got["top_logprobs"][i];
+    }
+    for (size_t i = 0; i < answer.size(); ++i) {
+      EXPECT_FLOAT_EQ(got["token_logprobs"][prompt.size() + i].get<float>(), -1.0f - static_cast<float>(i));
+    }
+    // Each token's text begins at its offset in the whole text.
+    for (size_t i = 0; i < n; ++i) {
+      const std::string token = got["tokens"][i];
+      const size_t at = got["text_offset"][i];
+      EXPECT_EQ(text.compare(at, token.size(), token), 0) << i << " '" << token << "' at " << at << " of " << text;
+    }
+    lists.push_back(got);
+  }
+  EXPECT_EQ(lists[0], lists[1]) << "streamed and not";
 }
 
 }  // namespace ellm::coord

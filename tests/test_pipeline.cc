@@ -124,7 +124,7 @@ class Pipeline : public coord::StepExecutor {
     auto mlp_channel = shm::Channel::Create(
         absl::StrCat(prefix, "-mlp"), 4,
         shm::StepPlanCapacity(kMaxSeqs, kMaxStepTokens),
-        sizeof(shm::FrameHeader) + std::max<uint64_t>(kMaxSeqs * sizeof(shm::SampledSeq), 4096));
+        std::max<uint64_t>(shm::StepResultCapacity(kMaxSeqs, kMaxStepTokens), sizeof(shm::FrameHeader) + 4096));
     ELLM_CHECK(mlp_channel.ok(), mlp_channel.status().ToString());
     mlp_channel_ = *std::move(mlp_channel);
     mlp_thread_ = std::thread([this] {

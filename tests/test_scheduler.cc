@@ -69,6 +69,9 @@ std::string Answer(const std::vector<int32_t>& prompt, const std::vector<int32_t
   return Tok().Decode(all).substr(Tok().Decode(prompt).size());
 }
 
+// The fake's log-probability of the prompt token at `pos` (scored prompts).
+float ScoreOf(uint32_t pos) { return -0.01f * static_cast<float>(pos); }
+
 // The fake's default answer: a text piece chosen from the sequence id and the
 // position of the step's last token of that sequence. Never EOS.
 int32_t DefaultToken(uint64_t seq, uint32_t last_pos, int /*nth*/) {
@@ -101,7 +104,20 @@ class FakeExecutor : public StepExecutor {
     cv_.wait(lock, [&] { return !hold_; });
     if (runs_ == fail_at_run_) return fail_status_;
     std::vector<shm::SampledSeq> out;
+    size_t token_at = 0;
     for (const shm::PlanSeq& p : plan.seqs) {
+      // Scored prompt tokens: the token after each, its logprob a function
+      // of its position (ScoreOf).
+      for (uint32_t i = 0; i < shm::ScoredTokens(p); ++i) {
+        shm::SampledSeq& r = out.emplace_back();
+        r.seq_id = p.slice.seq_id;
+        r.status = shm::kScored;
+        r.token = i + 1 < p.slice.n_tokens ? plan.tokens[token_at + i + 1] : p.next_token;
+        r.logprob = ScoreOf(p.slice.start_pos + i + 1);
+        r.n_top = 1;
+        r.top[0] = {r.token, r.logprob};
+      }
+      token_at += p.slice.n_tokens;
       if (!p.sample) continue;
       const uint64_t id = p.slice.seq_id;
       const int nth = sampled_[id]++;
@@ -112,7 +128,13 @@ class FakeExecutor : public StepExecutor {
       r.logprob = -0.5f - 0.001f * nth;
       if (r.token == kNotFinite) r.status = shm::kLogitsNotFinite, r.token = 0;
     }
+    if (mangle_) mangle_(&out);
     return out;
+  }
+  // Edits each step's result before it is returned (a faulty worker).
+  void SetMangle(std::function<void(std::vector<shm::SampledSeq>*)> fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    mangle_ = std::move(fn);
   }
 
   // Applies the ops to a model of a worker's prefix cache (sequences' cached
@@ -320,6 +342,7 @@ class FakeExecutor : public StepExecutor {
   TokenFn token_fn_;
   int runs_ = 0;
   int fail_at_run_ = -1;
+  std::function<void(std::vector<shm::SampledSeq>*)> mangle_;
   absl::Status fail_status_;
   bool hold_ = false;
   int loads_ = 0;
@@ -768,7 +791,8 @@ TEST_F(SchedulerTest, EndOfSequenceTokenStops) {
 }
 
 // vLLM's ignore_eos: the model's end of generation is kept as a token (no
-// text) and generation goes on; stop_token_ids stop it, their text kept.
+// text) and generation goes on; stop_token_ids stop it, their text dropped
+// unless include_stop_str_in_output.
 TEST_F(SchedulerTest, IgnoreEosGoesOnAndStopTokenIdsStop) {
   constexpr int32_t kStop = kFirstPiece + 5;
   exec_.SetTokenFn([](uint64_t seq, uint32_t pos, int nth) {
@@ -780,14 +804,17 @@ TEST_F(SchedulerTest, IgnoreEosGoesOnAndStopTokenIdsStop) {
     std::vector<int32_t> stop_token_ids;
     FinishReason reason;
     size_t tokens;
+    bool include = false;
   };
   for (const Case& c : {Case{true, {}, FinishReason::kMaxTokens, 6}, Case{true, {kStop}, FinishReason::kStopToken, 4},
+                        Case{true, {kStop}, FinishReason::kStopToken, 4, true},
                         Case{false, {kStop}, FinishReason::kStopToken, 2}}) {
     GenerateOptions o;
     o.prompt = Prompt(300, 4);
     o.max_tokens = 6;
     o.ignore_eos = c.ignore_eos;
     o.stop_token_ids = c.stop_token_ids;
+    o.include_stop_str_in_output = c.include;
     absl::StatusOr<std::shared_ptr<RequestStream>> s = scheduler_->Submit(o);
     ASSERT_TRUE(s.ok()) << s.status();
     const Outcome out = Collect(**s);
@@ -799,8 +826,12 @@ TEST_F(SchedulerTest, IgnoreEosGoesOnAndStopTokenIdsStop) {
       EXPECT_EQ(out.tokens[3], kStop);
     }
     EXPECT_EQ(out.finish.completion_tokens, static_cast<int>(c.tokens));
-    // The end of generation adds no text; a stop token id's text is kept.
-    EXPECT_EQ(out.text, Answer(o.prompt, out.tokens));
+    // The end of generation adds no text; a stop token id's only with include.
+    const bool stop_text = c.tokens != 4 || c.include;
+    EXPECT_EQ(out.text, Answer(o.prompt, {out.tokens.begin(), out.tokens.end() - (stop_text ? 0 : 1)}));
+    if (c.tokens == 4) {
+      EXPECT_NE(Answer(o.prompt, out.tokens), Answer(o.prompt, {out.tokens.begin(), out.tokens.end() - 1}));
+    }
   }
 }
 
@@ -855,6 +886,75 @@ TEST_F(SchedulerTest, MinTokensBansTheStoppingTokensUntilReached) {
   }
 }
 
+// Prompt logprobs: every prefill chunk of a scored request scores its
+// tokens' next ones (the last chunk's, up to its sampled token), the first
+// event carries them all in order, and it attaches no cached blocks though
+// the same prompt is cached. A worker that scores other tokens, or fewer,
+// fails the request and only it.
+TEST_F(SchedulerTest, PromptLogprobsScoreEveryChunkAndAttachNothing) {
+  options_.max_step_tokens = 8;
+  Start();
+  const std::vector<int32_t> prompt = Prompt(340, 37);
+  std::shared_ptr<RequestStream> plain = Submit(prompt, 2);
+  ASSERT_TRUE(Collect(*plain).error.ok());
+  GenerateOptions o;
+  o.prompt = prompt;
+  o.max_tokens = 3;
+  o.prompt_logprobs = true;
+  absl::StatusOr<std::shared_ptr<RequestStream>> s = scheduler_->Submit(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  std::optional<StreamEvent> first = (*s)->Pop(kPopTimeout);
+  ASSERT_TRUE(first.has_value());
+  ASSERT_TRUE(first->error.ok()) << first->error;
+  ASSERT_EQ(first->prompt_logprobs.size(), prompt.size() - 1);
+  ASSERT_EQ(first->prompt_top_logprobs.size(), prompt.size() - 1);
+  for (size_t i = 0; i + 1 < prompt.size(); ++i) {
+    EXPECT_EQ(first->prompt_logprobs[i], ScoreOf(static_cast<uint32_t>(i + 1))) << i;
+    ASSERT_EQ(first->prompt_top_logprobs[i].size(), 1u);
+    EXPECT_EQ(first->prompt_top_logprobs[i][0].token, prompt[i + 1]);
+  }
+  const Outcome out = Collect(**s);
+  ASSERT_TRUE(out.error.ok()) << out.error;
+  EXPECT_EQ(out.finish.cached_tokens, 0) << "scored prompts attach nothing";
+  int chunks = 0;
+  const std::vector<shm::StepPlan> plans = exec_.plans();
+  const uint64_t id = SeqIdOf(plans, 340).value() + 1;  // the plain request's is first
+  for (const shm::StepPlan& plan : plans) {
+    for (const shm::PlanSeq& p : plan.seqs) {
+      if (p.slice.seq_id != id) continue;
+      const bool prefill = p.slice.start_pos < prompt.size();
+      EXPECT_EQ(p.score, prefill ? 1u : 0u) << p.slice.start_pos;
+      if (prefill && !p.sample) {
+        EXPECT_EQ(p.next_token, prompt[p.slice.start_pos + p.slice.n_tokens]);
+        ++chunks;
+      }
+    }
+  }
+  EXPECT_GE(chunks, 4) << "the premise: several chunks";
+  // A worker that scores a wrong token, or drops one.
+  for (int fault = 0; fault < 2; ++fault) {
+    exec_.SetMangle([fault](std::vector<shm::SampledSeq>* out) {
+      for (auto it = out->begin(); it != out->end(); ++it) {
+        if (it->status != shm::kScored) continue;
+        if (fault == 0) {
+          it->token ^= 1;
+        } else {
+          out->erase(it);
+        }
+        return;
+      }
+    });
+    absl::StatusOr<std::shared_ptr<RequestStream>> bad = scheduler_->Submit(o);
+    ASSERT_TRUE(bad.ok()) << bad.status();
+    std::shared_ptr<RequestStream> other = Submit(Prompt(350 + fault, 5), 3);
+    const Outcome failed = Collect(**bad);
+    EXPECT_EQ(failed.error.code(), absl::StatusCode::kInternal) << failed.error;
+    EXPECT_THAT(std::string(failed.error.message()), HasSubstr("scored")) << failed.error;
+    exec_.SetMangle(nullptr);
+    EXPECT_TRUE(Collect(*other).error.ok()) << "the other request goes on";
+  }
+}
+
 class SchedulerStopStrings : public SchedulerTest {
  protected:
   // Runs a request whose tokens are `script` (then EOS) with `stop` strings.
@@ -896,6 +996,28 @@ TEST_F(SchedulerStopStrings, StopStringEndsTheRequestAndIsNotSent) {
   EXPECT_EQ(out.finish.reason, FinishReason::kStopString);
   EXPECT_EQ(out.text, text);
   EXPECT_EQ(out.text.find("sat"), std::string::npos);
+  EXPECT_EQ(out.tokens.size(), count);
+}
+
+// include_stop_str_in_output: the text ends with the stop string.
+TEST_F(SchedulerStopStrings, IncludedStopStringEndsTheText) {
+  const std::vector<std::string> stop = {"t sat", "mat"};
+  const auto [text, count] = ExpectedStop(Prompt(300, 3), script_, stop);
+  ASSERT_GT(count, 0u);
+  exec_.SetTokenFn([this](uint64_t, uint32_t, int nth) {
+    return nth < static_cast<int>(script_.size()) ? script_[nth] : kEos;
+  });
+  Start();
+  GenerateOptions o;
+  o.prompt = Prompt(300, 3);
+  o.max_tokens = 40;
+  o.stop = stop;
+  o.include_stop_str_in_output = true;
+  absl::StatusOr<std::shared_ptr<RequestStream>> s = scheduler_->Submit(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const Outcome out = Collect(**s);
+  EXPECT_EQ(out.finish.reason, FinishReason::kStopString);
+  EXPECT_EQ(out.text, text + "t sat");
   EXPECT_EQ(out.tokens.size(), count);
 }
 
