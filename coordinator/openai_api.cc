@@ -1052,13 +1052,18 @@ std::string OpenAiErrorBody(const absl::Status& status) {
                      : http == 503          ? "service_unavailable"
                                             : "server_error";
   // The request field a refusal names first ("'max_tokens' must be ...",
-  // as Bad writes it), for OpenAI's "param".
+  // as Bad writes it; or, as the service's checks write it, a field the
+  // parser reads followed by a space or a colon: "min_tokens must be ..."),
+  // for OpenAI's "param".
   json param = nullptr;
   const std::string_view message(status.message().data(), status.message().size());
   if (http == 400 && message.size() > 2 && message[0] == '\'') {
     const size_t end = message.find('\'', 1);
     const std::string_view name = message.substr(1, end == std::string_view::npos ? 0 : end - 1);
     if (!name.empty() && name.size() <= 200 && name.find(' ') == std::string_view::npos) param = std::string(name);
+  } else if (http == 400) {
+    const std::string_view name = message.substr(0, message.find_first_of(" :"));
+    if (name.size() < message.size() && IsReadField(name)) param = std::string(name);
   }
   return Dump({{"error", {{"message", std::string(message)}, {"type", type}, {"param", param},
                           {"code", absl::StatusCodeToString(status.code())}}}});

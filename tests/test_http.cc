@@ -766,6 +766,16 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 5}, {"min_tokens", 6}}), 400,
          "'min_tokens' is 6, more than max_tokens (5)");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"min_tokens", 5000}}), 400, "min_tokens must be in [0, ");
+  // The service's checks name their field too.
+  for (const auto& [body, param] : std::vector<std::pair<json, std::string>>{
+           {{{"prompt", "x"}, {"min_tokens", 5000}}, "min_tokens"},
+           {{{"prompt", "x"}, {"stop_token_ids", {2, 512}}}, "stop_token_ids"},
+           {{{"prompt", "x"}, {"max_tokens", 5000}}, "max_tokens"},
+           {{{"prompt", "x"}, {"logit_bias", {{"512", 1}}}}, "logit_bias"}}) {
+    const HttpResult r = Post(port, "/v1/completions", body);
+    EXPECT_EQ(r.status, 400) << r.body;
+    EXPECT_EQ(r.Json()["error"]["param"], param) << r.body;
+  }
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"min_tokens", -1}}), 400, "'min_tokens'");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"ignore_eos", 1}}), 400, "'ignore_eos'");
   expect(Post(port, "/v1/completions", {{"prompt", "x"}, {"stop_token_ids", 2}}), 400, "'stop_token_ids'");
