@@ -266,7 +266,7 @@ class Session : public std::enable_shared_from_this<Session> {
   struct Prepared {
     absl::Status status;
     OpenAiRequest request;
-    GenerateOptions options;
+    std::vector<GenerateOptions> options;  // one per prompt
   };
 
   // Prepares the request (here, or on the prepare pool when the body is
@@ -295,16 +295,21 @@ class Session : public std::enable_shared_from_this<Session> {
         p.status = parsed.status();
         return p;
       }
-      absl::StatusOr<GenerateOptions> options = server.service->Validate(parsed->generate);
-      if (!options.ok()) {
-        p.status = options.status();
-        return p;
+      for (int k = 0; k < parsed->prompts(); ++k) {
+        absl::StatusOr<GenerateOptions> options = server.service->Validate(parsed->GenerateFor(k));
+        if (!options.ok()) {
+          p.status = parsed->prompts() == 1
+                         ? options.status()
+                         : absl::Status(options.status().code(),
+                                        absl::StrCat(options.status().message(), " (prompt ", k, ")"));
+          return p;
+        }
+        p.options.push_back(*std::move(options));
       }
       p.request = *std::move(parsed);
       p.request.tool_syntax = server.service->chat_template().tool_syntax();
       p.request.read_reasoning =
           chat && server.options.reasoning_parser && server.service->chat_template().thinks();
-      p.options = *std::move(options);
     } catch (const std::exception& e) {
       LogError("HTTP %s: preparing the request: %s", chat ? "/v1/chat/completions" : "/v1/completions", e.what());
       p.status = absl::InternalError(absl::StrCat("internal error: ", e.what()));
@@ -323,20 +328,24 @@ class Session : public std::enable_shared_from_this<Session> {
     const uint64_t n = server_->next_id.fetch_add(1);
     const std::string id =
         absl::StrFormat("%s-%016x", chat ? "chatcmpl" : "cmpl", server_->id_base ^ (n * 0x9E3779B97F4A7C15ULL));
-    prepared.options.source = absl::StrCat("HTTP ", id);
-    const int32_t last_prompt_token = prepared.options.prompt.empty() ? -1 : prepared.options.prompt.back();
-    std::vector<int32_t> scored_prompt;  // echo with logprobs lists the prompt's tokens
-    if (prepared.options.prompt_logprobs) scored_prompt = prepared.options.prompt;
-    // n choices: n sequences of the prompt, queued together (Scheduler::SubmitChoices).
+    std::vector<ResponderPrompt> prompts;
+    for (GenerateOptions& o : prepared.options) {
+      o.source = absl::StrCat("HTTP ", id);
+      ResponderPrompt& r = prompts.emplace_back();
+      r.last_token = o.prompt.empty() ? -1 : o.prompt.back();
+      if (o.prompt_logprobs) r.tokens = o.prompt;  // echo with logprobs lists the prompt's tokens
+    }
+    // n choices of each prompt: n sequences of it, all queued together
+    // (Scheduler::SubmitBatch).
     absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> choices =
-        server_->scheduler->SubmitChoices(std::move(prepared.options), parsed.n);
+        server_->scheduler->SubmitBatch(std::move(prepared.options), parsed.n);
     if (!choices.ok()) return SendError(choices.status());
     requests_ = *std::move(choices);
     ++server_->answering;
     responder_ = std::make_unique<OpenAiResponder>(
         parsed, id,
         server_->options.model_id, static_cast<int64_t>(std::time(nullptr)), *server_->tokenizer,
-        last_prompt_token, std::move(scored_prompt));
+        std::move(prompts));
     stream_.expires_never();
     for (const std::shared_ptr<RequestStream>& r : requests_) Notify(*r);
     streaming_ = parsed.stream;

@@ -399,28 +399,34 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
     const json* prompt = fields.Get("prompt");
     if (prompt == nullptr) return Bad("prompt", "is required");
     const json& p = *prompt;
-    // A list of token ids, or a list of one such list, is a prompt of ids.
-    const json* ids = p.is_array() && !p.empty() && p[0].is_number_integer() ? &p
-                      : p.is_array() && p.size() == 1 && p[0].is_array()  ? &p[0]
-                                                                            : nullptr;
-    if (ids != nullptr) {
-      for (const json& id : *ids) {
-        if (!id.is_number_integer() || id.get<int64_t>() < INT32_MIN || id.get<int64_t>() > INT32_MAX) {
-          return Bad("prompt", "a list of token ids must hold only 32-bit integers");
+    // A string or a list of token ids is one prompt; a list of those is a
+    // batch of prompts (OpenAI's form), each answered with n choices.
+    const bool one = p.is_string() || (p.is_array() && !p.empty() && p[0].is_number_integer());
+    if (!one && !(p.is_array() && !p.empty())) {
+      return Bad("prompt", "must be a string, a list of token ids, or a non-empty list of those");
+    }
+    if (!one && p.size() > static_cast<size_t>(kMaxPrompts)) {
+      return Bad("prompt", absl::StrCat("lists ", p.size(), " prompts; at most ", kMaxPrompts));
+    }
+    const size_t count = one ? 1 : p.size();
+    for (size_t k = 0; k < count; ++k) {
+      const json& item = one ? p : p[k];
+      ellm::v1::GenerateRequest& into = k == 0 ? g : r.more_prompts.emplace_back();
+      const std::string where = one ? "prompt" : absl::StrCat("prompt[", k, "]");
+      if (item.is_array()) {
+        for (const json& id : item) {
+          if (!id.is_number_integer() || id.get<int64_t>() < INT32_MIN || id.get<int64_t>() > INT32_MAX) {
+            return Bad("prompt", absl::StrCat(where, ": a list of token ids must hold only 32-bit integers"));
+          }
+          into.add_prompt_token_ids(static_cast<int32_t>(id.get<int64_t>()));
         }
-        g.add_prompt_token_ids(static_cast<int32_t>(id.get<int64_t>()));
+        if (into.prompt_token_ids().empty()) return Bad("prompt", absl::StrCat(where, " is an empty list of token ids"));
+      } else if (item.is_string()) {
+        ASSIGN_OR_RETURN(std::string text, TextOf(item, "prompt", false));
+        into.set_prompt(text);
+      } else {
+        return Bad("prompt", absl::StrCat(where, " must be a string or a list of token ids"));
       }
-      if (g.prompt_token_ids().empty()) return Bad("prompt", "is an empty list of token ids");
-    } else if (p.is_array()) {
-      if (p.size() != 1 || !p[0].is_string()) {
-        return Bad("prompt",
-                   "must be a string, a list of token ids, or a list of exactly one of those (one prompt "
-                   "per request)");
-      }
-      g.set_prompt(p[0].get<std::string>());
-    } else {
-      ASSIGN_OR_RETURN(std::string text, TextOf(p, "prompt", false));
-      g.set_prompt(text);
     }
     ASSIGN_OR_RETURN(r.echo, boolean("echo"));
     if (fields.Get("suffix") != nullptr) return Bad("suffix", "is not supported");
@@ -642,24 +648,38 @@ std::optional<ToolCallsAnswer> ParseToolCalls(std::string_view text, ToolCallSyn
   return out;
 }
 
+ellm::v1::GenerateRequest OpenAiRequest::GenerateFor(int k) const {
+  if (k == 0) return generate;
+  ellm::v1::GenerateRequest g = generate;
+  const ellm::v1::GenerateRequest& p = more_prompts.at(static_cast<size_t>(k - 1));
+  g.set_prompt(p.prompt());
+  *g.mutable_prompt_token_ids() = p.prompt_token_ids();
+  return g;
+}
+
 namespace {
 int64_t CodePoints(std::string_view whole_utf8);
 }  // namespace
 
 OpenAiResponder::OpenAiResponder(const OpenAiRequest& request, std::string id, std::string model_id,
-                                 int64_t created, const Tokenizer& tokenizer, int32_t last_prompt_token,
-                                 std::vector<int32_t> prompt)
+                                 int64_t created, const Tokenizer& tokenizer, std::vector<ResponderPrompt> prompts)
     : request_(request), tokenizer_(tokenizer), id_(std::move(id)), model_id_(std::move(model_id)),
-      created_(created), prompt_(std::move(prompt)) {
-  if (request_.echo) {
-    const auto& ids = request_.generate.prompt_token_ids();
-    echo_ = ids.empty() ? request_.generate.prompt() : tokenizer.Decode(std::vector<int32_t>(ids.begin(), ids.end()));
-  }
-  choices_.reserve(std::max(1, request_.n));
-  for (int i = 0; i < std::max(1, request_.n); ++i) {
-    choices_.emplace_back(tokenizer, last_prompt_token);
-    // The answer's offsets count from the start of the echoed prompt.
-    if (request_.echo) choices_.back().text_offset = CodePoints(echo_);
+      created_(created), prompts_(std::move(prompts)) {
+  if (prompts_.empty()) prompts_.emplace_back();
+  echo_.resize(prompts_.size());
+  const int n = std::max(1, request_.n);
+  choices_.reserve(prompts_.size() * static_cast<size_t>(n));
+  for (int k = 0; k < static_cast<int>(prompts_.size()); ++k) {
+    if (request_.echo) {
+      const ellm::v1::GenerateRequest g = k < request_.prompts() ? request_.GenerateFor(k) : request_.generate;
+      const auto& ids = g.prompt_token_ids();
+      echo_[k] = ids.empty() ? g.prompt() : tokenizer.Decode(std::vector<int32_t>(ids.begin(), ids.end()));
+    }
+    for (int i = 0; i < n; ++i) {
+      choices_.emplace_back(tokenizer, k, prompts_[k].last_token);
+      // The answer's offsets count from the start of the echoed prompt.
+      if (request_.echo) choices_.back().text_offset = CodePoints(echo_[k]);
+    }
   }
 }
 
@@ -685,15 +705,22 @@ int64_t CodePoints(std::string_view whole_utf8) {
 }  // namespace
 
 json OpenAiResponder::Usage() const {
-  // The prompt once, as the first choice found it (the others find it
+  // Each prompt once, as its first choice found it (the others find it
   // cached: Scheduler::SubmitChoices holds them until its prefill is in).
-  const FinishInfo& first = choices_.front().finish;
-  int completion = 0;
-  for (const Choice& c : choices_) completion += c.finish.completion_tokens;
-  return {{"prompt_tokens", first.prompt_tokens},
+  const size_t n = static_cast<size_t>(std::max(1, request_.n));
+  int prompt = 0, cached = 0, completion = 0;
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    const FinishInfo& f = choices_[i].finish;
+    if (i % n == 0) {
+      prompt += f.prompt_tokens;
+      cached += f.cached_tokens;
+    }
+    completion += f.completion_tokens;
+  }
+  return {{"prompt_tokens", prompt},
           {"completion_tokens", completion},
-          {"total_tokens", first.prompt_tokens + completion},
-          {"prompt_tokens_details", {{"cached_tokens", first.cached_tokens}}}};
+          {"total_tokens", prompt + completion},
+          {"prompt_tokens_details", {{"cached_tokens", cached}}}};
 }
 
 json OpenAiResponder::LogprobsOf(Choice& c, const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
@@ -744,15 +771,16 @@ json OpenAiResponder::LogprobsOf(Choice& c, const std::vector<int32_t>& ids, con
           {"text_offset", text_offset}};
 }
 
-json OpenAiResponder::PromptLogprobsOf(const std::vector<float>& logprobs,
+json OpenAiResponder::PromptLogprobsOf(const Choice& c, const std::vector<float>& logprobs,
                                        const std::vector<std::vector<TokenLogprob>>& top) const {
+  const std::vector<int32_t>& prompt = prompts_[static_cast<size_t>(c.prompt)].tokens;
   json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(),
        text_offset = json::array();
   StreamDecoder offsets(tokenizer_, -1);
   int64_t offset = 0;
   int32_t prev = -1;
-  for (size_t i = 0; i < prompt_.size(); ++i) {
-    const std::string piece = CompletionTokenText(tokenizer_.TokenBytes(prev, prompt_[i]));
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    const std::string piece = CompletionTokenText(tokenizer_.TokenBytes(prev, prompt[i]));
     tokens.push_back(piece);
     // The first token has no log-probability (nothing before it), as vLLM gives it.
     if (i == 0 || i - 1 >= logprobs.size()) {
@@ -770,10 +798,10 @@ json OpenAiResponder::PromptLogprobsOf(const std::vector<float>& logprobs,
       top_logprobs.push_back(std::move(alt));
     }
     int earlier = 0;
-    const std::string text = offsets.Push(prompt_[i], &earlier);
+    const std::string text = offsets.Push(prompt[i], &earlier);
     text_offset.push_back(offset + earlier);
     offset += CodePoints(text);
-    prev = prompt_[i];
+    prev = prompt[i];
   }
   return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs},
           {"text_offset", text_offset}};
@@ -920,7 +948,7 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
   const bool echoes = request_.echo && !c.echoed;
   if (echoes) {
     c.echoed = true;
-    text = echo_ + text;
+    text = echo_[c.prompt] + text;
   }
   std::optional<ToolCallsAnswer> calls;
   if (e.finished && request_.read_tool_calls) {
@@ -945,7 +973,7 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
       choice["logprobs"] = LogprobsOf(c, e.token_ids, e.logprobs, e.top_logprobs);
     }
     if (request_.logprobs && echoes) {
-      choice["logprobs"] = JoinLogprobs(PromptLogprobsOf(e.prompt_logprobs, e.prompt_top_logprobs),
+      choice["logprobs"] = JoinLogprobs(PromptLogprobsOf(c, e.prompt_logprobs, e.prompt_top_logprobs),
                                         choice["logprobs"].is_null() ? LogprobsOf(c, {}, {}, {}) : choice["logprobs"]);
     }
     if (calls) {
@@ -1007,12 +1035,12 @@ std::string OpenAiResponder::Final() {
                            {"content", answer.reasoning && answer.content.empty() ? json(nullptr)
                                                                                   : json(answer.content)}};
     } else {
-      choice["text"] = echo_ + c.text;
+      choice["text"] = echo_[c.prompt] + c.text;
     }
     if (answer.reasoning) choice["message"]["reasoning"] = choice["message"]["reasoning_content"] = *answer.reasoning;
     if (request_.logprobs) choice["logprobs"] = LogprobsOf(c, c.ids, c.logprobs, c.top);
     if (request_.logprobs && request_.echo) {
-      choice["logprobs"] = JoinLogprobs(PromptLogprobsOf(c.prompt_logprobs, c.prompt_top), choice["logprobs"]);
+      choice["logprobs"] = JoinLogprobs(PromptLogprobsOf(c, c.prompt_logprobs, c.prompt_top), choice["logprobs"]);
     }
     choices.push_back(std::move(choice));
   }

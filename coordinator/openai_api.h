@@ -3,7 +3,8 @@
 // the gRPC API validates it, by EllmService::Validate), and a request's
 // events become OpenAI's JSON objects and Server-Sent-Events chunks.
 //
-// Supported: POST /v1/completions (prompt: a string or a one-string array)
+// Supported: POST /v1/completions (prompt: a string or token ids, or a list
+// of those: a batch, each prompt with its n choices)
 // and /v1/chat/completions (messages with string or text-part content) with
 // model, max_tokens / max_completion_tokens, temperature, top_p, top_k,
 // min_p, presence_penalty, frequency_penalty, repetition_penalty (vLLM's),
@@ -49,6 +50,7 @@ namespace ellm::coord {
 
 constexpr int kMaxJsonDepth = 32;
 constexpr int kMaxChoices = 16;  // most choices (n) one request may ask for
+constexpr int kMaxPrompts = 64;  // most prompts one completions request may list
 
 struct OpenAiRequest {
   bool chat = false;
@@ -67,7 +69,16 @@ struct OpenAiRequest {
   // the server was told otherwise: an answer's opening "<think>" block is
   // returned as reasoning_content (SplitReasoning). Set by the server.
   bool read_reasoning = false;
+  // The request (with its first prompt, for completions).
   ellm::v1::GenerateRequest generate;
+  // Completions with a list of prompts (OpenAI's batch): the second and
+  // later ones, each a text (prompt set) or token ids (prompt_token_ids
+  // set). Their choices follow the first prompt's: prompt k's choice i has
+  // index k n + i.
+  std::vector<ellm::v1::GenerateRequest> more_prompts;
+  int prompts() const { return 1 + static_cast<int>(more_prompts.size()); }
+  // `generate` with prompt k.
+  ellm::v1::GenerateRequest GenerateFor(int k) const;
 };
 
 // Parses a request body of /v1/completions (chat false) or
@@ -105,20 +116,30 @@ struct ReasoningAnswer {
 };
 ReasoningAnswer SplitReasoning(std::string_view text);
 
+// One prompt of a request, as OpenAiResponder needs it.
+struct ResponderPrompt {
+  int32_t last_token = -1;      // its last token: the first answer token reads as after it
+  std::vector<int32_t> tokens;  // echo with logprobs: its tokens, listed and scored
+};
+
 // Builds the responses of one request: `id` like "cmpl-..." / "chatcmpl-...".
-// A request of n choices has n event streams, one per choice (each its own
-// sequence); the events of each are passed with its index, in their order,
-// and the streams may interleave. The response carries every choice under
-// its index; its usage counts the prompt once (prompt_tokens and
-// cached_tokens as choice 0 found them) and the completion tokens of all.
+// A request of n choices of each of its prompts has an event stream per
+// choice (each its own sequence): prompt k's choice i has index k n + i. The
+// events of each are passed with its index, in their order, and the streams
+// may interleave. The response carries every choice under its index; its
+// usage counts each prompt once (prompt_tokens and cached_tokens as its
+// choice 0 found them) and the completion tokens of all.
 class OpenAiResponder {
  public:
   // `tokenizer` names each token in logprobs; the first generated token reads
   // as it does after `last_prompt_token`.
-  // `prompt`: its tokens, for echo with logprobs (the prompt's tokens listed,
-  // scored by the events' prompt_logprobs).
   OpenAiResponder(const OpenAiRequest& request, std::string id, std::string model_id, int64_t created,
-                  const Tokenizer& tokenizer, int32_t last_prompt_token, std::vector<int32_t> prompt = {});
+                  const Tokenizer& tokenizer, std::vector<ResponderPrompt> prompts);
+  // One prompt: `prompt` its tokens for echo with logprobs.
+  OpenAiResponder(const OpenAiRequest& request, std::string id, std::string model_id, int64_t created,
+                  const Tokenizer& tokenizer, int32_t last_prompt_token, std::vector<int32_t> prompt = {})
+      : OpenAiResponder(request, std::move(id), std::move(model_id), created, tokenizer,
+                        std::vector<ResponderPrompt>{{last_prompt_token, std::move(prompt)}}) {}
 
   // Streaming: the SSE bytes ("data: {...}\n\n" ...) for one event of a
   // choice, and after the last event of the last choice to finish the usage
@@ -134,8 +155,9 @@ class OpenAiResponder {
  private:
   // What one choice has sent or gathered so far.
   struct Choice {
-    Choice(const Tokenizer& tokenizer, int32_t last_prompt_token)
-        : prev_token(last_prompt_token), offset_decoder(tokenizer, last_prompt_token) {}
+    Choice(const Tokenizer& tokenizer, int prompt_index, int32_t last_prompt_token)
+        : prompt(prompt_index), prev_token(last_prompt_token), offset_decoder(tokenizer, last_prompt_token) {}
+    int prompt;               // its prompt's index
     int32_t prev_token;       // for each token's text in logprobs
     // Completions' text_offset: code points of the text the tokens so far
     // decode to, as the client's string indexes it; a multi-byte character
@@ -184,7 +206,7 @@ class OpenAiResponder {
                             const std::vector<std::vector<TokenLogprob>>& top);
   // Completions' logprobs of the prompt's tokens (echo): the first one
   // null, the others' from the scores.
-  nlohmann::json PromptLogprobsOf(const std::vector<float>& logprobs,
+  nlohmann::json PromptLogprobsOf(const Choice& c, const std::vector<float>& logprobs,
                                   const std::vector<std::vector<TokenLogprob>>& top) const;
   // Folds the end of a choice in (once).
   void Finished(Choice& c, const FinishInfo& finish);
@@ -195,8 +217,8 @@ class OpenAiResponder {
   int64_t created_;
   std::vector<Choice> choices_;
   int finished_ = 0;  // choices that have had their last event
-  std::string echo_;  // echo: the prompt's text (ids decoded)
-  std::vector<int32_t> prompt_;  // echo with logprobs: the prompt's tokens
+  std::vector<std::string> echo_;  // echo: each prompt's text (ids decoded)
+  std::vector<ResponderPrompt> prompts_;
 };
 
 // OpenAI's error body: {"error": {"message", "type", "param", "code"}}, and

@@ -52,28 +52,46 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Scheduler::Submit(GenerateOptions
 
 absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> Scheduler::SubmitChoices(GenerateOptions options,
                                                                                     int n) {
-  const std::string source = options.source;
+  std::vector<GenerateOptions> one;
+  one.push_back(std::move(options));
+  return SubmitBatch(std::move(one), n);
+}
+
+absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> Scheduler::SubmitBatch(
+    std::vector<GenerateOptions> prompts, int n) {
+  const std::string source = prompts.empty() ? std::string() : prompts.front().source;
+  const int64_t total = static_cast<int64_t>(n) * static_cast<int64_t>(prompts.size());
   absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> streams;
   if (n < 1) {
     streams = absl::InvalidArgumentError(absl::StrCat("n = ", n, ": a request has at least one choice"));
-  } else if (n > 1 && n > options_.max_queue) {
+  } else if (prompts.empty()) {
+    streams = absl::InvalidArgumentError("a request has at least one prompt");
+  } else if (total > 1 && total > options_.max_queue) {
     // It could never be queued: not a 429, which a client would retry.
-    streams = absl::InvalidArgumentError(absl::StrCat("n = ", n, " choices are more than the wait queue holds (--max-queue ",
-                                                      options_.max_queue, ")"));
+    streams = absl::InvalidArgumentError(absl::StrCat(
+        prompts.size() > 1 ? absl::StrCat(prompts.size(), " prompts x ") : std::string(), "n = ", n,
+        " choices are more than the wait queue holds (--max-queue ", options_.max_queue, ")"));
   } else {
     std::vector<std::unique_ptr<Sequence>> seqs;
-    for (int i = 0; i < n; ++i) {
-      GenerateOptions o = options;
-      o.seed += static_cast<uint64_t>(i);
-      if (n > 1) o.source = absl::StrCat(source.empty() ? "request" : source, " choice ", i);
-      absl::StatusOr<std::unique_ptr<Sequence>> seq = MakeSequence(std::move(o));
-      if (!seq.ok()) {
-        streams = seq.status();
-        break;
+    absl::Status refused;
+    for (size_t k = 0; k < prompts.size() && refused.ok(); ++k) {
+      for (int i = 0; i < n; ++i) {
+        GenerateOptions o = prompts[k];
+        o.seed += static_cast<uint64_t>(i);
+        if (total > 1) {
+          o.source = absl::StrCat(source.empty() ? "request" : source,
+                                  prompts.size() > 1 ? absl::StrCat(" prompt ", k) : std::string(),
+                                  n > 1 ? absl::StrCat(" choice ", i) : std::string());
+        }
+        absl::StatusOr<std::unique_ptr<Sequence>> seq = MakeSequence(std::move(o));
+        if (!seq.ok()) {
+          refused = seq.status();
+          break;
+        }
+        seqs.push_back(*std::move(seq));
       }
-      seqs.push_back(*std::move(seq));
     }
-    if (static_cast<int>(seqs.size()) == n) streams = Enqueue(std::move(seqs), options_.prefix_cache);
+    streams = refused.ok() ? Enqueue(std::move(seqs), n, options_.prefix_cache) : refused;
   }
   if (!streams.ok()) Refused(streams.status(), source);
   return streams;
@@ -155,7 +173,7 @@ absl::StatusOr<std::unique_ptr<Scheduler::Sequence>> Scheduler::MakeSequence(Gen
 }
 
 absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> Scheduler::Enqueue(
-    std::vector<std::unique_ptr<Sequence>> seqs, bool lead) {
+    std::vector<std::unique_ptr<Sequence>> seqs, int group, bool lead) {
   std::vector<std::shared_ptr<RequestStream>> streams;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -167,12 +185,13 @@ absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> Scheduler::Enqueue(
       return absl::ResourceExhaustedError(absl::StrCat(
           "the wait queue is full (", options_.max_queue, " requests wait for KV space or a batch slot)"));
     }
-    for (std::unique_ptr<Sequence>& seq : seqs) {
-      seq->id = next_id_++;
-      if (lead && seq != seqs.front()) seq->leader = seqs.front()->id;
-      streams.push_back(seq->stream);
+    for (size_t j = 0; j < seqs.size(); ++j) {
+      seqs[j]->id = next_id_++;
+      // The first of each group of choices leads the others.
+      if (lead && j % group != 0) seqs[j]->leader = seqs[j - j % group]->id;
+      if (lead && group > 1 && j % group == 0) leading_.insert(seqs[j]->id);
+      streams.push_back(seqs[j]->stream);
     }
-    if (lead && seqs.size() > 1) leading_.insert(seqs.front()->id);
     for (std::unique_ptr<Sequence>& seq : seqs) waiting_.push_back(std::move(seq));
   }
   cv_.notify_all();

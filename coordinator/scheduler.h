@@ -146,6 +146,11 @@ class Scheduler {
   // that they find its prompt's whole blocks cached instead of prefilling
   // the prompt again; requests queued behind them are admitted meanwhile.
   absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> SubmitChoices(GenerateOptions options, int n);
+  // A batch of prompts (OpenAI's list of prompts), each with n choices as
+  // SubmitChoices gives them, all queued together or none: prompt k's choice
+  // i is stream k n + i.
+  absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> SubmitBatch(std::vector<GenerateOptions> prompts,
+                                                                          int n);
   // Logs and counts a request refused before it reached the queue (a bad
   // request, a full queue, a server that is stopping): "refused" in the
   // metrics' requests by outcome. Submit calls it; so do the fronts for the
@@ -240,10 +245,10 @@ class Scheduler {
   shm::StepPlan PlanStep(std::vector<Sequence*>* in_step);
   // Submit's and SubmitChoices' checks of a request: a sequence to queue.
   absl::StatusOr<std::unique_ptr<Sequence>> MakeSequence(GenerateOptions options) const;
-  // Queues all of `seqs` or none (locked inside); the first leads the others
-  // when `lead` (SubmitChoices).
+  // Queues all of `seqs` or none (locked inside); with `lead`, the first of
+  // each `group` of them leads the others (SubmitChoices).
   absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> Enqueue(std::vector<std::unique_ptr<Sequence>> seqs,
-                                                                     bool lead);
+                                                                     int group, bool lead);
   // A choice waiting for its choice 0's first token (locked).
   bool Held(const Sequence& s) const { return s.leader != 0 && leading_.contains(s.leader); }
   void Admit();  // locked

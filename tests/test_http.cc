@@ -554,6 +554,70 @@ TEST(Http, ChoicesAreTheirSeedsAnswersAndShareOnePrefill) {
   }
 }
 
+// A list of prompts (OpenAI's batch): prompt k's choice i (index k n + i)
+// is the answer the request gives for that prompt alone with seed + i,
+// streamed or not; usage counts each prompt once. A bad prompt in the list
+// refuses the whole request, naming it; a batch the queue could never hold
+// is a 400.
+TEST(Http, AListOfPromptsIsAnsweredAsEachAlone) {
+  EllmSystem system({"--model=" + kStories, "--no-numactl", "--max-step-tokens=32", "--max-queue=8"});
+  ASSERT_TRUE(system.ready()) << system.Log();
+  const int port = system.http_port();
+  const json prompts = {"Once upon a time", "The little dog", json::array({1, 400, 401, 402})};
+  json req = {{"prompt", prompts}, {"max_tokens", 12}, {"temperature", 1.0}, {"seed", 11}, {"n", 2}, {"echo", true}};
+  const HttpResult r = Post(port, "/v1/completions", req);
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json j = r.Json();
+  ASSERT_EQ(j["choices"].size(), 6u) << j;
+  int prompt_tokens = 0, completion = 0;
+  std::set<std::string> texts;
+  for (int k = 0; k < 3; ++k) {
+    for (int i = 0; i < 2; ++i) {
+      const json& choice = j["choices"][2 * k + i];
+      EXPECT_EQ(choice["index"], 2 * k + i);
+      json alone = req;
+      alone.erase("n");
+      alone["prompt"] = prompts[k];
+      alone["seed"] = 11 + i;
+      const json a = Post(port, "/v1/completions", alone).Json();
+      EXPECT_EQ(choice["text"], a["choices"][0]["text"]) << "prompt " << k << " choice " << i;
+      EXPECT_EQ(choice["finish_reason"], a["choices"][0]["finish_reason"]);
+      if (i == 0) prompt_tokens += a["usage"]["prompt_tokens"].get<int>();
+      completion += a["usage"]["completion_tokens"].get<int>();
+      texts.insert(choice["text"].get<std::string>());
+    }
+  }
+  EXPECT_EQ(texts.size(), 6u) << "the premise: six different answers";
+  EXPECT_EQ(j["usage"]["prompt_tokens"], prompt_tokens);
+  EXPECT_EQ(j["usage"]["completion_tokens"], completion);
+  json stream_req = req;
+  stream_req["stream"] = true;
+  const HttpResult s = Post(port, "/v1/completions", stream_req);
+  ASSERT_EQ(s.status, 200) << s.body;
+  const std::vector<std::string> data = SseData(s.body);
+  ASSERT_FALSE(data.empty());
+  EXPECT_EQ(data.back(), "[DONE]");
+  std::vector<std::string> text(6);
+  for (size_t i = 0; i + 1 < data.size(); ++i) {
+    const json c = json::parse(data[i]);
+    const int index = c["choices"][0]["index"];
+    ASSERT_TRUE(index >= 0 && index < 6) << data[i];
+    text[index] += c["choices"][0]["text"].get<std::string>();
+  }
+  for (int c = 0; c < 6; ++c) EXPECT_EQ(text[c], j["choices"][c]["text"]) << c;
+  json bad = req;
+  bad["prompt"] = {"Once", json::array({1, 512})};
+  const HttpResult b = Post(port, "/v1/completions", bad);
+  EXPECT_EQ(b.status, 400) << b.body;
+  EXPECT_NE(b.body.find("(prompt 1)"), std::string::npos) << b.body;
+  json many = req;
+  many["prompt"] = {"a", "b", "c", "d", "e"};  // x 2 choices: 10, over --max-queue 8
+  const HttpResult m = Post(port, "/v1/completions", many);
+  EXPECT_EQ(m.status, 400) << m.body;
+  EXPECT_NE(m.body.find("5 prompts x n = 2 choices are more than the wait queue holds"), std::string::npos) << m.body;
+  ExpectCleanShutdown(system);
+}
+
 TEST(Http, ChatCompletionsWithTheModelsTemplate) {
   const std::string dir = MakeTempDir("httpchat");
   const std::string model = dir + "/qwen3.gguf";

@@ -866,4 +866,82 @@ TEST(OpenAiApi, EchoWithLogprobsListsThePromptScored) {
   EXPECT_EQ(lists[0], lists[1]) << "streamed and not";
 }
 
+// A list of prompts (OpenAI's batch): each a string or token ids; prompt
+// k's choice i is index k n + i, with its own echo; usage counts each
+// prompt once. Bad lists are refused naming the prompt.
+TEST(OpenAiApi, AListOfPromptsIsABatch) {
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
+  ASSERT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  absl::StatusOr<OpenAiRequest> request =
+      ParseOpenAiRequest(R"({"prompt": ["The cat", [1, 400, 401]], "n": 2, "echo": true, "max_tokens": 3})", false, "m");
+  ASSERT_TRUE(request.ok()) << request.status();
+  ASSERT_EQ(request->prompts(), 2);
+  EXPECT_EQ(request->GenerateFor(0).prompt(), "The cat");
+  EXPECT_TRUE(request->GenerateFor(0).prompt_token_ids().empty());
+  EXPECT_TRUE(request->GenerateFor(1).prompt().empty());
+  const ellm::v1::GenerateRequest second = request->GenerateFor(1);
+  EXPECT_EQ(std::vector<int32_t>(second.prompt_token_ids().begin(), second.prompt_token_ids().end()),
+            (std::vector<int32_t>{1, 400, 401}));
+  EXPECT_EQ(request->GenerateFor(1).max_tokens(), 3) << "the other fields are shared";
+  // One prompt in a list is one prompt, as before.
+  for (const char* one : {R"(["The cat"])", R"([[1, 400]])", R"([1, 400])", R"("The cat")"}) {
+    absl::StatusOr<OpenAiRequest> r = ParseOpenAiRequest(absl::StrCat(R"({"prompt": )", one, "}"), false, "m");
+    ASSERT_TRUE(r.ok()) << one << " " << r.status();
+    EXPECT_EQ(r->prompts(), 1) << one;
+  }
+  for (const auto& [bad, why] : std::vector<std::pair<std::string, std::string>>{
+           {"[]", "non-empty list"},
+           {R"(["a", 5])", "prompt[1] must be a string or a list of token ids"},
+           {R"(["a", []])", "prompt[1] is an empty list"},
+           {R"([["a"]])", "prompt[0]: a list of token ids must hold only 32-bit integers"},
+           {R"([1, "a"])", "a list of token ids must hold only 32-bit integers"},
+           {absl::StrCat("[", absl::StrJoin(std::vector<std::string>(65, "\"x\""), ","), "]"), "at most 64"}}) {
+    absl::StatusOr<OpenAiRequest> r = ParseOpenAiRequest(absl::StrCat(R"({"prompt": )", bad, "}"), false, "m");
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find(why), std::string::npos) << bad << ": " << r.status();
+  }
+  const std::vector<int32_t> cat = (*tok)->Encode("The cat", true, {});
+  for (bool streaming : {false, true}) {
+    OpenAiRequest r = *request;
+    r.stream = streaming;
+    r.include_usage = true;
+    OpenAiResponder responder(r, "cmpl-1", "m", 0, **tok, {{cat.back(), {}}, {401, {}}});
+    std::vector<std::string> text(4);
+    nlohmann::json usage;
+    for (int c : {3, 1, 0, 2}) {
+      StreamEvent e{.text = absl::StrCat(" sat", c)};
+      e.token_ids = {500};
+      e.finished = true;
+      e.finish.prompt_tokens = c < 2 ? 3 : 4;
+      e.finish.cached_tokens = c % 2 == 1 ? 2 : 0;
+      e.finish.completion_tokens = 1 + c;
+      if (!streaming) {
+        responder.Add(e, c);
+        continue;
+      }
+      const std::string sse = responder.SseFor(e, c);
+      for (size_t at = sse.find("data: {"); at != std::string::npos; at = sse.find("data: {", at + 1)) {
+        const nlohmann::json j = nlohmann::json::parse(sse.substr(at + 6, sse.find("\n\n", at) - at - 6));
+        if (j.contains("usage") && !j["usage"].is_null()) usage = j["usage"];
+        if (j["choices"].empty()) continue;
+        text[j["choices"][0]["index"].get<int>()] += j["choices"][0]["text"].get<std::string>();
+      }
+    }
+    EXPECT_TRUE(responder.finished());
+    if (!streaming) {
+      const nlohmann::json j = nlohmann::json::parse(responder.Final());
+      ASSERT_EQ(j["choices"].size(), 4u);
+      for (int c = 0; c < 4; ++c) text[c] = j["choices"][c]["text"];
+      usage = j["usage"];
+    }
+    const std::string echoed[2] = {"The cat", (*tok)->Decode({1, 400, 401})};
+    for (int c = 0; c < 4; ++c) EXPECT_EQ(text[c], absl::StrCat(echoed[c / 2], " sat", c)) << streaming;
+    EXPECT_EQ(usage["prompt_tokens"], 3 + 4) << "each prompt once";
+    EXPECT_EQ(usage["prompt_tokens_details"]["cached_tokens"], 0) << "as each prompt's choice 0 found it";
+    EXPECT_EQ(usage["completion_tokens"], 1 + 2 + 3 + 4);
+  }
+}
+
 }  // namespace ellm::coord
