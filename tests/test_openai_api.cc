@@ -31,6 +31,33 @@ constexpr bool kAsan = false;
 constexpr bool kAsan = false;
 #endif
 
+// stories260K's tokenizer, loaded once.
+const Tokenizer& Stories() {
+  static const Tokenizer* tokenizer = [] {
+    absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
+    if (!file.ok()) {
+      ADD_FAILURE() << file.status();
+      std::abort();
+    }
+    absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
+    if (!tok.ok()) {
+      ADD_FAILURE() << tok.status();
+      std::abort();
+    }
+    return tok->release();
+  }();
+  return *tokenizer;
+}
+
+// The JSON objects of SSE bytes ("data: {...}\n\n" each; "[DONE]" left out).
+std::vector<nlohmann::json> SseChunks(const std::string& sse) {
+  std::vector<nlohmann::json> out;
+  for (size_t at = sse.find("data: {"); at != std::string::npos; at = sse.find("data: {", at + 1)) {
+    out.push_back(nlohmann::json::parse(sse.substr(at + 6, sse.find("\n\n", at) - at - 6)));
+  }
+  return out;
+}
+
 // This process's peak resident memory in bytes since the last ResetPeak.
 int64_t PeakResident() {
   std::ifstream status("/proc/self/status");
@@ -127,26 +154,23 @@ TEST(OpenAiApi, OutOfRangeNumbersNameTheirRange) {
 // UTF-8 reads "bytes:\xNN" (U+FFFD would lose its bytes and merge
 // alternatives into one key).
 TEST(OpenAiApi, CompletionLogprobsIndexTheTextInCodePoints) {
-  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
-  ASSERT_TRUE(file.ok()) << file.status();
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
-  ASSERT_TRUE(tok.ok()) << tok.status();
-  const std::vector<int32_t> prompt = (*tok)->Encode("Once", true);
+  const Tokenizer& tok = Stories();
+  const std::vector<int32_t> prompt = tok.Encode("Once", true);
   // A lone lead byte (0xC3) before " au": U+FFFD, then " au" at its own
   // offset (it had the U+FFFD's); a lone continuation byte (0xA9) at the
   // end: the text ends in U+FFFD.
-  const std::vector<int32_t> a_grave = (*tok)->Encode("à", false);
+  const std::vector<int32_t> a_grave = tok.Encode("à", false);
   ASSERT_GE(a_grave.size(), 2u);
   const int32_t lead = a_grave[a_grave.size() - 2], trail = a_grave.back();
-  std::vector<int32_t> ids = (*tok)->Encode(" voilà, café", false);
+  std::vector<int32_t> ids = tok.Encode(" voilà, café", false);
   ids.push_back(lead);
-  for (int32_t id : (*tok)->Encode(" au lait déjà vu à la", false)) ids.push_back(id);
+  for (int32_t id : tok.Encode(" au lait déjà vu à la", false)) ids.push_back(id);
   ids.push_back(trail);
   int byte_tokens = 0;
   size_t split = 0;  // the events split inside the first à
   int32_t prev = prompt.back();
   for (size_t i = 0; i < ids.size(); ++i) {
-    if (!IsValidUtf8((*tok)->TokenBytes(prev, ids[i]))) {
+    if (!IsValidUtf8(tok.TokenBytes(prev, ids[i]))) {
       ++byte_tokens;
       if (split == 0) split = i + 1;
     }
@@ -156,8 +180,8 @@ TEST(OpenAiApi, CompletionLogprobsIndexTheTextInCodePoints) {
 
   absl::StatusOr<OpenAiRequest> request = ParseOpenAiRequest(R"({"prompt": "Once", "logprobs": 2})", false, "m");
   ASSERT_TRUE(request.ok()) << request.status();
-  OpenAiResponder responder(*request, "cmpl-1", "m", 0, **tok, prompt.back());
-  StreamDecoder decoder(**tok, prompt.back());
+  OpenAiResponder responder(*request, "cmpl-1", "m", 0, tok, prompt.back());
+  StreamDecoder decoder(tok, prompt.back());
   // Two events.
   std::string text;
   for (size_t part = 0; part < 2; ++part) {
@@ -195,7 +219,7 @@ TEST(OpenAiApi, CompletionLogprobsIndexTheTextInCodePoints) {
   prev = prompt.back();
   int64_t last_offset = 0;
   for (size_t i = 0; i < ids.size(); ++i) {
-    const std::string piece = (*tok)->TokenBytes(prev, ids[i]);
+    const std::string piece = tok.TokenBytes(prev, ids[i]);
     const std::string name = lp["tokens"][i].get<std::string>();
     const int64_t offset = lp["text_offset"][i].get<int64_t>();
     ASSERT_GE(offset, last_offset) << i;
@@ -365,10 +389,7 @@ TEST(OpenAiApi, ToolCallsAreReadAsQwensTemplatesAskForThem) {
 // finish_reason "tool_calls"; streamed, no part of a call reaches the
 // content, even a "<tool_call>" split across events.
 TEST(OpenAiApi, AnswersThatCallToolsAreReturnedAsToolCalls) {
-  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
-  ASSERT_TRUE(file.ok()) << file.status();
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
-  ASSERT_TRUE(tok.ok()) << tok.status();
+  const Tokenizer& tok = Stories();
   absl::StatusOr<OpenAiRequest> request = ParseOpenAiRequest(
       R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "now"}}]})",
       true, "m");
@@ -387,7 +408,7 @@ TEST(OpenAiApi, AnswersThatCallToolsAreReturnedAsToolCalls) {
     OpenAiRequest r = *request;
     r.stream = streaming;
     for (const auto& [parts, calls] : {std::pair{call, true}, std::pair{text, false}}) {
-      OpenAiResponder responder(r, "chatcmpl-abc", "m", 0, **tok, 1);
+      OpenAiResponder responder(r, "chatcmpl-abc", "m", 0, tok, 1);
       std::string content, finish;
       nlohmann::json tool_calls;
       if (!streaming) {
@@ -400,8 +421,7 @@ TEST(OpenAiApi, AnswersThatCallToolsAreReturnedAsToolCalls) {
       } else {
         for (const StreamEvent& e : events(parts)) {
           const std::string sse = responder.SseFor(e);
-          for (size_t at = sse.find("data: {"); at != std::string::npos; at = sse.find("data: {", at + 1)) {
-            const nlohmann::json j = nlohmann::json::parse(sse.substr(at + 6, sse.find("\n\n", at) - at - 6));
+          for (const nlohmann::json& j : SseChunks(sse)) {
             const nlohmann::json& c = j["choices"][0];
             if (c["delta"].contains("content")) content += c["delta"]["content"].get<std::string>();
             if (c["delta"].contains("tool_calls")) tool_calls = c["delta"]["tool_calls"];
@@ -436,7 +456,7 @@ TEST(OpenAiApi, AnswersThatCallToolsAreReturnedAsToolCalls) {
          {std::pair{std::vector<std::string>{"", "{\"name\": ", "\"now\", \"parameters\": {}}", ""}, true},
           std::pair{std::vector<std::string>{"{\"name\": ", "\"now\"} is JSON"}, false},
           std::pair{std::vector<std::string>{"Sure: ", "{\"name\": \"now\", \"parameters\": {}}"}, false}}) {
-      OpenAiResponder responder(llama, "chatcmpl-abc", "m", 0, **tok, 1);
+      OpenAiResponder responder(llama, "chatcmpl-abc", "m", 0, tok, 1);
       std::string all;
       for (const std::string& p : parts) all += p;
       std::string content = "<null>", finish;
@@ -452,8 +472,7 @@ TEST(OpenAiApi, AnswersThatCallToolsAreReturnedAsToolCalls) {
         std::vector<std::string> deltas;
         for (const StreamEvent& e : events(parts)) {
           const std::string sse = responder.SseFor(e);
-          for (size_t at = sse.find("data: {"); at != std::string::npos; at = sse.find("data: {", at + 1)) {
-            const nlohmann::json j = nlohmann::json::parse(sse.substr(at + 6, sse.find("\n\n", at) - at - 6));
+          for (const nlohmann::json& j : SseChunks(sse)) {
             const nlohmann::json& c = j["choices"][0];
             if (c["delta"].contains("content") && c["delta"]["content"] != "") {
               deltas.push_back(c["delta"]["content"]);
@@ -486,7 +505,7 @@ TEST(OpenAiApi, AnswersThatCallToolsAreReturnedAsToolCalls) {
   {
     OpenAiRequest one = *request;
     one.one_tool_call = true;
-    OpenAiResponder responder(one, "chatcmpl-abc", "m", 0, **tok, 1);
+    OpenAiResponder responder(one, "chatcmpl-abc", "m", 0, tok, 1);
     for (const StreamEvent& e : events({"<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>"
                                         "<tool_call>{\"name\": \"b\", \"arguments\": {}}</tool_call>"})) {
       responder.Add(e);
@@ -499,7 +518,7 @@ TEST(OpenAiApi, AnswersThatCallToolsAreReturnedAsToolCalls) {
   // With tool_choice "none" the same answer is text.
   OpenAiRequest none = *request;
   none.read_tool_calls = false;
-  OpenAiResponder responder(none, "chatcmpl-abc", "m", 0, **tok, 1);
+  OpenAiResponder responder(none, "chatcmpl-abc", "m", 0, tok, 1);
   for (const StreamEvent& e : events(call)) responder.Add(e);
   const nlohmann::json j = nlohmann::json::parse(responder.Final());
   EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
@@ -512,10 +531,7 @@ TEST(OpenAiApi, AnswersThatCallToolsAreReturnedAsToolCalls) {
 // usage (the prompt once, every choice's completion tokens) and [DONE] only
 // after the last choice to finish.
 TEST(OpenAiApi, ChoicesAreKeptApartWhenTheirEventsInterleave) {
-  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
-  ASSERT_TRUE(file.ok()) << file.status();
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
-  ASSERT_TRUE(tok.ok()) << tok.status();
+  const Tokenizer& tok = Stories();
   for (const char* bad : {"0", "17", "1.5", "\"2\"", "-1", "true"}) {
     const absl::StatusOr<OpenAiRequest> r =
         ParseOpenAiRequest(absl::StrCat(R"({"prompt": "x", "n": )", bad, "}"), false, "m");
@@ -558,7 +574,7 @@ TEST(OpenAiApi, ChoicesAreKeptApartWhenTheirEventsInterleave) {
     OpenAiRequest r = *request;
     r.stream = streaming;
     r.include_usage = streaming;
-    OpenAiResponder responder(r, "chatcmpl-abc", "m", 0, **tok, 1);
+    OpenAiResponder responder(r, "chatcmpl-abc", "m", 0, tok, 1);
     std::vector<std::string> content(3), finish(3);
     std::vector<nlohmann::json> calls(3);
     nlohmann::json usage;
@@ -585,8 +601,7 @@ TEST(OpenAiApi, ChoicesAreKeptApartWhenTheirEventsInterleave) {
         const bool last = i + 1 == events.size();
         EXPECT_EQ(sse.find("[DONE]") != std::string::npos, last) << i;
         EXPECT_EQ(absl::EndsWith(sse, "data: [DONE]\n\n"), last) << i;
-        for (size_t at = sse.find("data: {"); at != std::string::npos; at = sse.find("data: {", at + 1)) {
-          const nlohmann::json j = nlohmann::json::parse(sse.substr(at + 6, sse.find("\n\n", at) - at - 6));
+        for (const nlohmann::json& j : SseChunks(sse)) {
           if (j.contains("usage")) {
             EXPECT_TRUE(last);
             EXPECT_TRUE(j["choices"].empty());
@@ -632,10 +647,7 @@ TEST(OpenAiApi, ChoicesAreKeptApartWhenTheirEventsInterleave) {
 // short is all reasoning. chat_template_kwargs.enable_thinking and a
 // message's reasoning_content reach the GenerateRequest.
 TEST(OpenAiApi, ThinkingIsReturnedAsReasoningContent) {
-  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
-  ASSERT_TRUE(file.ok()) << file.status();
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
-  ASSERT_TRUE(tok.ok()) << tok.status();
+  const Tokenizer& tok = Stories();
   absl::StatusOr<OpenAiRequest> request = ParseOpenAiRequest(
       R"({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a", "reasoning_content": "r"},
                        {"role": "user", "content": "y"}],
@@ -681,7 +693,7 @@ TEST(OpenAiApi, ThinkingIsReturnedAsReasoningContent) {
     for (const Case& k : cases) {
       OpenAiRequest r = *request;
       r.stream = streaming;
-      OpenAiResponder responder(r, "chatcmpl-abc", "m", 0, **tok, 1);
+      OpenAiResponder responder(r, "chatcmpl-abc", "m", 0, tok, 1);
       std::vector<StreamEvent> events;
       for (const std::string& p : k.parts) events.push_back(StreamEvent{.text = p});
       events.back().finished = true;
@@ -703,8 +715,7 @@ TEST(OpenAiApi, ThinkingIsReturnedAsReasoningContent) {
       } else {
         for (const StreamEvent& e : events) {
           const std::string sse = responder.SseFor(e);
-          for (size_t at = sse.find("data: {"); at != std::string::npos; at = sse.find("data: {", at + 1)) {
-            const nlohmann::json j = nlohmann::json::parse(sse.substr(at + 6, sse.find("\n\n", at) - at - 6));
+          for (const nlohmann::json& j : SseChunks(sse)) {
             const nlohmann::json& d = j["choices"][0]["delta"];
             EXPECT_EQ(d.contains("reasoning"), d.contains("reasoning_content"));
             if (d.contains("reasoning_content")) {
@@ -731,10 +742,7 @@ TEST(OpenAiApi, ThinkingIsReturnedAsReasoningContent) {
 // echo (completions): every choice's text starts with the prompt's (ids
 // decoded), streamed or not; a non-boolean echo is refused.
 TEST(OpenAiApi, EchoPutsThePromptBeforeEachChoice) {
-  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
-  ASSERT_TRUE(file.ok()) << file.status();
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
-  ASSERT_TRUE(tok.ok()) << tok.status();
+  const Tokenizer& tok = Stories();
   EXPECT_FALSE(ParseOpenAiRequest(R"({"prompt": "x", "echo": "yes"})", false, "m").ok());
   const absl::StatusOr<OpenAiRequest> with_logprobs =
       ParseOpenAiRequest(R"({"prompt": "x", "echo": true, "logprobs": 1})", false, "m");
@@ -742,8 +750,8 @@ TEST(OpenAiApi, EchoPutsThePromptBeforeEachChoice) {
   EXPECT_TRUE(with_logprobs->generate.prompt_logprobs()) << "echo with logprobs scores the prompt";
   EXPECT_FALSE(ParseOpenAiRequest(R"({"prompt": "x", "echo": true})", false, "m")->generate.prompt_logprobs());
   EXPECT_FALSE(ParseOpenAiRequest(R"({"prompt": "x", "logprobs": 1})", false, "m")->generate.prompt_logprobs());
-  const std::vector<int32_t> ids = (*tok)->Encode("Once upon a time", true, {});
-  const std::string decoded = (*tok)->Decode(ids);
+  const std::vector<int32_t> ids = tok.Encode("Once upon a time", true, {});
+  const std::string decoded = tok.Decode(ids);
   ASSERT_EQ(decoded, "Once upon a time") << "the premise";
   for (const std::string& prompt : {std::string(R"("The cat")"), absl::StrCat("[", absl::StrJoin(ids, ","), "]")}) {
     const std::string expected = prompt[0] == '"' ? "The cat" : decoded;
@@ -754,7 +762,7 @@ TEST(OpenAiApi, EchoPutsThePromptBeforeEachChoice) {
     for (bool streaming : {false, true}) {
       OpenAiRequest r = *request;
       r.stream = streaming;
-      OpenAiResponder responder(r, "cmpl-1", "m", 0, **tok, 1);
+      OpenAiResponder responder(r, "cmpl-1", "m", 0, tok, 1);
       std::vector<std::string> text(2);
       for (const char* part : {" sat", " down"}) {
         for (int c = 0; c < 2; ++c) {
@@ -765,8 +773,7 @@ TEST(OpenAiApi, EchoPutsThePromptBeforeEachChoice) {
             continue;
           }
           const std::string sse = responder.SseFor(e, c);
-          for (size_t at = sse.find("data: {"); at != std::string::npos; at = sse.find("data: {", at + 1)) {
-            const nlohmann::json j = nlohmann::json::parse(sse.substr(at + 6, sse.find("\n\n", at) - at - 6));
+          for (const nlohmann::json& j : SseChunks(sse)) {
             text[j["choices"][0]["index"].get<int>()] += j["choices"][0]["text"].get<std::string>();
           }
         }
@@ -787,11 +794,8 @@ TEST(OpenAiApi, EchoPutsThePromptBeforeEachChoice) {
 // their alternatives; text_offset counts through the prompt's text into the
 // answer's; streamed (in the first chunk) and not, the same lists.
 TEST(OpenAiApi, EchoWithLogprobsListsThePromptScored) {
-  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
-  ASSERT_TRUE(file.ok()) << file.status();
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
-  ASSERT_TRUE(tok.ok()) << tok.status();
-  const std::vector<int32_t> prompt = (*tok)->Encode("Once upon a time", true, {});
+  const Tokenizer& tok = Stories();
+  const std::vector<int32_t> prompt = tok.Encode("Once upon a time", true, {});
   ASSERT_GT(prompt.size(), 3u);
   absl::StatusOr<OpenAiRequest> request =
       ParseOpenAiRequest(R"({"prompt": "Once upon a time", "echo": true, "logprobs": 1})", false, "m");
@@ -803,17 +807,17 @@ TEST(OpenAiApi, EchoWithLogprobsListsThePromptScored) {
     scores.push_back(-4.0f * rng.NextUniform());
     top.push_back({{static_cast<int32_t>(300 + i), -0.5f}});
   }
-  const std::vector<int32_t> answer = (*tok)->Encode("there was", false, {});
+  const std::vector<int32_t> answer = tok.Encode("there was", false, {});
   std::vector<nlohmann::json> lists;
   for (bool streaming : {false, true}) {
     OpenAiRequest r = *request;
     r.stream = streaming;
-    OpenAiResponder responder(r, "cmpl-1", "m", 0, **tok, prompt.back(), prompt);
+    OpenAiResponder responder(r, "cmpl-1", "m", 0, tok, prompt.back(), prompt);
     nlohmann::json got = {{"tokens", nlohmann::json::array()}, {"token_logprobs", nlohmann::json::array()},
                           {"top_logprobs", nlohmann::json::array()}, {"text_offset", nlohmann::json::array()}};
     std::string text;
     for (size_t i = 0; i < answer.size(); ++i) {
-      StreamEvent e{.text = (*tok)->TokenBytes(i == 0 ? prompt.back() : answer[i - 1], answer[i])};
+      StreamEvent e{.text = tok.TokenBytes(i == 0 ? prompt.back() : answer[i - 1], answer[i])};
       e.token_ids = {answer[i]};
       e.logprobs = {-1.0f - static_cast<float>(i)};
       e.top_logprobs = {{{answer[i], e.logprobs[0]}}};
@@ -827,8 +831,7 @@ TEST(OpenAiApi, EchoWithLogprobsListsThePromptScored) {
         continue;
       }
       const std::string sse = responder.SseFor(e);
-      for (size_t at = sse.find("data: {"); at != std::string::npos; at = sse.find("data: {", at + 1)) {
-        const nlohmann::json j = nlohmann::json::parse(sse.substr(at + 6, sse.find("\n\n", at) - at - 6));
+      for (const nlohmann::json& j : SseChunks(sse)) {
         const nlohmann::json& lp = j["choices"][0]["logprobs"];
         text += j["choices"][0]["text"].get<std::string>();
         if (lp.is_null()) continue;
@@ -870,10 +873,7 @@ TEST(OpenAiApi, EchoWithLogprobsListsThePromptScored) {
 // k's choice i is index k n + i, with its own echo; usage counts each
 // prompt once. Bad lists are refused naming the prompt.
 TEST(OpenAiApi, AListOfPromptsIsABatch) {
-  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
-  ASSERT_TRUE(file.ok()) << file.status();
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
-  ASSERT_TRUE(tok.ok()) << tok.status();
+  const Tokenizer& tok = Stories();
   absl::StatusOr<OpenAiRequest> request =
       ParseOpenAiRequest(R"({"prompt": ["The cat", [1, 400, 401]], "n": 2, "echo": true, "max_tokens": 3})", false, "m");
   ASSERT_TRUE(request.ok()) << request.status();
@@ -902,12 +902,12 @@ TEST(OpenAiApi, AListOfPromptsIsABatch) {
     ASSERT_FALSE(r.ok()) << bad;
     EXPECT_NE(r.status().message().find(why), std::string::npos) << bad << ": " << r.status();
   }
-  const std::vector<int32_t> cat = (*tok)->Encode("The cat", true, {});
+  const std::vector<int32_t> cat = tok.Encode("The cat", true, {});
   for (bool streaming : {false, true}) {
     OpenAiRequest r = *request;
     r.stream = streaming;
     r.include_usage = true;
-    OpenAiResponder responder(r, "cmpl-1", "m", 0, **tok, {{cat.back(), {}}, {401, {}}});
+    OpenAiResponder responder(r, "cmpl-1", "m", 0, tok, {{cat.back(), {}}, {401, {}}});
     std::vector<std::string> text(4);
     nlohmann::json usage;
     for (int c : {3, 1, 0, 2}) {
@@ -922,8 +922,7 @@ TEST(OpenAiApi, AListOfPromptsIsABatch) {
         continue;
       }
       const std::string sse = responder.SseFor(e, c);
-      for (size_t at = sse.find("data: {"); at != std::string::npos; at = sse.find("data: {", at + 1)) {
-        const nlohmann::json j = nlohmann::json::parse(sse.substr(at + 6, sse.find("\n\n", at) - at - 6));
+      for (const nlohmann::json& j : SseChunks(sse)) {
         if (j.contains("usage") && !j["usage"].is_null()) usage = j["usage"];
         if (j["choices"].empty()) continue;
         text[j["choices"][0]["index"].get<int>()] += j["choices"][0]["text"].get<std::string>();
@@ -936,7 +935,7 @@ TEST(OpenAiApi, AListOfPromptsIsABatch) {
       for (int c = 0; c < 4; ++c) text[c] = j["choices"][c]["text"];
       usage = j["usage"];
     }
-    const std::string echoed[2] = {"The cat", (*tok)->Decode({1, 400, 401})};
+    const std::string echoed[2] = {"The cat", tok.Decode({1, 400, 401})};
     for (int c = 0; c < 4; ++c) EXPECT_EQ(text[c], absl::StrCat(echoed[c / 2], " sat", c)) << streaming;
     EXPECT_EQ(usage["prompt_tokens"], 3 + 4) << "each prompt once";
     EXPECT_EQ(usage["prompt_tokens_details"]["cached_tokens"], 0) << "as each prompt's choice 0 found it";
