@@ -17,12 +17,17 @@ namespace ellm::coord {
 namespace {
 
 using json = nlohmann::json;
+// Responses keep their members in the order written (OpenAI's order; a
+// completions top_logprobs object lists the most likely first, as clients
+// that read its first key expect).
+using ojson = nlohmann::ordered_json;
 
 absl::Status Bad(const std::string& field, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat("'", field, "' ", what));
 }
 
 std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+std::string Dump(const ojson& j) { return j.dump(-1, ' ', false, ojson::error_handler_t::replace); }
 
 // A text field: a string, or (chat content) an array of {"type": "text",
 // "text": ...} parts, joined with new lines as vLLM joins them.
@@ -100,6 +105,8 @@ constexpr UnsupportedField kUnsupported[] = {
     {"response_format", IsTextFormat},
     {"functions", IsEmptyOrNull},       {"function_call", IsNoTool},
     {"best_of", IsOneOrNull},           {"guided_json", IsNull},           {"guided_regex", IsNull},
+    // vLLM's own form of prompt logprobs (completions' echo with logprobs gives them).
+    {"prompt_logprobs", IsNull},
     {"guided_choice", IsNull},          {"guided_grammar", IsNull},
 };
 
@@ -674,6 +681,10 @@ OpenAiResponder::OpenAiResponder(const OpenAiRequest& request, std::string id, s
       const ellm::v1::GenerateRequest g = k < request_.prompts() ? request_.GenerateFor(k) : request_.generate;
       const auto& ids = g.prompt_token_ids();
       echo_[k] = ids.empty() ? g.prompt() : tokenizer.Decode(std::vector<int32_t>(ids.begin(), ids.end()));
+      // Ids may decode to bytes that are not UTF-8: the echo is the text the
+      // client reads (U+FFFD for them, as Dump writes it), so that the
+      // answer's text_offset counts them.
+      if (!IsValidUtf8(echo_[k])) echo_[k] = json::parse(Dump(json(echo_[k]))).get<std::string>();
     }
     for (int i = 0; i < n; ++i) {
       choices_.emplace_back(tokenizer, k, prompts_[k].last_token);
@@ -704,7 +715,7 @@ int64_t CodePoints(std::string_view whole_utf8) {
 
 }  // namespace
 
-json OpenAiResponder::Usage() const {
+ojson OpenAiResponder::Usage() const {
   // Each prompt once, as its first choice found it (the others find it
   // cached: Scheduler::SubmitChoices holds them until its prefill is in).
   const size_t n = static_cast<size_t>(std::max(1, request_.n));
@@ -723,16 +734,16 @@ json OpenAiResponder::Usage() const {
           {"prompt_tokens_details", {{"cached_tokens", cached}}}};
 }
 
-json OpenAiResponder::LogprobsOf(Choice& c, const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
+ojson OpenAiResponder::LogprobsOf(Choice& c, const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
                                  const std::vector<std::vector<TokenLogprob>>& top) {
   auto bytes_of = [](const std::string& piece) {
-    json bytes = json::array();
+    ojson bytes = ojson::array();
     for (unsigned char c : piece) bytes.push_back(static_cast<int>(c));
     return bytes;
   };
-  json content = json::array();
-  json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(),
-       text_offset = json::array();
+  ojson content = ojson::array();
+  ojson tokens = ojson::array(), token_logprobs = ojson::array(), top_logprobs = ojson::array(),
+       text_offset = ojson::array();
   for (size_t i = 0; i < ids.size(); ++i) {
     // Every candidate at this position reads as it would after the same
     // previous token (a SentencePiece word start depends on it).
@@ -743,7 +754,7 @@ json OpenAiResponder::LogprobsOf(Choice& c, const std::vector<int32_t>& ids, con
     static const std::vector<TokenLogprob> kNone;
     const std::vector<TokenLogprob>& alternatives = i < top.size() ? top[i] : kNone;
     if (request_.chat) {
-      json alt = json::array();
+      ojson alt = ojson::array();
       for (const TokenLogprob& a : alternatives) {
         const std::string p = tokenizer_.TokenBytes(prev, a.token);
         alt.push_back({{"token", p}, {"logprob", a.logprob}, {"bytes", bytes_of(p)}});
@@ -752,7 +763,7 @@ json OpenAiResponder::LogprobsOf(Choice& c, const std::vector<int32_t>& ids, con
       continue;
     }
     // Completions: {text: logprob} of the alternatives and the chosen token.
-    json alt = json::object();
+    ojson alt = ojson::object();
     for (const TokenLogprob& a : alternatives) {
       alt[CompletionTokenText(tokenizer_.TokenBytes(prev, a.token))] = a.logprob;
     }
@@ -771,11 +782,11 @@ json OpenAiResponder::LogprobsOf(Choice& c, const std::vector<int32_t>& ids, con
           {"text_offset", text_offset}};
 }
 
-json OpenAiResponder::PromptLogprobsOf(const Choice& c, const std::vector<float>& logprobs,
+ojson OpenAiResponder::PromptLogprobsOf(const Choice& c, const std::vector<float>& logprobs,
                                        const std::vector<std::vector<TokenLogprob>>& top) const {
   const std::vector<int32_t>& prompt = prompts_[static_cast<size_t>(c.prompt)].tokens;
-  json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(),
-       text_offset = json::array();
+  ojson tokens = ojson::array(), token_logprobs = ojson::array(), top_logprobs = ojson::array(),
+       text_offset = ojson::array();
   StreamDecoder offsets(tokenizer_, -1);
   int64_t offset = 0;
   int32_t prev = -1;
@@ -788,7 +799,7 @@ json OpenAiResponder::PromptLogprobsOf(const Choice& c, const std::vector<float>
       top_logprobs.push_back(nullptr);
     } else {
       token_logprobs.push_back(logprobs[i - 1]);
-      json alt = json::object();
+      ojson alt = ojson::object();
       if (i - 1 < top.size()) {
         for (const TokenLogprob& a : top[i - 1]) {
           alt[CompletionTokenText(tokenizer_.TokenBytes(prev, a.token))] = a.logprob;
@@ -809,16 +820,16 @@ json OpenAiResponder::PromptLogprobsOf(const Choice& c, const std::vector<float>
 
 namespace {
 // Completions' logprobs of `first` then `then`, list by list.
-json JoinLogprobs(json first, const json& then) {
+ojson JoinLogprobs(ojson first, const ojson& then) {
   for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"}) {
-    for (const json& v : then[key]) first[key].push_back(v);
+    for (const ojson& v : then[key]) first[key].push_back(v);
   }
   return first;
 }
 }  // namespace
 
-json OpenAiResponder::ToolCallsJson(const ToolCallsAnswer& answer, int index, bool streaming) const {
-  json calls = json::array();
+ojson OpenAiResponder::ToolCallsJson(const ToolCallsAnswer& answer, int index, bool streaming) const {
+  ojson calls = ojson::array();
   // An id per call, unique as the request's id is: "call_" + its random part
   // (and the choice's index after the first).
   std::string base = id_.substr(id_.find('-') + 1);
@@ -826,7 +837,7 @@ json OpenAiResponder::ToolCallsJson(const ToolCallsAnswer& answer, int index, bo
   // parallel_tool_calls false: the first call only.
   const size_t n = request_.one_tool_call ? std::min<size_t>(1, answer.calls.size()) : answer.calls.size();
   for (size_t i = 0; i < n; ++i) {
-    json call = {{"id", absl::StrCat("call_", base, "_", i)},
+    ojson call = {{"id", absl::StrCat("call_", base, "_", i)},
                  {"type", "function"},
                  {"function", {{"name", answer.calls[i].name}, {"arguments", answer.calls[i].arguments}}}};
     if (streaming) call["index"] = i;
@@ -918,12 +929,12 @@ std::string OpenAiResponder::ShowableText(Choice& c, const std::string& text) {
   return all;
 }
 
-json OpenAiResponder::Chunk(const json& choice) const {
+ojson OpenAiResponder::Chunk(const ojson& choice) const {
   return {{"id", id_},
           {"object", request_.chat ? "chat.completion.chunk" : "text_completion"},
           {"created", created_},
           {"model", model_id_},
-          {"choices", json::array({choice})}};
+          {"choices", ojson::array({choice})}};
 }
 
 void OpenAiResponder::Finished(Choice& c, const FinishInfo& finish) {
@@ -936,7 +947,7 @@ void OpenAiResponder::Finished(Choice& c, const FinishInfo& finish) {
 std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
   Choice& c = choices_.at(static_cast<size_t>(index));
   std::string out;
-  auto emit = [&out](const json& j) { absl::StrAppend(&out, "data: ", Dump(j), "\n\n"); };
+  auto emit = [&out](const ojson& j) { absl::StrAppend(&out, "data: ", Dump(j), "\n\n"); };
   if (request_.chat && !c.sent_role) {
     c.sent_role = true;
     emit(Chunk({{"index", index}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
@@ -960,9 +971,9 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
   const bool holds = request_.read_tool_calls || request_.read_reasoning;
   if (!text.empty() || !reasoning.empty() || e.finished ||
       (!e.token_ids.empty() && (request_.logprobs || !holds))) {
-    json choice = {{"index", index}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+    ojson choice = {{"index", index}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
     if (request_.chat) {
-      choice["delta"] = json::object();
+      choice["delta"] = ojson::object();
       // Under both of vLLM's names (its clients read one or the other).
       if (!reasoning.empty()) choice["delta"]["reasoning"] = choice["delta"]["reasoning_content"] = reasoning;
       if (!text.empty()) choice["delta"]["content"] = text;
@@ -978,10 +989,10 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
     }
     if (calls) {
       // The calls in one chunk of their own, then the finish.
-      json with_calls = choice;
+      ojson with_calls = choice;
       with_calls["delta"]["tool_calls"] = ToolCallsJson(*calls, index, /*streaming=*/true);
       emit(Chunk(with_calls));
-      choice = {{"index", index}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", "tool_calls"}};
+      choice = {{"index", index}, {"delta", ojson::object()}, {"logprobs", nullptr}, {"finish_reason", "tool_calls"}};
     } else if (e.finished) {
       choice["finish_reason"] = OpenAiFinishReason(e.finish.reason);
     }
@@ -991,8 +1002,8 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
     Finished(c, e.finish);
     if (finished()) {
       if (request_.include_usage) {
-        json usage = Chunk({});
-        usage["choices"] = json::array();
+        ojson usage = Chunk({});
+        usage["choices"] = ojson::array();
         usage["usage"] = Usage();
         emit(usage);
       }
@@ -1016,24 +1027,24 @@ void OpenAiResponder::Add(const coord::StreamEvent& e, int index) {
 }
 
 std::string OpenAiResponder::Final() {
-  json choices = json::array();
+  ojson choices = ojson::array();
   for (size_t i = 0; i < choices_.size(); ++i) {
     Choice& c = choices_[i];
     const int index = static_cast<int>(i);
-    json choice = {{"index", index}, {"finish_reason", OpenAiFinishReason(c.finish.reason)}, {"logprobs", nullptr}};
+    ojson choice = {{"index", index}, {"finish_reason", OpenAiFinishReason(c.finish.reason)}, {"logprobs", nullptr}};
     ReasoningAnswer answer = request_.read_reasoning ? SplitReasoning(c.text) : ReasoningAnswer{{}, c.text};
     const std::optional<ToolCallsAnswer> calls =
         request_.read_tool_calls ? ParseToolCalls(answer.content, request_.tool_syntax) : std::nullopt;
     if (calls) {
       choice["message"] = {{"role", "assistant"},
-                           {"content", calls->content.empty() ? json(nullptr) : json(calls->content)},
+                           {"content", calls->content.empty() ? ojson(nullptr) : ojson(calls->content)},
                            {"tool_calls", ToolCallsJson(*calls, index, /*streaming=*/false)}};
       choice["finish_reason"] = "tool_calls";
     } else if (request_.chat) {
       // After thinking, no answer is null (as vLLM gives it).
       choice["message"] = {{"role", "assistant"},
-                           {"content", answer.reasoning && answer.content.empty() ? json(nullptr)
-                                                                                  : json(answer.content)}};
+                           {"content", answer.reasoning && answer.content.empty() ? ojson(nullptr)
+                                                                                  : ojson(answer.content)}};
     } else {
       choice["text"] = echo_[c.prompt] + c.text;
     }
@@ -1044,7 +1055,7 @@ std::string OpenAiResponder::Final() {
     }
     choices.push_back(std::move(choice));
   }
-  json body = {{"id", id_},
+  ojson body = {{"id", id_},
                {"object", request_.chat ? "chat.completion" : "text_completion"},
                {"created", created_},
                {"model", model_id_},
@@ -1083,7 +1094,7 @@ std::string OpenAiErrorBody(const absl::Status& status) {
   // as Bad writes it; or, as the service's checks write it, a field the
   // parser reads followed by a space or a colon: "min_tokens must be ..."),
   // for OpenAI's "param".
-  json param = nullptr;
+  ojson param = nullptr;
   const std::string_view message(status.message().data(), status.message().size());
   if (http == 400 && message.size() > 2 && message[0] == '\'') {
     const size_t end = message.find('\'', 1);
@@ -1093,7 +1104,7 @@ std::string OpenAiErrorBody(const absl::Status& status) {
     const std::string_view name = message.substr(0, message.find_first_of(" :"));
     if (name.size() < message.size() && IsReadField(name)) param = std::string(name);
   }
-  return Dump({{"error", {{"message", std::string(message)}, {"type", type}, {"param", param},
+  return Dump(ojson{{"error", {{"message", std::string(message)}, {"type", type}, {"param", param},
                           {"code", absl::StatusCodeToString(status.code())}}}});
 }
 

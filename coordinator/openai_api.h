@@ -187,11 +187,11 @@ class OpenAiResponder {
     FinishInfo finish;
   };
 
-  nlohmann::json Chunk(const nlohmann::json& choice) const;
+  nlohmann::ordered_json Chunk(const nlohmann::ordered_json& choice) const;
   // The whole request's usage (once every choice has finished).
-  nlohmann::json Usage() const;
+  nlohmann::ordered_json Usage() const;
   // OpenAI's tool_calls list of choice `index` (streaming: with each call's index).
-  nlohmann::json ToolCallsJson(const ToolCallsAnswer& answer, int index, bool streaming) const;
+  nlohmann::ordered_json ToolCallsJson(const ToolCallsAnswer& answer, int index, bool streaming) const;
   // Streaming with read_tool_calls: the part of `text` that may be shown
   // now. Hermes: from a "<tool_call>" on, the text is held for
   // ParseToolCalls at the end; so is a tail that could begin one. Llama
@@ -202,11 +202,11 @@ class OpenAiResponder {
   // arrives; `last`: the answer's last event, nothing is held).
   std::pair<std::string, std::string> SplitReasoningDelta(Choice& c, const std::string& text, bool last);
   // The logprobs object of these tokens (advances c's prev_token and text_offset).
-  nlohmann::json LogprobsOf(Choice& c, const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
+  nlohmann::ordered_json LogprobsOf(Choice& c, const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
                             const std::vector<std::vector<TokenLogprob>>& top);
   // Completions' logprobs of the prompt's tokens (echo): the first one
   // null, the others' from the scores.
-  nlohmann::json PromptLogprobsOf(const Choice& c, const std::vector<float>& logprobs,
+  nlohmann::ordered_json PromptLogprobsOf(const Choice& c, const std::vector<float>& logprobs,
                                   const std::vector<std::vector<TokenLogprob>>& top) const;
   // Folds the end of a choice in (once).
   void Finished(Choice& c, const FinishInfo& finish);

@@ -340,7 +340,17 @@ void Scheduler::Publish(Sequence* s, int blocks) {
     const uint64_t parent = s->keys.empty() ? 0 : s->keys.back();
     const int32_t* t = tokens.data() + s->keys.size() * static_cast<size_t>(bt);
     const uint64_t key = ChainKey(parent, t, bt);
-    if (!cache_.Insert(key, parent, t)) break;  // another sequence cached this prefix first
+    if (!cache_.Insert(key, parent, t)) {
+      // Another sequence cached this block first (the same prompt prefilled
+      // side by side, or a scored prompt, which attaches nothing): this
+      // one's copy stays its own, and it holds the cached one so that its
+      // later blocks chain on from it. (Before, it published none of them.)
+      if (!published.keys.empty()) pending_.publish.push_back(std::move(published));
+      cache_.Acquire({key});
+      s->keys.push_back(key);
+      published = {s->id, static_cast<int>(s->keys.size()), {}, key, {}};
+      continue;
+    }
     s->keys.push_back(key);
     published.keys.push_back(key);
     if (options_.kv_store) {
@@ -356,8 +366,8 @@ void Scheduler::PublishPartial(Sequence* s) {
   const int bt = options_.kv_block_tokens;
   const int fed = s->fed - s->base;
   const int rows = fed % bt;
-  // Only after a chain of the sequence's own whole blocks (Publish stops
-  // where another sequence cached the same prefix first).
+  // Only after the chain of the sequence's whole blocks (its own, or
+  // cached first by another sequence).
   if (rows == 0 || static_cast<int>(s->keys.size()) != fed / bt) return;
   const std::vector<int32_t> tokens = s->Tokens();
   const uint64_t parent = s->keys.empty() ? 0 : s->keys.back();

@@ -858,6 +858,7 @@ TEST(Http, EveryErrorHasItsStatusAndOpenAisShape) {
            {"response_format", {{"type", "json_object"}}},
            {"functions", {{{"name", "f"}}}},
            {"best_of", 3},
+           {"prompt_logprobs", 1},
            {"guided_json", json::object()}}) {
     json body = chat;
     body[field] = value;

@@ -250,6 +250,12 @@ TEST(Integration, PromptLogprobsAreTheReferenceForwards) {
   EllmSystem system({"--model=" + kStories, "--attn-workers=2", "--no-numactl", "--kv-dtype=f32",
                      "--max-step-tokens=8"});
   ASSERT_TRUE(system.ready()) << system.Log();
+  // Its first 20 tokens cached first: the scored requests attach none of
+  // them, but publish the rest of the prompt after them.
+  ellm::v1::GenerateRequest prefix;
+  prefix.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.begin() + 20);
+  prefix.set_max_tokens(1);
+  ASSERT_TRUE(Generate(system.stub(), prefix).status.ok());
   ellm::v1::GenerateRequest req = Greedy(text, 4);
   req.set_prompt_logprobs(true);
   req.set_top_logprobs(2);
@@ -273,7 +279,8 @@ TEST(Integration, PromptLogprobsAreTheReferenceForwards) {
   }
   const Generated plain = Generate(system.stub(), Greedy(text, 4));
   ASSERT_TRUE(plain.status.ok());
-  EXPECT_GT(plain.finish.cached_tokens(), 0) << "the scored prefill published its blocks";
+  EXPECT_EQ(plain.finish.cached_tokens(), static_cast<int>(prompt.size()) - 1)
+      << "the scored prefill published its blocks past the cached prefix";
   EXPECT_TRUE(plain.prompt_logprobs.empty());
   ExpectCleanShutdown(system);
 }

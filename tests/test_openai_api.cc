@@ -943,4 +943,97 @@ TEST(OpenAiApi, AListOfPromptsIsABatch) {
   }
 }
 
+// A prompt of ids that decode to bytes that are not UTF-8 (helper-32's
+// audit): the echo reads U+FFFD for them, and the answer's text_offset
+// counts those (it counted none: every offset after was short).
+TEST(OpenAiApi, EchoOffsetsCountTheReplacementsOfBadBytes) {
+  const Tokenizer& tok = Stories();
+  const std::vector<int32_t> prompt = {1, 3 + 'd', 3 + 'a', 3 + 0xA9, 3 + 0x80};
+  absl::StatusOr<OpenAiRequest> request =
+      ParseOpenAiRequest(R"({"prompt": [1, 103, 100, 172, 131], "echo": true, "logprobs": 0})", false, "m");
+  ASSERT_TRUE(request.ok()) << request.status();
+  const std::vector<int32_t> answer = tok.Encode("and she", false, {});
+  for (bool streaming : {false, true}) {
+    OpenAiRequest r = *request;
+    r.stream = streaming;
+    OpenAiResponder responder(r, "cmpl-1", "m", 0, tok, prompt.back(), prompt);
+    std::string text;
+    nlohmann::json offsets = nlohmann::json::array(), tokens = nlohmann::json::array();
+    for (size_t i = 0; i < answer.size(); ++i) {
+      StreamEvent e{.text = tok.TokenBytes(i == 0 ? prompt.back() : answer[i - 1], answer[i])};
+      e.token_ids = {answer[i]};
+      e.logprobs = {-1.0f};
+      if (i == 0) e.prompt_logprobs = {-1, -2, -3, -4};
+      e.finished = i + 1 == answer.size();
+      if (!streaming) {
+        responder.Add(e);
+        continue;
+      }
+      for (const nlohmann::json& j : SseChunks(responder.SseFor(e))) {
+        text += j["choices"][0]["text"].get<std::string>();
+        for (const nlohmann::json& v : j["choices"][0]["logprobs"]["text_offset"]) offsets.push_back(v);
+        for (const nlohmann::json& v : j["choices"][0]["logprobs"]["tokens"]) tokens.push_back(v);
+      }
+    }
+    if (!streaming) {
+      const nlohmann::json j = nlohmann::json::parse(responder.Final());
+      text = j["choices"][0]["text"];
+      offsets = j["choices"][0]["logprobs"]["text_offset"];
+      tokens = j["choices"][0]["logprobs"]["tokens"];
+    }
+    EXPECT_EQ(text, "da\uFFFD\uFFFD and she") << streaming;
+    ASSERT_EQ(offsets.size(), prompt.size() + answer.size());
+    // Code points: "d" 0, "a" 1, the two U+FFFD 2 and 3, " and" 4.
+    EXPECT_EQ(offsets[prompt.size()], 4) << offsets << (streaming ? " streamed" : "");
+    EXPECT_EQ(tokens[prompt.size()], " and");
+  }
+}
+
+// Completions' top_logprobs objects list the most likely token first (as
+// OpenAI and vLLM do; clients read the first key as the top one), then the
+// chosen token when it is not among them; they were in the keys' order.
+TEST(OpenAiApi, TopLogprobsListTheMostLikelyFirst) {
+  const Tokenizer& tok = Stories();
+  const std::vector<int32_t> ids = tok.Encode("Once upon a time", false, {});
+  ASSERT_GE(ids.size(), 3u);
+  // The alternatives in falling likelihood, their texts in falling
+  // alphabetical order (so the keys' order would be the reverse).
+  std::vector<int32_t> alts = ids;
+  std::sort(alts.begin(), alts.end(), [&](int32_t a, int32_t b) { return tok.TokenBytes(1, a) > tok.TokenBytes(1, b); });
+  alts.erase(std::unique(alts.begin(), alts.end(), [&](int32_t a, int32_t b) {
+               return tok.TokenBytes(1, a) == tok.TokenBytes(1, b);
+             }), alts.end());
+  ASSERT_GE(alts.size(), 3u);
+  absl::StatusOr<OpenAiRequest> request =
+      ParseOpenAiRequest(R"({"prompt": "x", "logprobs": 3})", false, "m");
+  ASSERT_TRUE(request.ok()) << request.status();
+  for (bool streaming : {false, true}) {
+    OpenAiRequest r = *request;
+    r.stream = streaming;
+    OpenAiResponder responder(r, "cmpl-1", "m", 0, tok, 1);
+    StreamEvent e{.text = "x"};
+    e.token_ids = {alts[2]};
+    e.logprobs = {-3.0f};
+    e.top_logprobs = {{{alts[0], -0.1f}, {alts[1], -0.5f}, {alts[2], -3.0f}}};
+    e.finished = true;
+    std::string body;
+    if (streaming) {
+      const std::string sse = responder.SseFor(e);
+      body = sse.substr(6, sse.find("\n\n") - 6);
+    } else {
+      responder.Add(e);
+      body = responder.Final();
+    }
+    const nlohmann::ordered_json j = nlohmann::ordered_json::parse(body);
+    const nlohmann::ordered_json& top = j["choices"][0]["logprobs"]["top_logprobs"][0];
+    ASSERT_EQ(top.size(), 3u) << top;
+    std::vector<std::string> keys;
+    for (auto it = top.begin(); it != top.end(); ++it) keys.push_back(it.key());
+    EXPECT_EQ(keys, (std::vector<std::string>{tok.TokenBytes(1, alts[0]), tok.TokenBytes(1, alts[1]),
+                                              tok.TokenBytes(1, alts[2])}))
+        << top << (streaming ? " streamed" : "");
+    EXPECT_EQ(j.begin().key(), "id") << "the response's members in OpenAI's order";
+  }
+}
+
 }  // namespace ellm::coord

@@ -147,10 +147,13 @@ class FakeExecutor : public StepExecutor {
     cv_.notify_all();
     if (fail_kv_) return absl::FailedPreconditionError("injected UpdateKv failure");
     for (const KvOps::SequenceBlocks& p : ops.publish) {
+      // Blocks it skips stay the sequence's own (0: no key), as a worker
+      // allows: a block another sequence cached first.
       std::vector<uint64_t>& held = seq_keys_[p.seq];
-      if (p.first_block != static_cast<int>(held.size())) {
+      if (p.first_block < static_cast<int>(held.size())) {
         return Refuse("publish out of order for sequence ", p.seq);
       }
+      held.resize(static_cast<size_t>(p.first_block), 0);
       std::vector<uint64_t> keys = p.keys;
       if (p.partial_rows > 0) keys.push_back(p.partial_key);  // its last, partial block
       for (uint64_t k : keys) {
@@ -161,7 +164,9 @@ class FakeExecutor : public StepExecutor {
     }
     for (uint64_t id : ops.free) {
       freed_.insert(id);
-      for (uint64_t k : seq_keys_[id]) --refs_[k];
+      for (uint64_t k : seq_keys_[id]) {
+        if (k != 0) --refs_[k];
+      }
       seq_keys_.erase(id);
     }
     for (uint64_t k : ops.evict) {
@@ -953,6 +958,30 @@ TEST_F(SchedulerTest, PromptLogprobsScoreEveryChunkAndAttachNothing) {
     exec_.SetMangle(nullptr);
     EXPECT_TRUE(Collect(*other).error.ok()) << "the other request goes on";
   }
+}
+
+// A scored prompt that continues a cached one (helper-32's audit): it
+// attaches nothing, but publishes the blocks past the cached prefix,
+// chained on from the cached ones, so a plain request of the whole prompt
+// then attaches all of it (but the last token, which it feeds).
+TEST_F(SchedulerTest, AScoredPromptPublishesItsBlocksPastACachedPrefix) {
+  Start();
+  const std::vector<int32_t> longer = Prompt(360, 70);
+  const std::vector<int32_t> prefix(longer.begin(), longer.begin() + 33);  // 2 whole blocks and a row
+  ASSERT_TRUE(Collect(*Submit(prefix, 2)).error.ok());
+  GenerateOptions o;
+  o.prompt = longer;
+  o.max_tokens = 2;
+  o.prompt_logprobs = true;
+  absl::StatusOr<std::shared_ptr<RequestStream>> scored = scheduler_->Submit(o);
+  ASSERT_TRUE(scored.ok()) << scored.status();
+  const Outcome s = Collect(**scored);
+  ASSERT_TRUE(s.error.ok()) << s.error;
+  EXPECT_EQ(s.finish.cached_tokens, 0);
+  const Outcome plain = Collect(*Submit(longer, 2));
+  ASSERT_TRUE(plain.error.ok()) << plain.error;
+  EXPECT_EQ(plain.finish.cached_tokens, 69) << "all of the 70-token prompt but its last token (without the fix, 33)";
+  exec_.ExpectConsistent(/*all_freed=*/true);
 }
 
 class SchedulerStopStrings : public SchedulerTest {
