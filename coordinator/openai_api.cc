@@ -444,17 +444,24 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
     }
   }
 
+  std::optional<int64_t> asked;
   for (Field field : {Field("max_tokens"), Field("max_completion_tokens")}) {
     const json* f = fields.Get(field);
     if (f == nullptr) continue;
     if (!f->is_number_integer()) return Bad(field.name(), "must be an integer");
     const int64_t v = f->get<int64_t>();
-    if (v <= 0) return Bad(field.name(), "must be positive");
+    if (v < 0 || (v == 0 && !r.echo)) return Bad(field.name(), r.echo ? "must not be negative" : "must be positive");
     if (v > INT32_MAX) return Bad(field.name(), absl::StrCat("must be at most ", INT32_MAX));
-    if (g.has_max_tokens() && g.max_tokens() != v) {
-      return Bad(field.name(), absl::StrCat("is ", v, " but max_tokens is ", g.max_tokens(), " (send one of them)"));
+    if (asked && *asked != v) {
+      return Bad(field.name(), absl::StrCat("is ", v, " but max_tokens is ", *asked, " (send one of them)"));
     }
-    g.set_max_tokens(static_cast<int32_t>(v));
+    asked = v;
+  }
+  if (asked) {
+    // echo with max_tokens 0 (vLLM's): the prompt alone (with logprobs, its
+    // scores); one token is generated and not returned.
+    r.prompt_only = *asked == 0;
+    g.set_max_tokens(static_cast<int32_t>(r.prompt_only ? 1 : *asked));
   }
   // vLLM's: min_tokens (at most max_tokens, checked by Validate, which
   // knows the default), ignore_eos, include_stop_str_in_output,
@@ -463,8 +470,8 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(const std::string& body, bool c
     if (!v->is_number_integer() || v->get<int64_t>() < 0 || v->get<int64_t>() > INT32_MAX) {
       return Bad("min_tokens", "must be an integer, at least 0");
     }
-    if (g.has_max_tokens() && v->get<int64_t>() > g.max_tokens()) {
-      return Bad("min_tokens", absl::StrCat("is ", v->get<int64_t>(), ", more than max_tokens (", g.max_tokens(), ")"));
+    if (asked && v->get<int64_t>() > *asked) {
+      return Bad("min_tokens", absl::StrCat("is ", v->get<int64_t>(), ", more than max_tokens (", *asked, ")"));
     }
     g.set_min_tokens(static_cast<int32_t>(v->get<int64_t>()));
   }
@@ -726,7 +733,7 @@ ojson OpenAiResponder::Usage() const {
       prompt += f.prompt_tokens;
       cached += f.cached_tokens;
     }
-    completion += f.completion_tokens;
+    if (!request_.prompt_only) completion += f.completion_tokens;
   }
   return {{"prompt_tokens", prompt},
           {"completion_tokens", completion},
@@ -953,7 +960,7 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
     emit(Chunk({{"index", index}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
                 {"finish_reason", nullptr}}));
   }
-  std::string reasoning, text = e.text;
+  std::string reasoning, text = request_.prompt_only ? std::string() : e.text;
   if (request_.read_reasoning) std::tie(reasoning, text) = SplitReasoningDelta(c, e.text, e.finished);
   if (request_.read_tool_calls) text = ShowableText(c, text);
   const bool echoes = request_.echo && !c.echoed;
@@ -980,7 +987,7 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
     } else {
       choice["text"] = text;
     }
-    if (request_.logprobs && !e.token_ids.empty()) {
+    if (request_.logprobs && !e.token_ids.empty() && !request_.prompt_only) {
       choice["logprobs"] = LogprobsOf(c, e.token_ids, e.logprobs, e.top_logprobs);
     }
     if (request_.logprobs && echoes) {
@@ -994,7 +1001,7 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
       emit(Chunk(with_calls));
       choice = {{"index", index}, {"delta", ojson::object()}, {"logprobs", nullptr}, {"finish_reason", "tool_calls"}};
     } else if (e.finished) {
-      choice["finish_reason"] = OpenAiFinishReason(e.finish.reason);
+      choice["finish_reason"] = request_.prompt_only ? "length" : OpenAiFinishReason(e.finish.reason);
     }
     emit(Chunk(choice));
   }
@@ -1031,7 +1038,15 @@ std::string OpenAiResponder::Final() {
   for (size_t i = 0; i < choices_.size(); ++i) {
     Choice& c = choices_[i];
     const int index = static_cast<int>(i);
-    ojson choice = {{"index", index}, {"finish_reason", OpenAiFinishReason(c.finish.reason)}, {"logprobs", nullptr}};
+    ojson choice = {{"index", index},
+                    {"finish_reason", request_.prompt_only ? "length" : OpenAiFinishReason(c.finish.reason)},
+                    {"logprobs", nullptr}};
+    if (request_.prompt_only) {  // the generated token is not returned
+      c.text.clear();
+      c.ids.clear();
+      c.logprobs.clear();
+      c.top.clear();
+    }
     ReasoningAnswer answer = request_.read_reasoning ? SplitReasoning(c.text) : ReasoningAnswer{{}, c.text};
     const std::optional<ToolCallsAnswer> calls =
         request_.read_tool_calls ? ParseToolCalls(answer.content, request_.tool_syntax) : std::nullopt;

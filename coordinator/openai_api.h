@@ -16,7 +16,7 @@
 // included), n (1..kMaxChoices choices, each sampled as its own request
 // with seed + i; see OpenAiResponder); completions: echo (the prompt's
 // text before each choice's; with logprobs, its tokens are listed first,
-// scored: prompt logprobs); chat: tools with tool_choice auto or none, messages with an
+// scored: prompt logprobs; with max_tokens 0, the prompt alone); chat: tools with tool_choice auto or none, messages with an
 // assistant's tool_calls and the tool role (rendered by the template,
 // coordinator/chat_template.h), and an answer's <tool_call>s returned as
 // tool_calls (ParseToolCalls); chat_template_kwargs.enable_thinking, a
@@ -60,6 +60,9 @@ struct OpenAiRequest {
   int top_logprobs = 0;  // alternatives per token (also in generate)
   int n = 1;             // choices: n sequences of the same prompt
   bool echo = false;     // completions: each choice's text starts with the prompt's
+  // echo with max_tokens 0: the prompt alone is returned (generate asks for
+  // one token, which is dropped; usage counts none).
+  bool prompt_only = false;
   // Chat with tools and tool_choice "auto": the answer's calls (in
   // tool_syntax) are returned as tool_calls.
   bool read_tool_calls = false;

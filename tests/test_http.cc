@@ -350,6 +350,41 @@ TEST(Http, CompletionsStreamingAndNotAgreeWithGrpc) {
       for (int i = 0; i < 3; ++i) EXPECT_FLOAT_EQ(lp["token_logprobs"][5 + i].get<float>(), grpc_answer.logprobs[i]);
       EXPECT_EQ(lp["text_offset"][1], 0) << lp;
     }
+    // max_tokens 0 (vLLM's prompt-only scoring): the prompt alone.
+    for (const bool stream : {false, true}) {
+      json req = Completion("Once upon a time", 0, stream);
+      req["echo"] = true;
+      req["logprobs"] = 1;
+      req["stream_options"] = {{"include_usage", stream}};
+      const HttpResult er = Post(port, "/v1/completions", req);
+      ASSERT_EQ(er.status, 200) << er.body;
+      std::string text, finish;
+      json lp = {{"tokens", json::array()}, {"token_logprobs", json::array()}}, usage;
+      const std::vector<std::string> data = stream ? SseData(er.body) : std::vector<std::string>{er.body};
+      for (const std::string& d : data) {
+        if (d == "[DONE]") continue;
+        const json chunk = json::parse(d);
+        if (chunk.contains("usage") && !chunk["usage"].is_null()) usage = chunk["usage"];
+        if (chunk["choices"].empty()) continue;
+        const json& c = chunk["choices"][0];
+        text += c["text"].get<std::string>();
+        if (!c["finish_reason"].is_null()) finish = c["finish_reason"];
+        if (c["logprobs"].is_null()) continue;
+        for (const char* key : {"tokens", "token_logprobs"}) {
+          for (const json& v : c["logprobs"][key]) lp[key].push_back(v);
+        }
+      }
+      EXPECT_EQ(text, "Once upon a time") << er.body;
+      EXPECT_EQ(finish, "length");
+      ASSERT_EQ(lp["tokens"].size(), 5u) << lp;
+      for (int i = 1; i < 5; ++i) EXPECT_FLOAT_EQ(lp["token_logprobs"][i].get<float>(), g.prompt_logprobs[i - 1]);
+      EXPECT_EQ(usage["completion_tokens"], 0) << er.body;
+      EXPECT_EQ(usage["prompt_tokens"], 5) << er.body;
+    }
+    json no_echo = Completion("Once upon a time", 0, false);
+    const HttpResult ne = Post(port, "/v1/completions", no_echo);
+    EXPECT_EQ(ne.status, 400) << ne.body;
+    EXPECT_NE(ne.body.find("'max_tokens' must be positive"), std::string::npos) << ne.body;
   }
 
   // min_p reaches the sampler in the MLP worker: at 1 it keeps only the
