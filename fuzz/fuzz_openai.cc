@@ -100,14 +100,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     const ellm::coord::ReasoningAnswer split =
         request.read_reasoning ? ellm::coord::SplitReasoning(body) : ellm::coord::ReasoningAnswer{{}, body};
-    // echo (completions): the prompt's text comes first.
+    // echo (completions): the prompt's text comes first, as the client reads
+    // it (bytes that are not UTF-8 as U+FFFD); with max_tokens 0 it alone.
     const auto& ids = request.generate.prompt_token_ids();
-    const std::string echo = !request.echo ? ""
-                             : ids.empty() ? request.generate.prompt()
-                                           : tok->Decode(std::vector<int32_t>(ids.begin(), ids.end()));
+    std::string echo = !request.echo ? ""
+                       : ids.empty() ? request.generate.prompt()
+                                     : tok->Decode(std::vector<int32_t>(ids.begin(), ids.end()));
+    if (!ellm::IsValidUtf8(echo)) {
+      echo = nlohmann::json::parse(nlohmann::json(echo).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace))
+                 .get<std::string>();
+    }
     for (int i = 0; i < n; ++i) {
       if (reasoning[i] != split.reasoning.value_or("")) std::abort();
-      if (!calls[i] && content[i] != echo + split.content) std::abort();
+      if (!calls[i] && content[i] != echo + (request.prompt_only ? std::string() : split.content)) std::abort();
     }
   }
   return 0;
