@@ -96,6 +96,11 @@ put("openai", "chat_tools", bytes([1]) + ('{"messages": [{"role": "user", "conte
 put("openai", "hermes_answer", bytes([1]) + b'Let me see.\n<tool_call>\n{"name": "now", "arguments": {"z": "UTC", "n": [1, 2.0, -0.0]}}\n</tool_call>')
 put("openai", "llama_calls", bytes([3]) + ('{"name": "now", "parameters": {"z": "UTC"}}; {"name": "f", "arguments": {}}').encode())
 put("openai", "partial_marker", bytes([1]) + b'{"messages": [{"role": "user", "content": "x"}]} text <tool_ca')
+put("openai", "echo_prompt_only", b'0{"prompt": "Once upon", "echo": true, "max_tokens": 0, "logprobs": 1, "stream": true}')
+put("openai", "echo_ids_not_utf8", b'0{"prompt": [1, 103, 100, 172, 131], "echo": true, "max_tokens": 3}')
+put("openai", "prompt_batch", b'0{"prompt": ["a", [1, 172, 131]], "echo": true, "n": 2, "max_tokens": 0}')
+put("openai", "min_tokens_stop_ids", b'0{"prompt": "x", "min_tokens": 2, "ignore_eos": true, "stop_token_ids": [2, 5], '
+    b'"include_stop_str_in_output": true, "max_tokens": 4}')
 
 # --- frames: header (magic, version, kind, step, layer, n_seqs, n_tokens, status, payload_bytes) + payload ---
 def frame(kind, step, layer, n_seqs, n_tokens, status, payload):
