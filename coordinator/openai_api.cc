@@ -742,7 +742,7 @@ ojson OpenAiResponder::Usage() const {
 }
 
 ojson OpenAiResponder::LogprobsOf(Choice& c, const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
-                                 const std::vector<std::vector<TokenLogprob>>& top) {
+                                  const std::vector<std::vector<TokenLogprob>>& top) const {
   auto bytes_of = [](const std::string& piece) {
     ojson bytes = ojson::array();
     for (unsigned char c : piece) bytes.push_back(static_cast<int>(c));
@@ -790,44 +790,24 @@ ojson OpenAiResponder::LogprobsOf(Choice& c, const std::vector<int32_t>& ids, co
 }
 
 ojson OpenAiResponder::PromptLogprobsOf(const Choice& c, const std::vector<float>& logprobs,
-                                       const std::vector<std::vector<TokenLogprob>>& top) const {
+                                        const std::vector<std::vector<TokenLogprob>>& top) const {
   const std::vector<int32_t>& prompt = prompts_[static_cast<size_t>(c.prompt)].tokens;
-  ojson tokens = ojson::array(), token_logprobs = ojson::array(), top_logprobs = ojson::array(),
-       text_offset = ojson::array();
-  StreamDecoder offsets(tokenizer_, -1);
-  int64_t offset = 0;
-  int32_t prev = -1;
-  for (size_t i = 0; i < prompt.size(); ++i) {
-    const std::string piece = CompletionTokenText(tokenizer_.TokenBytes(prev, prompt[i]));
-    tokens.push_back(piece);
-    // The first token has no log-probability (nothing before it), as vLLM gives it.
-    if (i == 0 || i - 1 >= logprobs.size()) {
-      token_logprobs.push_back(nullptr);
-      top_logprobs.push_back(nullptr);
-    } else {
-      token_logprobs.push_back(logprobs[i - 1]);
-      ojson alt = ojson::object();
-      if (i - 1 < top.size()) {
-        for (const TokenLogprob& a : top[i - 1]) {
-          alt[CompletionTokenText(tokenizer_.TokenBytes(prev, a.token))] = a.logprob;
-        }
-      }
-      alt[piece] = logprobs[i - 1];
-      top_logprobs.push_back(std::move(alt));
-    }
-    int earlier = 0;
-    const std::string text = offsets.Push(prompt[i], &earlier);
-    text_offset.push_back(offset + earlier);
-    offset += CodePoints(text);
-    prev = prompt[i];
-  }
-  return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs},
-          {"text_offset", text_offset}};
+  // The first token's entries are placeholders, then null: nothing comes
+  // before it (as vLLM gives it).
+  Choice start(tokenizer_, c.prompt, -1);
+  std::vector<float> lp(1, 0.0f);
+  lp.insert(lp.end(), logprobs.begin(), logprobs.end());
+  std::vector<std::vector<TokenLogprob>> alt(1);
+  alt.insert(alt.end(), top.begin(), top.end());
+  ojson out = LogprobsOf(start, prompt, lp, alt);
+  if (!prompt.empty()) out["token_logprobs"][0] = out["top_logprobs"][0] = nullptr;
+  return out;
 }
 
 namespace {
 // Completions' logprobs of `first` then `then`, list by list.
 ojson JoinLogprobs(ojson first, const ojson& then) {
+  if (then.is_null()) return first;
   for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"}) {
     for (const ojson& v : then[key]) first[key].push_back(v);
   }
@@ -991,8 +971,8 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
       choice["logprobs"] = LogprobsOf(c, e.token_ids, e.logprobs, e.top_logprobs);
     }
     if (request_.logprobs && echoes) {
-      choice["logprobs"] = JoinLogprobs(PromptLogprobsOf(c, e.prompt_logprobs, e.prompt_top_logprobs),
-                                        choice["logprobs"].is_null() ? LogprobsOf(c, {}, {}, {}) : choice["logprobs"]);
+      choice["logprobs"] =
+          JoinLogprobs(PromptLogprobsOf(c, e.prompt_logprobs, e.prompt_top_logprobs), choice["logprobs"]);
     }
     if (calls) {
       // The calls in one chunk of their own, then the finish.
@@ -1001,7 +981,7 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
       emit(Chunk(with_calls));
       choice = {{"index", index}, {"delta", ojson::object()}, {"logprobs", nullptr}, {"finish_reason", "tool_calls"}};
     } else if (e.finished) {
-      choice["finish_reason"] = request_.prompt_only ? "length" : OpenAiFinishReason(e.finish.reason);
+      choice["finish_reason"] = FinishReasonOf(e.finish);
     }
     emit(Chunk(choice));
   }
@@ -1020,12 +1000,18 @@ std::string OpenAiResponder::SseFor(const coord::StreamEvent& e, int index) {
   return out;
 }
 
+const char* OpenAiResponder::FinishReasonOf(const FinishInfo& finish) const {
+  return request_.prompt_only ? "length" : OpenAiFinishReason(finish.reason);
+}
+
 void OpenAiResponder::Add(const coord::StreamEvent& e, int index) {
   Choice& c = choices_.at(static_cast<size_t>(index));
-  c.text += e.text;
-  c.ids.insert(c.ids.end(), e.token_ids.begin(), e.token_ids.end());
-  c.logprobs.insert(c.logprobs.end(), e.logprobs.begin(), e.logprobs.end());
-  c.top.insert(c.top.end(), e.top_logprobs.begin(), e.top_logprobs.end());
+  if (!request_.prompt_only) {  // (its generated token is not returned)
+    c.text += e.text;
+    c.ids.insert(c.ids.end(), e.token_ids.begin(), e.token_ids.end());
+    c.logprobs.insert(c.logprobs.end(), e.logprobs.begin(), e.logprobs.end());
+    c.top.insert(c.top.end(), e.top_logprobs.begin(), e.top_logprobs.end());
+  }
   if (!e.prompt_logprobs.empty()) {
     c.prompt_logprobs = e.prompt_logprobs;
     c.prompt_top = e.prompt_top_logprobs;
@@ -1038,15 +1024,7 @@ std::string OpenAiResponder::Final() {
   for (size_t i = 0; i < choices_.size(); ++i) {
     Choice& c = choices_[i];
     const int index = static_cast<int>(i);
-    ojson choice = {{"index", index},
-                    {"finish_reason", request_.prompt_only ? "length" : OpenAiFinishReason(c.finish.reason)},
-                    {"logprobs", nullptr}};
-    if (request_.prompt_only) {  // the generated token is not returned
-      c.text.clear();
-      c.ids.clear();
-      c.logprobs.clear();
-      c.top.clear();
-    }
+    ojson choice = {{"index", index}, {"finish_reason", FinishReasonOf(c.finish)}, {"logprobs", nullptr}};
     ReasoningAnswer answer = request_.read_reasoning ? SplitReasoning(c.text) : ReasoningAnswer{{}, c.text};
     const std::optional<ToolCallsAnswer> calls =
         request_.read_tool_calls ? ParseToolCalls(answer.content, request_.tool_syntax) : std::nullopt;

@@ -206,11 +206,14 @@ class OpenAiResponder {
   std::pair<std::string, std::string> SplitReasoningDelta(Choice& c, const std::string& text, bool last);
   // The logprobs object of these tokens (advances c's prev_token and text_offset).
   nlohmann::ordered_json LogprobsOf(Choice& c, const std::vector<int32_t>& ids, const std::vector<float>& logprobs,
-                            const std::vector<std::vector<TokenLogprob>>& top);
-  // Completions' logprobs of the prompt's tokens (echo): the first one
-  // null, the others' from the scores.
+                            const std::vector<std::vector<TokenLogprob>>& top) const;
+  // Completions' logprobs of the prompt's tokens (echo), as LogprobsOf
+  // lists an answer's read from the start: the first one null, the others'
+  // from the scores.
   nlohmann::ordered_json PromptLogprobsOf(const Choice& c, const std::vector<float>& logprobs,
                                   const std::vector<std::vector<TokenLogprob>>& top) const;
+  // OpenAI's finish_reason of a choice ("length" for a prompt-only echo).
+  const char* FinishReasonOf(const FinishInfo& finish) const;
   // Folds the end of a choice in (once).
   void Finished(Choice& c, const FinishInfo& finish);
 

@@ -630,15 +630,15 @@ void Scheduler::Loop() {
 
 absl::Status Scheduler::TakeScores(Sequence* s, int start, const shm::PlanSeq& p,
                                    const std::vector<shm::SampledSeq>& result) const {
+  // Its entries: first the `want` scores, then its sampled token's.
   const uint32_t want = shm::ScoredTokens(p);
   uint32_t got = 0;
   for (const shm::SampledSeq& r : result) {
-    if (r.seq_id != s->id || (r.status != shm::kScored && !(r.status == shm::kLogitsNotFinite && got < want))) {
-      continue;
-    }
+    if (r.seq_id != s->id || (got == want && r.status != shm::kScored)) continue;
     // Entry `got` scores prompt token start + got + 1.
     const size_t at = static_cast<size_t>(start) + got + 1;
-    if (got >= want || at >= s->options.prompt.size() || r.token != s->options.prompt[at]) {
+    if (got == want || r.status == shm::kSampled || at >= s->options.prompt.size() ||
+        r.token != s->options.prompt[at]) {
       return absl::InternalError(absl::StrCat("the mlp-worker scored tokens this step did not ask for (",
                                               got + 1, " of ", want, ": token ", r.token, ")"));
     }

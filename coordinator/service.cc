@@ -341,23 +341,20 @@ grpc::Status EllmService::Generate(grpc::ServerContext* context,
     resp.set_text(e->text);
     for (int32_t id : e->token_ids) resp.add_token_ids(id);
     for (float lp : e->logprobs) resp.add_logprobs(lp);
-    for (const std::vector<TokenLogprob>& top : e->top_logprobs) {
-      ellm::v1::TopLogprobs* t = resp.add_top_logprobs();
-      for (const TokenLogprob& a : top) {
-        t->add_token_ids(a.token);
-        t->add_logprobs(a.logprob);
-      }
-    }
-    for (float lp : e->prompt_logprobs) resp.add_prompt_logprobs(lp);
-    if (request->top_logprobs() > 0) {
-      for (const std::vector<TokenLogprob>& top : e->prompt_top_logprobs) {
-        ellm::v1::TopLogprobs* t = resp.add_prompt_top_logprobs();
+    // Each position's alternatives as a TopLogprobs message.
+    const auto add_top = [](const std::vector<std::vector<TokenLogprob>>& tops,
+                            google::protobuf::RepeatedPtrField<ellm::v1::TopLogprobs>* out) {
+      for (const std::vector<TokenLogprob>& top : tops) {
+        ellm::v1::TopLogprobs* t = out->Add();
         for (const TokenLogprob& a : top) {
           t->add_token_ids(a.token);
           t->add_logprobs(a.logprob);
         }
       }
-    }
+    };
+    add_top(e->top_logprobs, resp.mutable_top_logprobs());
+    for (float lp : e->prompt_logprobs) resp.add_prompt_logprobs(lp);
+    if (request->top_logprobs() > 0) add_top(e->prompt_top_logprobs, resp.mutable_prompt_top_logprobs());
     if (e->finished) {
       ellm::v1::Finish* f = resp.mutable_finish();
       f->set_reason(ToProto(e->finish.reason));

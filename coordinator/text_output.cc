@@ -3,6 +3,9 @@
 #include <algorithm>
 
 namespace ellm::coord {
+namespace {
+const std::vector<std::string> kNoStops;
+}  // namespace
 
 TextOutput::TextOutput(const Tokenizer& tokenizer, std::vector<std::string> stop, int32_t prev, bool include_stop)
     : decoder_(tokenizer, prev), stop_(std::move(stop)), include_stop_(include_stop) {
@@ -16,8 +19,7 @@ std::string TextOutput::Push(int32_t token, bool look, bool* stopped) {
   // A stop string that completed: in the unsent text, ending in the new.
   // (Looking each time, one that ends earlier was found then.)
   size_t first = std::string::npos, last = 0;  // the earliest one's start and end
-  for (const std::string& s : stop_) {
-    if (!look) break;
+  for (const std::string& s : look ? stop_ : kNoStops) {
     for (size_t at = text_.find(s, emitted_); at != std::string::npos; at = text_.find(s, at + 1)) {
       if (at + s.size() > before) {
         if (at < first || (at == first && at + s.size() > last)) {

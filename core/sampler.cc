@@ -77,13 +77,13 @@ void TopLogprobs(const float* logits, int n, int k, double lse, SampledToken* ou
 
 SampledToken Score(const float* logits, int n, int32_t token, int top_logprobs) {
   SampledToken out;
+  out.token = token;
   const double lse = LogSumExp(logits, n);
   if (!std::isfinite(lse)) {
     out.finite = false;
     return out;
   }
   if (top_logprobs > 0) TopLogprobs(logits, n, top_logprobs, lse, &out);
-  out.token = token;
   out.logprob = static_cast<float>(logits[token] - lse);
   return out;
 }

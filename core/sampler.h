@@ -106,8 +106,8 @@ SampledToken Sample(const float* logits, int n, const SamplingParams& params, fl
 
 // Scores a given token (prompt logprobs): its log-probability under the raw
 // logits [n] and the top_logprobs most likely tokens, as Sample reports a
-// sampled one (`finite` false, nothing else set, when they have no
-// distribution).
+// sampled one (`finite` false, nothing but the token set, when they have
+// no distribution).
 SampledToken Score(const float* logits, int n, int32_t token, int top_logprobs);
 
 // The draw u for the index-th token (0: the first) sampled with `seed`: the

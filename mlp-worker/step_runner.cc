@@ -216,70 +216,58 @@ absl::StatusOr<std::vector<shm::SampledSeq>> StepRunner::RunStep(uint64_t step,
   for (int layer = 0; layer < c_.n_layers; ++layer) {
     RETURN_IF_ERROR(RunLayer(step, layer, slices, static_cast<uint32_t>(T)));
   }
+  // The sampled rows' logits at once; each sequence's entries in plan order:
+  // its scored prompt tokens (their logits a batch of rows at a time: a
+  // chunk's in one piece would be tokens x vocabulary floats), then its
+  // sampled token.
+  if (!sample_rows.empty()) {
+    logits_.resize(sample_rows.size() * static_cast<size_t>(c_.vocab_size));
+    RETURN_IF_ERROR(backend_->ComputeLogits(sample_rows.data(), static_cast<int>(sample_rows.size()),
+                                            logits_.data()));
+  }
+  const auto entry = [](uint64_t seq, const SampledToken& tok, shm::SampleStatus status) {
+    shm::SampledSeq r;
+    r.seq_id = seq;
+    r.status = tok.finite ? status : shm::kLogitsNotFinite;
+    r.token = tok.token;
+    r.logprob = tok.logprob;
+    r.n_top = static_cast<uint32_t>(tok.n_top);
+    std::copy(tok.top, tok.top + tok.n_top, r.top);
+    return r;
+  };
   std::vector<shm::SampledSeq> out;
-  // Prompt logprobs first: the scored sequences' rows, a batch of rows at a
-  // time (a chunk's logits in one piece would be tokens x vocabulary floats).
-  int row = 0;
-  size_t token_at = 0;
+  size_t sampled = 0;
+  int row = 0;  // the sequence's first row (and token) in the step
+  const TokenCount* counts = plan.counts.data();
+  const TokenBias* biases = plan.biases.data();
   for (const shm::PlanSeq& s : plan.seqs) {
     const uint32_t scored = shm::ScoredTokens(s);
     for (uint32_t done = 0; done < scored;) {
       const uint32_t n = std::min<uint32_t>(scored - done, kScoreRows);
       std::vector<int32_t> rows(n);
       for (uint32_t j = 0; j < n; ++j) rows[j] = row + static_cast<int32_t>(done + j);
-      logits_.resize(n * static_cast<size_t>(c_.vocab_size));
-      RETURN_IF_ERROR(backend_->ComputeLogits(rows.data(), static_cast<int>(n), logits_.data()));
+      score_logits_.resize(n * static_cast<size_t>(c_.vocab_size));
+      RETURN_IF_ERROR(backend_->ComputeLogits(rows.data(), static_cast<int>(n), score_logits_.data()));
       for (uint32_t j = 0; j < n; ++j) {
         const uint32_t i = done + j;  // scores the token after the chunk's i-th
-        const int32_t next = i + 1 < s.slice.n_tokens ? plan.tokens[token_at + i + 1] : s.next_token;
-        const SampledToken tok =
-            Score(logits_.data() + j * static_cast<size_t>(c_.vocab_size), c_.vocab_size, next, s.top_logprobs);
-        shm::SampledSeq& r = out.emplace_back();
-        r.seq_id = s.slice.seq_id;
-        r.status = tok.finite ? shm::kScored : shm::kLogitsNotFinite;
-        r.token = next;
-        r.logprob = tok.logprob;
-        r.n_top = static_cast<uint32_t>(tok.n_top);
-        std::copy(tok.top, tok.top + tok.n_top, r.top);
+        const int32_t next = i + 1 < s.slice.n_tokens ? plan.tokens[row + i + 1] : s.next_token;
+        const SampledToken tok = Score(score_logits_.data() + j * static_cast<size_t>(c_.vocab_size),
+                                       c_.vocab_size, next, s.top_logprobs);
+        out.push_back(entry(s.slice.seq_id, tok, shm::kScored));
       }
       done += n;
     }
+    if (s.sample) {
+      const SampledToken tok = Sample(logits_.data() + sampled * c_.vocab_size, c_.vocab_size, shm::SamplingOf(s),
+                                      s.u, counts, static_cast<int>(s.n_counts), biases, static_cast<int>(s.n_biases));
+      out.push_back(entry(s.slice.seq_id, tok, shm::kSampled));
+      ++sampled;
+    }
     row += static_cast<int>(s.slice.n_tokens);
-    token_at += s.slice.n_tokens;
-  }
-  if (sample_rows.empty()) return out;
-  logits_.resize(sample_rows.size() * static_cast<size_t>(c_.vocab_size));
-  RETURN_IF_ERROR(backend_->ComputeLogits(sample_rows.data(), static_cast<int>(sample_rows.size()),
-                                          logits_.data()));
-  size_t i = 0;
-  const TokenCount* counts = plan.counts.data();
-  const TokenBias* biases = plan.biases.data();
-  // Each sequence's sampled token after its scored ones.
-  std::vector<shm::SampledSeq> ordered;
-  ordered.reserve(out.size() + sample_rows.size());
-  size_t scored_at = 0;
-  for (const shm::PlanSeq& s : plan.seqs) {
-    const TokenCount* seq_counts = counts;
-    const TokenBias* seq_biases = biases;
     counts += s.n_counts;
     biases += s.n_biases;
-    const uint32_t scored = shm::ScoredTokens(s);
-    ordered.insert(ordered.end(), out.begin() + scored_at, out.begin() + scored_at + scored);
-    scored_at += scored;
-    if (!s.sample) continue;
-    const SampledToken tok = Sample(logits_.data() + i * c_.vocab_size, c_.vocab_size, shm::SamplingOf(s), s.u,
-                                    seq_counts, static_cast<int>(s.n_counts), seq_biases,
-                                    static_cast<int>(s.n_biases));
-    shm::SampledSeq& r = ordered.emplace_back();
-    r.seq_id = s.slice.seq_id;
-    r.status = tok.finite ? shm::kSampled : shm::kLogitsNotFinite;
-    r.token = tok.token;
-    r.logprob = tok.logprob;
-    r.n_top = static_cast<uint32_t>(tok.n_top);
-    std::copy(tok.top, tok.top + tok.n_top, r.top);
-    ++i;
   }
-  return ordered;
+  return out;
 }
 
 }  // namespace ellm::mlp

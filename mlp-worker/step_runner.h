@@ -84,7 +84,8 @@ class StepRunner {
   std::vector<MlpBackend::ShardIo> io_;
   std::vector<uint8_t*> slots_;
   std::vector<bool> held_;
-  std::vector<float> logits_;
+  std::vector<float> logits_;        // the step's sampled rows
+  std::vector<float> score_logits_;  // a batch of scored prompt rows
   absl::Time busy_since_;  // start of the computing stretch not yet added to busy_ns
 };
 

@@ -12,6 +12,7 @@
 #include "core/gguf.h"
 #include "core/tokenizer.h"
 #include "core/unicode.h"
+#include "tests/stories_tokenizer.h"
 #include "gtest/gtest.h"
 
 namespace ellm::coord {
@@ -31,23 +32,7 @@ constexpr bool kAsan = false;
 constexpr bool kAsan = false;
 #endif
 
-// stories260K's tokenizer, loaded once.
-const Tokenizer& Stories() {
-  static const Tokenizer* tokenizer = [] {
-    absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
-    if (!file.ok()) {
-      ADD_FAILURE() << file.status();
-      std::abort();
-    }
-    absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
-    if (!tok.ok()) {
-      ADD_FAILURE() << tok.status();
-      std::abort();
-    }
-    return tok->release();
-  }();
-  return *tokenizer;
-}
+const Tokenizer& Stories() { return ellm::testing::StoriesTokenizer(); }
 
 // The JSON objects of SSE bytes ("data: {...}\n\n" each; "[DONE]" left out).
 std::vector<nlohmann::json> SseChunks(const std::string& sse) {

@@ -29,6 +29,7 @@
 #include "coordinator/workers.h"
 #include "core/gguf.h"
 #include "core/tokenizer.h"
+#include "tests/stories_tokenizer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -43,23 +44,7 @@ constexpr int32_t kEos = 2;
 // Ids 3..258 of stories260K are byte tokens; from 259 on they are text pieces.
 constexpr int32_t kFirstPiece = 259;
 
-const Tokenizer& Tok() {
-  static const Tokenizer* tokenizer = [] {
-    absl::StatusOr<std::unique_ptr<GgufFile>> file =
-        GgufFile::Open(std::string(ELLM_MODELS_DIR) + "/stories260K.gguf");
-    if (!file.ok()) {
-      ADD_FAILURE() << file.status();
-      std::abort();
-    }
-    absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
-    if (!tok.ok()) {
-      ADD_FAILURE() << tok.status();
-      std::abort();
-    }
-    return tok->release();
-  }();
-  return *tokenizer;
-}
+const Tokenizer& Tok() { return ellm::testing::StoriesTokenizer(); }
 
 // The text of `tokens` as an answer to `prompt`: what follows the prompt's
 // own text when the whole sequence is decoded.
